@@ -1,0 +1,170 @@
+"""One typed run config with a section per role, loaded from YAML (configs/*.yaml).
+
+Unknown keys are errors (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(_Section):
+    name: str = "quickstart"
+    steps: int = Field(3, ge=1)
+    seed: int = 0
+    output_dir: str = "runs"  # the run directory is output_dir/<name>-<timestamp>
+    method: Literal["grpo", "opsd", "grpo_opsd", "alignopsd"] = "alignopsd"
+    step_timeout_s: float = Field(1800.0, gt=0)  # a step waiting longer than this fails the run
+
+
+class RedisSection(_Section):
+    url: str | None = None  # None and no REDIS_URL env: start a local redis-server
+    stream_prefix: str | None = None  # default: "opsd:<run id>"
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    block_ms: int = Field(2000, ge=1)
+    reclaim_idle_ms: int = Field(600_000, ge=1)  # pending entries idle this long are re-claimed
+    max_deliveries: int = Field(3, ge=1)  # then an entry goes to the dead-letter stream
+
+
+class ModelSection(_Section):
+    name: str = "smollm2-135m-instruct"  # a packaged model (opsd.models.registry) or a local HF dir
+    dtype: Literal["float32", "bfloat16"] = "float32"  # sampler, teacher and trainer compute log-probs in it
+    cache_dir: str | None = None  # default: $OPSD_CACHE or ~/.cache/opsd
+    max_model_len: int = Field(2048, ge=64)
+    threads: int = Field(0, ge=0)  # torch threads per process (0 = torch default)
+
+
+class EnvSection(_Section):
+    name: Literal["textworld"] = "textworld"
+    num_games: int = Field(2, ge=1)  # distinct games (task groups) per step
+    game_pool: int = Field(8, ge=1)  # games generated from seeds seed..seed+game_pool-1
+    seed: int = 1234
+    world_size: int = Field(1, ge=1)  # rooms
+    nb_objects: int = Field(3, ge=1)
+    quest_length: int = Field(1, ge=1)
+    max_turns: int = Field(4, ge=1)
+    prompt_format: Literal["action", "think"] = "action"
+    list_admissible: bool = True
+    one_shot: bool = True
+    invalid_feedback: str = (
+        "Invalid response. Reply with exactly one command inside <action></action>."
+    )
+    max_observation_chars: int = Field(2000, ge=16)
+
+
+class RolloutSection(_Section):
+    group_size: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(24, ge=1)
+    batch_size: int = Field(16, ge=1)  # episodes generated together
+    metrics_port: int = 0  # 0 = pick a free port
+
+
+class TeacherSection(_Section):
+    source: Literal["self"] = "self"  # the same policy with privileged context
+    thinking_max_new_tokens: int = Field(24, ge=1)
+    score_batch_size: int = Field(8, ge=1)
+    embedder_timeout_s: float = Field(30.0, gt=0)
+    embedder_retries: int = Field(3, ge=0)
+    metrics_port: int = 0
+
+
+class EmbedderSection(_Section):
+    encoder: str = "all-MiniLM-L6-v2"  # a packaged encoder or a local sentence-transformers dir
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_texts: int = Field(4096, ge=1)  # per request
+    max_text_chars: int = Field(8192, ge=1)
+
+
+class AlignSection(_Section):
+    """AlignOPSD hyper-parameters (spec 4.1-4.5); defaults = alfworld-3b profile."""
+
+    similarity_threshold: float = 0.65  # gamma_H
+    top_k: int = Field(2, ge=1)
+    source_rollout_cap: int = Field(1, ge=1)
+    aggregation_temperature: float = Field(0.10, gt=0)
+    aggregation_mode: Literal["probability_mixture", "log_mean"] = "probability_mixture"
+    alpha_max: float = Field(0.8, ge=0, le=1)
+    action_filter_enabled: bool = True
+    action_filter_threshold: float = 0.80
+    webshop_symbolic_checks: bool = False
+    profile_temperature: float = Field(0.10, gt=0)
+    segmentation_quantile: float = Field(0.80, ge=0, le=1)
+    segmentation_threshold_min: float = 0.01
+    segmentation_threshold_max: float = 0.10
+    min_segment_turns: int = Field(2, ge=1)
+    max_segment_turns: int = Field(8, ge=1)
+    credit_temperature: float = Field(0.5, gt=0)  # T
+    mixing_coefficient: float = Field(0.5, ge=0, le=1)  # eta
+    density_upper_bound: float = Field(4.0, gt=0)  # d_max
+    weighting_mode: Literal["legacy", "bounded"] = "legacy"
+    multiplier_band: float = Field(0.2, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _spans(self) -> "AlignSection":
+        if self.max_segment_turns < 2 * self.min_segment_turns - 1:
+            raise ValueError("alignopsd: max_segment_turns must be >= 2*min_segment_turns - 1")
+        return self
+
+
+class CreditSection(_Section):
+    grpo_scope: Literal["trajectory", "turn"] = "turn"
+    norm_adv_by_std: bool = True
+    opd_coef: float = 1.0  # grpo_opsd: A = A_grpo + opd_coef * (teacher - student)
+    use_invalid_action_penalty: bool = True
+    invalid_action_penalty_coef: float = Field(0.1, ge=0)
+    alignopsd: AlignSection = AlignSection()
+
+
+class TrainerSection(_Section):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    clip_ratio_low: float = Field(0.2, gt=0)
+    clip_ratio_high: float = Field(0.2, gt=0)
+    clip_ratio_c: float = Field(3.0, gt=1)  # dual-clip constant
+    entropy_coef: float = Field(0.001, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1)
+    micro_batch_size: int = Field(2, ge=1)  # trajectories per forward/backward
+    metrics_port: int = 0
+
+
+class RunConfig(_Section):
+    run: RunSection = RunSection()
+    redis: RedisSection = RedisSection()
+    model: ModelSection = ModelSection()
+    env: EnvSection = EnvSection()
+    rollout: RolloutSection = RolloutSection()
+    teacher: TeacherSection = TeacherSection()
+    embedder: EmbedderSection = EmbedderSection()
+    credit: CreditSection = CreditSection()
+    trainer: TrainerSection = TrainerSection()
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.run.method != "grpo"
+
+    @property
+    def cache_root(self) -> Path:
+        """Where converted models and generated games are cached (shared by all roles)."""
+        return Path(self.model.cache_dir or os.environ.get("OPSD_CACHE") or Path.home() / ".cache" / "opsd")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        """Read a YAML file; raises FileNotFoundError or pydantic.ValidationError."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.model_validate(data)
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,28 @@
+"""Prometheus metrics shared by the roles (one registry per process).
+
+Names are `opsd_<what>_<unit>`; every role labels its own series with
+`role`. The Grafana dashboard (deploy/) may only query names defined here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+GROUPS = Counter("opsd_groups_total", "Groups a role finished", ["role"])
+TOKENS = Counter("opsd_tokens_total", "Tokens a role processed (generated, scored or trained on)", ["role"])
+MESSAGES_REJECTED = Counter(
+    "opsd_messages_rejected_total", "Malformed or oversized messages moved to the dead-letter stream", ["role", "stream", "reason"]
+)
+MESSAGES_RECLAIMED = Counter("opsd_messages_reclaimed_total", "Pending entries re-claimed from dead consumers", ["role", "stream"])
+QUEUE_DEPTH = Gauge("opsd_queue_depth", "Entries in a stream not yet delivered to the consumer group (lag)", ["stream"])
+QUEUE_PENDING = Gauge("opsd_queue_pending", "Entries delivered but not yet acknowledged", ["stream"])
+POLICY_VERSION = Gauge("opsd_policy_version", "Policy version the role currently holds", ["role"])
+STEP_SECONDS = Gauge("opsd_step_seconds", "Last step's wall time by phase (waiting for input vs computing)", ["role", "phase"])
+JOB_SECONDS = Histogram("opsd_job_seconds", "Seconds spent on one job (a group)", ["role"], buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800))
+TEACHER_STUDENT_GAP = Gauge("opsd_teacher_student_gap", "Mean teacher minus student log-prob over loss tokens (nats)", ["role"])
+SUCCESS_RATE = Gauge("opsd_success_rate", "Fraction of episodes won in the last step", ["role"])
+INVALID_ACTION_RATE = Gauge("opsd_invalid_action_rate", "Fraction of turns without a valid action in the last step", ["role"])
+MEAN_SPAN_LENGTH = Gauge("opsd_mean_span_length_turns", "Mean AlignOPSD span length in turns (last step)", ["role"])
+CREDIT_EVENTS = Counter("opsd_credit_events_total", "Edge cases the credit code handled (e.g. turns without loss tokens)", ["role", "event"])
+EMBEDDER_FALLBACKS = Counter("opsd_embedder_fallbacks_total", "Groups scored with identity views because the embedder failed", ["role"])
+NONFINITE_LOGPROBS = Counter("opsd_nonfinite_logprobs_total", "Log-probs that came out NaN/inf and were masked", ["role"])

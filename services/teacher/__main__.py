@@ -1,0 +1,92 @@
+"""Run the teacher role: `python -m services.teacher --config C --run-dir D`.
+
+Reads RolloutGroups from `<prefix>:rollouts`, scores them with the privileged
+teacher (same policy version as the group), writes ScoredGroups to
+`<prefix>:scored`. Finds the embedder through `<run_dir>/ports/embedder.json`
+or the OPSD_EMBEDDER_URL environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from opsd import metrics
+from opsd.chat import ChatFormat
+from opsd.models import load_backend
+from opsd.queue import StreamNames, StreamQueue
+from opsd.redis_server import connect
+from opsd.service import RoleProcess, consume_forever, read_port
+from opsd.types import RolloutGroup, ScoredGroup
+from opsd.weights import ensure_version
+from services.teacher.scoring import EmbedderClient, score_group
+
+ROLE = "teacher"
+
+
+def embedder_url(run_dir: Path, timeout_s: float = 300.0) -> str:
+    """The embedder's base URL: OPSD_EMBEDDER_URL, else the port file it writes (waits for it)."""
+    if os.environ.get("OPSD_EMBEDDER_URL"):
+        return os.environ["OPSD_EMBEDDER_URL"]
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        info = read_port(run_dir, "embedder")
+        if info:
+            host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
+            return f"http://{host}:{info['port']}"
+        time.sleep(0.5)
+    raise TimeoutError(f"embedder did not announce its port in {run_dir / 'ports'} within {timeout_s:.0f}s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args()
+    proc = RoleProcess.start(ROLE, args.config, args.run_dir)
+    cfg = proc.cfg
+    log = logging.getLogger(ROLE)
+    proc.serve(port=cfg.teacher.metrics_port)
+
+    backend = load_backend(cfg.model)
+    chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
+    metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
+    embedder = None
+    if cfg.run.method == "alignopsd":
+        embedder = EmbedderClient(embedder_url(proc.run_dir), cfg.teacher.embedder_timeout_s, cfg.teacher.embedder_retries)
+    client = connect(os.environ["REDIS_URL"], cfg.redis.block_ms)
+    streams = StreamNames(cfg.redis.stream_prefix)
+    queue = StreamQueue(
+        client, streams.rollouts, group=ROLE, consumer=f"{ROLE}-{socket.gethostname()}-{os.getpid()}", cls=RolloutGroup,
+        role=ROLE, max_bytes=cfg.redis.max_message_bytes, dead_stream=streams.dead, max_deliveries=cfg.redis.max_deliveries,
+    )
+    queue.ensure_group()
+    proc.status.update(policy_version=backend.policy_version, ready=True)
+    log.info("ready: consuming %s", streams.rollouts)
+
+    def handle(group: RolloutGroup) -> ScoredGroup:
+        if ensure_version(backend, proc.run_dir, group.task.policy_version):
+            metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
+            proc.status["policy_version"] = backend.policy_version
+        scored, stats = score_group(group, backend, chat, cfg, embedder)
+        metrics.GROUPS.labels(ROLE).inc()
+        metrics.TOKENS.labels(ROLE).inc(stats.scored_tokens)
+        metrics.JOB_SECONDS.labels(ROLE).observe(scored.teacher_seconds)
+        if stats.gap_tokens:
+            metrics.TEACHER_STUDENT_GAP.labels(ROLE).set(stats.gap_sum / stats.gap_tokens)
+        if stats.embedder_fallback:
+            metrics.EMBEDDER_FALLBACKS.labels(ROLE).inc()
+        log.info("group %s: %d sources matched, gap %.3f nats/token, %.1fs", group.group_id, stats.sources,
+                 stats.gap_sum / max(stats.gap_tokens, 1), scored.teacher_seconds)
+        return scored
+
+    consume_forever(proc, queue, streams.scored, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms)
+    log.info("stopped")
+
+
+if __name__ == "__main__":
+    main()

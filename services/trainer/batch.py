@@ -1,0 +1,87 @@
+"""From a step's groups to the credit estimator's rows, and advantages back onto tokens.
+
+A step's groups become one `CreditBatch`: one row per turn in canonical order
+(task_id = group id, rollout_id, turn_id), responses right-padded to the
+longest turn L. Estimators return `advantages_ML`; `scatter_advantages` puts
+them back at each trajectory's response positions (`advantages_S`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opsd.types import CreditBatch, RolloutGroup, ScoredGroup, Trajectory
+
+
+def _rows(groups: list[RolloutGroup]) -> list[tuple[int, int, int]]:
+    """(group index, trajectory index, turn index) of every turn, sorted canonically."""
+    rows = []
+    for g, grp in enumerate(groups):
+        for i, traj in enumerate(grp.trajectories):
+            for k in range(len(traj.turns)):
+                rows.append((g, i, k))
+    return sorted(rows, key=lambda r: (groups[r[0]].group_id, groups[r[0]].trajectories[r[1]].rollout_id, r[2]))
+
+
+def build_credit_batch(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> tuple[CreditBatch, list[tuple[int, int, int]]]:
+    """Stack a step's turns into a CreditBatch; returns it and the (group, trajectory, turn) of each row.
+
+    `scored[g]` (when given) is group g's teacher output: identity and
+    corrected teacher log-probs, and the group's H / eligibility over its
+    turns in `RolloutGroup.canonical_turns()` order, placed block-diagonally.
+    Student log-probs are the sampler's (pi_old of the sampled tokens).
+    """
+    rows = _rows(groups)
+    M = len(rows)
+    L = max([groups[g].trajectories[i].turns[k].response_end - groups[g].trajectories[i].turns[k].response_start for g, i, k in rows] + [1])
+    mask = np.zeros((M, L), dtype=np.float32)
+    student = np.zeros((M, L), dtype=np.float32)
+    teacher = np.zeros((M, L), dtype=np.float32) if scored else None
+    corrected = np.zeros((M, L), dtype=np.float32) if scored else None
+    for m, (g, i, k) in enumerate(rows):
+        traj = groups[g].trajectories[i]
+        sl = traj.response_slice(k)
+        n = sl.stop - sl.start
+        mask[m, :n] = traj.loss_mask_S[sl]
+        student[m, :n] = traj.sampler_logprobs_S[sl]
+        if scored:
+            teacher[m, :n] = scored[g].teacher_logprobs_S[i][sl]
+            corrected[m, :n] = scored[g].corrected_logprobs_S[i][sl]
+    H = elig = None
+    if scored:
+        # Row index of (group, canonical turn position) so each group's block lands in place.
+        where = {(g, i, k): m for m, (g, i, k) in enumerate(rows)}
+        H = np.zeros((M, M), dtype=np.float32)
+        elig = np.zeros((M, M), dtype=bool)
+        for g, sg in enumerate(scored):
+            idx = [where[(g, i, k)] for i, k in groups[g].canonical_turns()]
+            H[np.ix_(idx, idx)] = sg.similarity_MM
+            elig[np.ix_(idx, idx)] = sg.eligible_MM
+    batch = CreditBatch(
+        task_id=[groups[g].group_id for g, _, _ in rows],
+        rollout_id=[groups[g].trajectories[i].rollout_id for g, i, _ in rows],
+        turn_id=[k for _, _, k in rows],
+        data_source=[groups[g].task.env for g, _, _ in rows],
+        episode_reward=np.array([groups[g].trajectories[i].reward for g, i, _ in rows], dtype=np.float32),
+        is_action_valid=np.array([groups[g].trajectories[i].turns[k].format_valid for g, i, k in rows], dtype=bool),
+        loss_mask_ML=mask,
+        student_logprobs_ML=student,
+        teacher_logprobs_ML=teacher,
+        corrected_logprobs_ML=corrected,
+        similarity_MM=H,
+        eligible_MM=elig,
+    )
+    return batch, rows
+
+
+def scatter_advantages(groups: list[RolloutGroup], rows: list[tuple[int, int, int]], advantages_ML: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """Per (group, trajectory): advantages_S float32 [S], the row values at response positions, 0 elsewhere."""
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for g, grp in enumerate(groups):
+        for i, traj in enumerate(grp.trajectories):
+            out[(g, i)] = np.zeros(traj.token_ids_S.shape[0], dtype=np.float32)
+    for m, (g, i, k) in enumerate(rows):
+        traj: Trajectory = groups[g].trajectories[i]
+        sl = traj.response_slice(k)
+        out[(g, i)][sl] = advantages_ML[m, : sl.stop - sl.start] * traj.loss_mask_S[sl]
+    return out

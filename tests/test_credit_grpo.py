@@ -1,0 +1,201 @@
+"""GRPO (spec §0), OPD gap (spec §1), grpo_opsd and the estimator registry."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from opsd.config import CreditSection
+from opsd.credit import compute_advantages, get_estimator, permute_batch, registered
+from opsd.credit.grpo import (
+    apply_invalid_action_penalty,
+    canonical_permutation,
+    group_zscore,
+    grpo_sequence_advantage,
+)
+from opsd.credit.opd import opd_token_gap
+from opsd.types import CreditBatch
+
+
+def make_batch(rows, L=3, mask=None, teacher=None, student=None):
+    """rows: (task, rollout, turn, reward, valid) tuples."""
+    M = len(rows)
+    return CreditBatch(
+        task_id=[r[0] for r in rows],
+        rollout_id=[r[1] for r in rows],
+        turn_id=[r[2] for r in rows],
+        data_source=["env"] * M,
+        episode_reward=np.asarray([r[3] for r in rows], dtype=np.float32),
+        is_action_valid=np.asarray([r[4] for r in rows], dtype=bool),
+        loss_mask_ML=np.ones((M, L), np.float32) if mask is None else np.asarray(mask, np.float32),
+        student_logprobs_ML=np.full((M, L), -1.0, np.float32) if student is None else np.asarray(student, np.float32),
+        teacher_logprobs_ML=None if teacher is None else np.asarray(teacher, np.float32),
+    )
+
+
+# ---------------------------------------------------------------- bad-input case 1
+
+
+def test_seven_identical_fp32_rewards_have_std_exactly_zero():
+    # A naive E[x^2] - E[x]^2 in float32 leaves ~1e-4 here and divides by it.
+    adv = group_zscore(np.full(7, 0.35, dtype=np.float32), ["g"] * 7)
+    assert adv.dtype == np.float32
+    assert np.array_equal(adv, np.zeros(7, np.float32))
+
+
+def test_case1_group_095_and_seven_035():
+    r = np.asarray([0.95] + [0.35] * 7, dtype=np.float32)
+    adv = group_zscore(r, ["g"] * 8)
+    # mean 0.425, unbiased std sqrt(0.315 / 7) = 0.2121320
+    std = math.sqrt(0.315 / 7)
+    assert adv[0] == pytest.approx(0.525 / (std + 1e-6), rel=1e-5)
+    assert np.allclose(adv[1:], -0.075 / (std + 1e-6), rtol=1e-5)
+    assert np.ptp(adv[1:]) == 0.0  # the seven equal rewards get one identical advantage
+
+
+# ---------------------------------------------------------------- bad-input case 2
+
+
+def test_group_of_one_row_gives_zero_never_nan():
+    adv = group_zscore(np.asarray([1.0, 0.0, 1.0, 10.0], np.float32), ["a", "a", "a", "lonely"])
+    assert np.isfinite(adv).all()
+    assert adv[3] == 0.0
+    # the other group is unaffected by the lonely one
+    assert adv[:3] == pytest.approx([0.57735, -1.1547, 0.57735], abs=1e-4)
+    assert group_zscore(np.asarray([10.0]), ["x"], norm_by_std=False)[0] == 0.0
+
+
+def test_group_of_one_row_reference_variant_is_mean0_std1():
+    adv = group_zscore(np.asarray([10.0], np.float32), ["x"], singleton="reference")
+    assert adv[0] == pytest.approx(10.0 / (1.0 + 1e-6), rel=1e-7)
+
+
+def test_one_surviving_rollout_trajectory_scope_gives_zero():
+    # Task "t" lost all rollouts but r3; grouping is by id, not by a stride of G.
+    adv = grpo_sequence_advantage(
+        np.asarray([1, 1, 0, 10], np.float32), ["u", "u", "u", "t"], ["r0", "r1", "r2", "r3"], "trajectory"
+    )
+    assert adv[3] == 0.0
+    assert adv[:3] == pytest.approx([0.57735, 0.57735, -1.1547], abs=1e-4)
+
+
+def test_groups_by_explicit_id_not_stride():
+    # Interleaved groups: a stride-based grouping of 2 would pair (a, b).
+    adv = group_zscore(np.asarray([1.0, 5.0, 0.0, 5.0], np.float32), ["a", "b", "a", "b"])
+    assert adv == pytest.approx([0.70711, 0.0, -0.70711, 0.0], abs=1e-5)
+
+
+# ---------------------------------------------------------------- scopes
+
+
+def test_trajectory_and_turn_scopes_on_hand_example():
+    # r0 has two turns (reward 1), r1 one turn (reward 0).
+    task, roll = ["t", "t", "t"], ["r0", "r0", "r1"]
+    r = np.asarray([1, 1, 0], np.float32)
+    traj = grpo_sequence_advantage(r, task, roll, "trajectory")
+    # values [1, 0]: mean 0.5, std sqrt(0.5)
+    assert traj == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-6)] * 2 + [-0.5 / (math.sqrt(0.5) + 1e-6)], rel=1e-6)
+    turn = grpo_sequence_advantage(r, task, roll, "turn")
+    # rows [1, 1, 0]: mean 2/3, std sqrt(1/3)
+    s = math.sqrt(1 / 3) + 1e-6
+    assert turn == pytest.approx([(1 / 3) / s, (1 / 3) / s, -(2 / 3) / s], rel=1e-6)
+    no_std = grpo_sequence_advantage(r, task, roll, "turn", norm_by_std=False)
+    assert no_std == pytest.approx([1 / 3, 1 / 3, -2 / 3], rel=1e-6)
+    with pytest.raises(ValueError):
+        grpo_sequence_advantage(r, task, roll, "episode")
+
+
+@pytest.mark.parametrize("scope", ["trajectory", "turn"])
+def test_all_equal_rewards_give_zero(scope):
+    r = np.full(6, 10.0, np.float32)
+    adv = grpo_sequence_advantage(r, ["t"] * 6, ["a", "a", "b", "c", "c", "c"], scope)
+    assert np.array_equal(adv, np.zeros(6, np.float32))
+
+
+def test_invalid_action_penalty_lowers_only_invalid_turns():
+    out = apply_invalid_action_penalty(np.asarray([1.0, 1.0, 0.0], np.float32), np.asarray([True, False, False]), 0.1)
+    assert out == pytest.approx([1.0, 0.9, -0.1])
+    with pytest.raises(ValueError):
+        apply_invalid_action_penalty(np.zeros(2), np.ones(2, bool), -0.1)
+
+
+# ---------------------------------------------------------------- registered estimators
+
+
+def test_registry_lists_methods_and_rejects_unknown():
+    assert {"grpo", "opsd", "grpo_opsd", "alignopsd"} <= set(registered())
+    with pytest.raises(ValueError, match="grpo_opsd"):
+        get_estimator("ppo")
+    with pytest.raises(ValueError, match="registered"):
+        compute_advantages("nope", make_batch([("t", "a", 0, 1.0, True)]), CreditSection())
+
+
+def test_grpo_estimator_broadcasts_to_mask_with_penalty():
+    rows = [("t", "r0", 0, 1.0, True), ("t", "r0", 1, 1.0, False), ("t", "r1", 0, 0.0, True)]
+    mask = [[1, 1, 0], [1, 0, 0], [0, 1, 1]]
+    cfg = CreditSection(grpo_scope="turn", use_invalid_action_penalty=True, invalid_action_penalty_coef=0.1)
+    adv, metrics = compute_advantages("grpo", make_batch(rows, mask=mask), cfg)
+    expected = group_zscore(np.asarray([1.0, 0.9, 0.0]), ["t"] * 3)
+    assert adv.dtype == np.float32
+    assert adv == pytest.approx(np.asarray(mask) * expected[:, None], abs=1e-6)
+    assert metrics["grpo/invalid_turns"] == 1.0
+
+
+def test_grpo_row_order_does_not_matter():
+    rows = [("t", "r1", 0, 0.0, True), ("t", "r0", 1, 1.0, True), ("u", "r0", 0, 3.0, True), ("t", "r0", 0, 1.0, True), ("u", "r1", 0, 5.0, True)]
+    batch = make_batch(rows)
+    cfg = CreditSection(grpo_scope="trajectory")
+    adv, _ = compute_advantages("grpo", batch, cfg)
+    perm = np.asarray([4, 2, 0, 3, 1])
+    adv_p, _ = compute_advantages("grpo", permute_batch(batch, perm), cfg)
+    assert np.array_equal(adv_p, adv[perm])
+    assert adv[:, 0] == pytest.approx([-0.70711, 0.70711, -0.70711, 0.70711, 0.70711], abs=1e-5)
+
+
+def test_canonical_permutation_and_duplicate_turns():
+    perm = canonical_permutation(["b", "a", "a"], ["r0", "r1", "r0"], [0, 0, 3])
+    assert perm.tolist() == [2, 1, 0]
+    assert canonical_permutation(["t", "t"], ["r", "r"], [10, 9]).tolist() == [1, 0]  # ints, not strings
+    with pytest.raises(ValueError, match="duplicate"):
+        compute_advantages("grpo", make_batch([("t", "a", 0, 1.0, True), ("t", "a", 0, 0.0, True)]), CreditSection())
+
+
+def test_nan_on_a_loss_token_is_rejected():
+    student = np.full((1, 3), -1.0, np.float32)
+    student[0, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        compute_advantages("grpo", make_batch([("t", "a", 0, 1.0, True)], student=student), CreditSection())
+
+
+# ---------------------------------------------------------------- OPD (spec §1)
+
+
+def test_opd_gap_is_teacher_minus_student_on_loss_tokens_only():
+    teacher = np.asarray([[-0.5, -1.0, -np.inf]], np.float32)  # -inf padding off the mask
+    student = np.asarray([[-1.5, -0.25, -2.0]], np.float32)
+    mask = np.asarray([[1, 1, 0]])
+    gap = opd_token_gap(teacher, student, mask)
+    assert gap.tolist() == [[1.0, -0.75, 0.0]]
+    adv, metrics = compute_advantages(
+        "opsd", make_batch([("t", "a", 0, 1.0, True)], mask=mask, teacher=teacher, student=student), CreditSection()
+    )
+    assert adv.tolist() == [[1.0, -0.75, 0.0]]
+    assert metrics["opd/mean_gap"] == pytest.approx(0.125)
+
+
+def test_opsd_needs_teacher():
+    with pytest.raises(ValueError, match="teacher_logprobs_ML"):
+        compute_advantages("opsd", make_batch([("t", "a", 0, 1.0, True)]), CreditSection())
+
+
+def test_grpo_opsd_adds_coef_times_gap():
+    rows = [("t", "r0", 0, 1.0, True), ("t", "r1", 0, 0.0, True)]
+    teacher = np.asarray([[-0.5, -1.0], [-2.0, -0.1]], np.float32)
+    student = np.asarray([[-1.0, -1.0], [-1.0, -0.6]], np.float32)
+    mask = [[1, 1], [1, 0]]
+    cfg = CreditSection(grpo_scope="trajectory", opd_coef=0.5, use_invalid_action_penalty=False)
+    adv, _ = compute_advantages("grpo_opsd", make_batch(rows, L=2, mask=mask, teacher=teacher, student=student), cfg)
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert adv == pytest.approx(np.asarray([[a + 0.25, a + 0.0], [-a - 0.5, 0.0]]), abs=1e-6)

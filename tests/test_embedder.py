@@ -1,0 +1,74 @@
+"""The embedder service with the real encoder: /embed, /correspond, FAISS = numpy, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from opsd.config import AlignSection, EmbedderSection
+from services.embedder.app import Encoder, build_app, cosine_matrix_faiss
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return Encoder("all-MiniLM-L6-v2")
+
+
+@pytest.fixture(scope="module")
+def client(encoder):
+    return TestClient(build_app(EmbedderSection(max_texts=64, max_text_chars=500), encoder))
+
+
+def test_embed_unit_vectors_and_zero_for_empty(client):
+    r = client.post("/embed", json={"texts": ["open the box", "", "   ", "go   north 🙂"]})
+    assert r.status_code == 200
+    vecs = np.asarray(r.json()["vectors"], dtype=np.float32)
+    assert vecs.shape == (4, 384)
+    assert np.allclose(np.linalg.norm(vecs[[0, 3]], axis=1), 1.0, atol=1e-5)
+    assert not vecs[1].any() and not vecs[2].any()  # empty thinking -> zero vector, cosine 0 (case 19)
+
+
+def test_faiss_similarity_equals_numpy_and_drops_missing_ids(encoder):
+    a = encoder.embed(["take the key", "open the chest", ""])
+    b = encoder.embed(["take key", "unlock chest with key"])
+    H = cosine_matrix_faiss(a, b)  # k = len(b) < rows of a: no -1 ids may leak in (case 18)
+    assert np.allclose(H, a @ b.T, atol=1e-6)
+    assert not H[2].any() and np.isfinite(H).all()
+
+
+def test_correspond_matches_siblings_only(client):
+    turns = [
+        {"rollout_id": "r00", "turn_id": 0, "student_text": "take the key", "teacher_text": "take the key",
+         "student_valid": True, "teacher_valid": True},
+        {"rollout_id": "r00", "turn_id": 1, "student_text": "open the chest", "teacher_text": "open the chest",
+         "student_valid": True, "teacher_valid": True},
+        {"rollout_id": "r01", "turn_id": 0, "student_text": "take key", "teacher_text": "take the key",
+         "student_valid": True, "teacher_valid": True},
+        {"rollout_id": "r01", "turn_id": 1, "student_text": "", "teacher_text": "open chest",
+         "student_valid": False, "teacher_valid": True},
+    ]
+    align = AlignSection(similarity_threshold=0.5, top_k=2, action_filter_enabled=False).model_dump()
+    r = client.post("/correspond", json={"task_id": "g0", "turns": turns, "align": align})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    elig = np.asarray(out["eligible"])
+    # Same rollout is never eligible; an invalid student thinking has no sources.
+    assert not elig[0, 1] and not elig[1, 0] and not elig[:, 3].any()
+    assert elig[0, 2] and elig[2, 0]
+    assert out["selected_sources"][3] == []
+    for t, src in enumerate(out["selected_sources"]):
+        assert all(turns[s]["rollout_id"] != turns[t]["rollout_id"] for s in src)
+        if src:
+            assert abs(sum(out["source_weights"][t]) - 1.0) < 1e-5
+            assert 0.0 < out["alpha"][t] <= 0.8
+    # "take the key" (teacher, r00 t0) vs "take key" (student, r01 t0) is the best match for target 2.
+    assert out["selected_sources"][2][0] == 0
+
+
+def test_bad_requests_are_rejected_clearly(client):
+    assert client.post("/embed", json={"texts": ["x"] * 65}).status_code == 413
+    assert client.post("/embed", json={"texts": ["x" * 501]}).status_code == 413
+    assert client.post("/embed", json={"texts": "not a list"}).status_code == 422
+    assert client.post("/embed", json={"texts": ["a"], "extra": 1}).status_code == 422
+    assert client.post("/correspond", json={"task_id": "g", "turns": []}).status_code == 422

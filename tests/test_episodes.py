@@ -1,0 +1,228 @@
+"""Rollout episodes: exact ids token-in/token-out, masks, truncation, invalid turns, NaN log-probs.
+
+The real SmolLM2 backend plays short groups (module-scoped: loaded once);
+a scripted fake backend (same interface, real tokenizer) covers the cases a
+sampled model cannot be forced into (no action, NaN log-prob, token cap, a win).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opsd.chat import ChatFormat
+from opsd.config import EnvSection, ModelSection, RolloutSection
+from opsd.envs import make_games
+from opsd.envs.textworld import TextWorldEnv
+from opsd.models.hf import NonFiniteLogitsError
+from opsd.types import TaskGroup
+from services.rollout.episodes import initial_prompt_ids, rollout_ids, run_group
+
+ENV = EnvSection(game_pool=1, seed=1234, max_turns=2)
+
+
+@pytest.fixture(scope="module")
+def game(tmp_path_factory):
+    return make_games(ENV, tmp_path_factory.mktemp("games"))[0]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    import torch
+
+    from opsd.models import load_backend
+
+    torch.set_num_threads(2)  # the test machines have 2 cores shared with other jobs
+    return load_backend(ModelSection())
+
+
+@pytest.fixture(scope="module")
+def chat(backend):
+    return ChatFormat(backend.tokenizer, "action")
+
+
+def make_task(game, group_size=2, max_turns=2) -> TaskGroup:
+    return TaskGroup(
+        group_id="g-test", task_id=game.task_id, step=0, policy_version=0, group_size=group_size,
+        env="textworld", game=game.to_dict(), privileged_info=game.privileged_info(), max_turns=max_turns,
+    )
+
+
+class Recorder:
+    """Wraps a backend: records every request and checks that none lacks token budget."""
+
+    def __init__(self, inner, max_model_len):
+        self.inner, self.max_model_len, self.calls = inner, max_model_len, []
+        self.tokenizer, self.eos_token_id = inner.tokenizer, inner.eos_token_id
+        self.vocab_size, self.policy_version = inner.vocab_size, inner.policy_version
+
+    def generate(self, prompts_, max_new_tokens, temperature, top_p=1.0, seed=None):
+        for p in prompts_:
+            assert max_new_tokens >= 1 and len(p) + max_new_tokens <= self.max_model_len, "request without budget"
+        gens = self.inner.generate(prompts_, max_new_tokens, temperature, top_p=top_p, seed=seed)
+        self.calls.append(([list(p) for p in prompts_], gens))
+        return gens
+
+
+def test_rollout_ids_sort_numerically():
+    ids = rollout_ids(12)
+    assert ids[:3] == ["r00", "r01", "r02"] and sorted(ids) == ids and len(set(ids)) == 12
+
+
+def test_real_group_token_in_token_out(game, backend, chat):
+    rec = Recorder(backend, 2048)
+    group, stats = run_group(make_task(game), rec, chat, ENV, RolloutSection(group_size=2, max_new_tokens=8), 2048, seed=7)
+    group.validate(backend.vocab_size)
+    assert [t.rollout_id for t in group.trajectories] == ["r00", "r01"]
+    # One generate call per turn over the still-active episodes.
+    assert len(rec.calls) == max(len(t.turns) for t in group.trajectories) == stats.generate_calls
+    sent = [(tuple(p), g) for prompts_, gens in rec.calls for p, g in zip(prompts_, gens)]
+    for traj in group.trajectories:
+        ids = traj.token_ids_S.tolist()
+        assert traj.token_ids_S.dtype == np.int32 and traj.sampler_logprobs_S.dtype == np.float32
+        assert traj.loss_mask_S.dtype == np.uint8
+        assert traj.ending in ("won", "lost", "max_turns") and traj.reward == (1.0 if traj.won else 0.0)
+        expected_mask = np.zeros(len(ids), np.uint8)
+        for k, turn in enumerate(traj.turns):
+            prompt, response = ids[: turn.response_start], ids[turn.response_start : turn.response_end]
+            # Exactly what was sent and sampled: no re-rendering anywhere.
+            # (Siblings share their first prompt, so match prompt and response together.)
+            match = [g for p, g in sent if p == tuple(prompt) and g.token_ids == response]
+            assert match, f"{traj.rollout_id} turn {k}: ids differ from every request/response pair"
+            np.testing.assert_allclose(traj.sampler_logprobs_S[turn.response_start : turn.response_end],
+                                       np.float32(match[0].logprobs), rtol=0, atol=0)
+            assert turn.finish_reason == match[0].finish_reason
+            assert 1 <= len(response) <= 8 and turn.text.startswith(chat.prefill_text)
+            expected_mask[turn.response_start : turn.response_end] = 1
+            if k + 1 < len(traj.turns):
+                nxt = traj.turns[k + 1]
+                assert ids[: nxt.response_start][: turn.response_end] == prompt + response
+                ended = turn.finish_reason == "stop" and response[-1] == backend.eos_token_id
+                assert ids[turn.response_end : nxt.response_start] == chat.continuation_ids(turn.observation, ended)
+            else:
+                assert turn.observation == "" and turn.response_end == len(ids)
+        np.testing.assert_array_equal(traj.loss_mask_S, expected_mask)
+        assert (traj.sampler_logprobs_S[expected_mask == 0] == 0).all()
+        assert (traj.sampler_logprobs_S[expected_mask == 1] <= 0).all()
+    assert stats.turns == sum(len(t.turns) for t in group.trajectories)
+    assert stats.generated_tokens == sum(int(t.loss_mask_S.sum()) for t in group.trajectories)
+    assert stats.nonfinite_logprobs == 0 and stats.seconds > 0
+
+
+def test_truncation_before_sampling(game, backend, chat):
+    task = make_task(game, group_size=2, max_turns=3)
+    with TextWorldEnv(game) as env:
+        n0 = len(initial_prompt_ids(chat, ENV, env.reset()))
+    ro = RolloutSection(group_size=2, max_new_tokens=8)
+
+    # Room for exactly one turn: the observation after it cannot fit, so each
+    # episode ends "truncated" with its first turn kept, and no request lacks budget.
+    limit = n0 + 8 + 2
+    rec = Recorder(backend, limit)
+    group, stats = run_group(task, rec, chat, ENV, ro, limit, seed=3)
+    group.validate(backend.vocab_size)
+    assert len(rec.calls) == 1 and [len(p) for p in rec.calls[0][0]] == [n0, n0]
+    for t in group.trajectories:
+        if t.won:  # a lucky one-step win ends before the budget matters
+            continue
+        assert t.ending == "truncated" and len(t.turns) == 1 and t.loss_mask_S.sum() > 0
+        assert t.turns[-1].observation == "" and t.turns[-1].response_end == len(t.token_ids_S)
+
+    # Tighter: the first prompt itself leaves too little room, so nothing is ever sent.
+    tight = n0 + 7
+    rec = Recorder(backend, tight)
+    group, stats = run_group(task, rec, chat, ENV, ro, tight, seed=3)
+    group.validate(backend.vocab_size)
+    assert rec.calls == [] and stats.turns == 0 and stats.truncated_episodes == 2
+    for t in group.trajectories:
+        assert t.ending == "truncated" and t.turns == [] and t.loss_mask_S.sum() == 0 and t.reward == 0.0
+        assert len(t.token_ids_S) == n0
+
+
+# ---------------------------------------------------------------------------
+# Scripted fake backend (narrow unit tests only)
+
+
+@dataclass
+class FakeGen:
+    token_ids: list
+    logprobs: list
+    finish_reason: str
+
+
+class ScriptedBackend:
+    """Returns scripted replies per call: reply(call_index, row) -> (text, finish, nan_at)."""
+
+    def __init__(self, tokenizer, eos_token_id, reply, raise_rows=None):
+        self.tokenizer, self.eos_token_id, self.reply = tokenizer, eos_token_id, reply
+        self.vocab_size, self.policy_version, self.max_model_len = len(tokenizer), 0, 2048
+        self.calls, self.raise_rows = 0, raise_rows
+
+    def generate(self, prompts_, max_new_tokens, temperature, top_p=1.0, seed=None):
+        assert prompts_ and max_new_tokens >= 1
+        if self.raise_rows is not None:
+            rows, self.raise_rows = self.raise_rows, None
+            raise NonFiniteLogitsError("nan logits", rows)
+        out = []
+        for row in range(len(prompts_)):
+            text, finish, nan_at = self.reply(self.calls, row)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+            if finish == "stop":
+                ids = ids[: max_new_tokens - 1] + [self.eos_token_id]
+            lps = [-0.5] * len(ids)
+            if nan_at is not None:
+                lps[nan_at] = math.nan
+            out.append(FakeGen(ids, lps, finish))
+        self.calls += 1
+        return out
+
+
+def test_invalid_response_gets_feedback_and_does_not_step(game, backend, chat, monkeypatch):
+    steps = []
+    real_step = TextWorldEnv.step
+    monkeypatch.setattr(TextWorldEnv, "step", lambda self, a: steps.append(a) or real_step(self, a))
+    fake = ScriptedBackend(backend.tokenizer, backend.eos_token_id, lambda call, row: ("I am not sure what to do.", "stop", None))
+    group, stats = run_group(make_task(game, 1, 2), fake, chat, ENV, RolloutSection(group_size=1, max_new_tokens=16), 2048, seed=0)
+    group.validate(backend.vocab_size)
+    (traj,) = group.trajectories
+    assert steps == [] and stats.valid_turns == 0 and stats.turns == 2
+    t0 = traj.turns[0]
+    assert not t0.format_valid and t0.action == "" and t0.finish_reason == "stop"
+    assert t0.observation.startswith(ENV.invalid_feedback)
+    assert traj.ending == "max_turns" and traj.reward == 0.0
+
+
+def test_nan_logprob_length_finish_and_win(game, backend, chat):
+    win = game.walkthrough[0]
+
+    def reply(call, row):
+        if call == 0:  # turn 0: cut by the token cap, one NaN log-prob
+            return "open the thing and then look around the room carefully", "length", 2
+        return f"{win}</action>", "stop", None  # turn 1: the winning command (after the prefilled <action>)
+
+    fake = ScriptedBackend(backend.tokenizer, backend.eos_token_id, reply)
+    group, stats = run_group(make_task(game, 2, 3), fake, chat, ENV, RolloutSection(group_size=2, max_new_tokens=6), 2048, seed=0)
+    group.validate(backend.vocab_size)
+    assert stats.nonfinite_logprobs == 2 and stats.length_finishes == 2 and stats.wins == 2
+    for traj in group.trajectories:
+        t0, t1 = traj.turns
+        assert t0.finish_reason == "length" and not t0.format_valid  # cut by the cap: the sampler says so
+        assert traj.loss_mask_S[t0.response_start + 2] == 0 and traj.sampler_logprobs_S[t0.response_start + 2] == 0
+        assert traj.loss_mask_S[t0.response_start : t0.response_end].sum() == 5
+        # The cut turn was closed by the continuation (it did not end with <|im_end|>).
+        assert traj.token_ids_S[t0.response_end : t1.response_start].tolist() == chat.continuation_ids(t0.observation, False)
+        assert t1.format_valid and t1.action == win and t1.finish_reason == "stop"
+        assert traj.won and traj.reward == 1.0 and traj.ending == "won" and t1.observation == ""
+
+
+def test_nonfinite_logits_row_ends_as_error(game, backend, chat):
+    fake = ScriptedBackend(backend.tokenizer, backend.eos_token_id, lambda c, r: ("look</action>", "stop", None), raise_rows=[0])
+    group, stats = run_group(make_task(game, 2, 2), fake, chat, ENV, RolloutSection(group_size=2, max_new_tokens=8), 2048, seed=0)
+    group.validate(backend.vocab_size)
+    r0, r1 = group.trajectories
+    assert r0.ending == "error" and r0.turns == [] and r1.ending == "max_turns" and len(r1.turns) == 2
+    assert stats.nonfinite_logprobs == 1

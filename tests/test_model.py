@@ -1,0 +1,210 @@
+"""The transformers backend with the real SmolLM2-135M-Instruct (one load per module)."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from opsd.chat import ChatFormat
+from opsd.config import ModelSection
+from opsd.models import Generation, HFBackend, NonFiniteLogitsError, load_backend, token_logprobs
+from opsd.models import hf
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def backend() -> HFBackend:
+    return load_backend(ModelSection(max_model_len=MAX_LEN))
+
+
+@pytest.fixture(scope="module")
+def prompts(backend) -> list[list[int]]:
+    fmt = ChatFormat(backend.tokenizer, "action")
+    sys_msg = "You play a text game. Reply with one command inside <action></action>."
+    return [
+        fmt.initial_prompt_ids(sys_msg, "You are in a kitchen. There is a closed fridge."),
+        fmt.initial_prompt_ids(sys_msg, "You are in a dark hall. Exits: north, east, west. A key lies here."),
+    ]
+
+
+def test_case6_temperature_logprob_arithmetic():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    lp = token_logprobs(logits, torch.tensor(0), temperature=0.5).item()
+    assert lp == pytest.approx(-0.1429, abs=1e-4)  # log_softmax([4, 2, 0])[0]
+    assert lp == pytest.approx(-math.log(1 + math.exp(-2) + math.exp(-4)), abs=1e-6)
+    # Neither "no temperature" (-0.4076) nor "raw log-prob / T" (-0.8152).
+    assert token_logprobs(logits, torch.tensor(0), 1.0).item() == pytest.approx(-0.4076, abs=1e-4)
+    with pytest.raises(ValueError):
+        token_logprobs(logits, torch.tensor(0), 0.0)
+
+
+def test_backend_attributes(backend):
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert backend.eos_token_id == backend.tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
+    assert backend.vocab_size == 49152
+    assert backend.policy_version == 0
+    assert next(backend.model.parameters()).dtype == torch.float32
+
+
+def test_generate_logprobs_equal_score(backend, prompts):
+    t0 = time.perf_counter()
+    gens = backend.generate(prompts, max_new_tokens=8, temperature=0.8, seed=0)
+    elapsed = time.perf_counter() - t0
+    assert len(gens) == 2 and all(isinstance(g, Generation) for g in gens)
+    for g in gens:
+        assert 1 <= len(g.token_ids) == len(g.logprobs) <= 8
+        assert g.finish_reason in ("stop", "length")
+        if g.finish_reason == "stop":
+            assert g.token_ids[-1] == backend.eos_token_id and backend.eos_token_id not in g.token_ids[:-1]
+        else:
+            assert len(g.token_ids) == 8 and backend.eos_token_id not in g.token_ids
+        assert all(lp <= 0 and math.isfinite(lp) for lp in g.logprobs)
+    # Same seed, same draw; the global RNG is untouched by a seeded call.
+    state = torch.get_rng_state()
+    again = backend.generate(prompts, max_new_tokens=8, temperature=0.8, seed=0)
+    assert torch.equal(state, torch.get_rng_state())
+    assert [g.token_ids for g in again] == [g.token_ids for g in gens]
+
+    scored = backend.score([p + g.token_ids for p, g in zip(prompts, gens)], [len(p) for p in prompts], temperature=0.8)
+    for g, s in zip(gens, scored):
+        assert s.dtype == np.float32 and s.shape == (len(g.token_ids),)
+        np.testing.assert_allclose(s, np.array(g.logprobs, dtype=np.float32), atol=1e-4, rtol=0)
+    # At another temperature the values differ: the convention is really applied.
+    other = backend.score([prompts[0] + gens[0].token_ids], [len(prompts[0])], temperature=1.0)[0]
+    assert np.abs(other - scored[0]).max() > 1e-3
+    print(f"generate 2x8 tokens: {elapsed:.2f} s")
+
+
+def test_finish_reason_comes_from_the_sampler(backend, prompts):
+    # Any id stops: the first sampled id ends the turn although it is not <|im_end|> (case 16).
+    g = backend.generate(prompts[:1], 4, 1.0, seed=1, stop_token_ids=range(backend.vocab_size))[0]
+    assert g.finish_reason == "stop" and len(g.token_ids) == 1
+    s = backend.score([prompts[0] + g.token_ids], [len(prompts[0])])[0]
+    assert abs(s[0] - g.logprobs[0]) < 1e-4
+    # top_p keeps at least one token even when tiny.
+    g = backend.generate(prompts[:1], 2, 1.0, top_p=1e-6, seed=1)[0]
+    assert 1 <= len(g.token_ids) <= 2
+
+
+def test_score_exact_ids_and_batch_padding(backend, prompts):
+    tok = backend.tokenizer
+    he_llo = [255, 31394]  # "he" + "llo": not the canonical encoding of "hello" (28120)
+    seqs = [
+        prompts[0] + he_llo + [2],
+        prompts[1] + tok("go north</action>", add_special_tokens=False)["input_ids"] + [2],
+        prompts[0][:20],
+    ]
+    starts = [len(prompts[0]), len(prompts[1]), 5]
+    batched = backend.score(seqs, starts, batch_size=3)
+    single = [backend.score([s], [st], batch_size=1)[0] for s, st in zip(seqs, starts)]
+    for b, s, seq, st in zip(batched, single, seqs, starts):
+        assert b.shape == (len(seq) - st,)
+        np.testing.assert_allclose(b, s, atol=1e-5, rtol=0)
+    # Independent check of the indexing: one unpadded forward, logits at t-1 predict token t.
+    with torch.no_grad():
+        logits = backend.model(torch.tensor([seqs[0]])).logits[0]
+    ids = torch.tensor(seqs[0])
+    manual = token_logprobs(logits[starts[0] - 1 : -1], ids[starts[0] :]).numpy()
+    np.testing.assert_allclose(batched[0], manual, atol=1e-5, rtol=0)
+    # Edge cases: nothing to score, and a start with no prefix.
+    assert backend.score([seqs[2]], [len(seqs[2])])[0].shape == (0,)
+    with pytest.raises(ValueError):
+        backend.score([seqs[2]], [0])
+    with pytest.raises(ValueError):
+        backend.score([[1, backend.vocab_size]], [1])
+
+
+def test_too_long_prompt_raises(backend, prompts):
+    long_prompt = (prompts[0] * 10)[: MAX_LEN - 4]
+    assert not backend.fits(len(long_prompt), 8) and backend.fits(len(long_prompt), 4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        backend.generate([prompts[1], long_prompt], max_new_tokens=8, temperature=1.0)
+    with pytest.raises(ValueError):
+        backend.generate([[]], max_new_tokens=1, temperature=1.0)
+    with pytest.raises(ValueError):
+        backend.generate([prompts[0]], max_new_tokens=0, temperature=1.0)
+
+
+def test_nonfinite_logprobs_are_never_silent(backend, prompts):
+    w = backend.model.lm_head.weight  # tied with the input embedding
+    saved = w[100].clone()
+    try:
+        with torch.no_grad():
+            w[100] = float("nan")
+        seq = prompts[0] + [44, 4667]
+        with pytest.raises(NonFiniteLogitsError) as err:
+            backend.score([prompts[1], seq], [len(prompts[1]), len(prompts[0])])
+        assert err.value.rows == [0, 1]
+        lenient = backend.score([seq], [len(prompts[0])], strict=False)[0]
+        assert lenient.shape == (2,) and np.isnan(lenient).all()
+        with pytest.raises(NonFiniteLogitsError):
+            backend.generate(prompts[:1], 2, 1.0, seed=0)
+    finally:
+        with torch.no_grad():
+            w[100] = saved
+    assert np.isfinite(backend.score([prompts[0] + [44]], [len(prompts[0])])[0]).all()
+
+
+def test_save_load_weights_round_trip(backend, prompts, tmp_path):
+    seq, start = prompts[0] + [44, 4667, 46], len(prompts[0])
+    before = backend.score([seq], [start])[0]
+    path = tmp_path / "policy" / "v1.safetensors"
+    backend.save_weights(path)
+    assert path.is_file() and [p.name for p in path.parent.iterdir()] == ["v1.safetensors"]  # no temp left
+    try:
+        with torch.no_grad():
+            backend.model.model.norm.weight.mul_(1.5)
+        assert np.abs(backend.score([seq], [start])[0] - before).max() > 1e-3
+        backend.load_weights(path, version=1)
+        assert backend.policy_version == 1
+        np.testing.assert_array_equal(backend.score([seq], [start])[0], before)
+        # The embedding / LM head tie survives the round trip.
+        assert backend.model.lm_head.weight.data_ptr() == backend.model.model.embed_tokens.weight.data_ptr()
+    finally:
+        backend.load_weights(path, version=0)  # leave the shared module fixture as it was
+
+
+def test_ensure_model_converts_once_under_concurrency(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_convert(package, filename, out_dir):
+        calls.append(out_dir)
+        time.sleep(0.3)  # long enough for the other callers to hit the lock
+        (Path(out_dir) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(hf, "_convert_gguf", fake_convert)
+    cfg = ModelSection(cache_dir=str(tmp_path))
+    stale = tmp_path / "models" / ".tmp-smollm2-135m-instruct-dead"
+    stale.mkdir(parents=True)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(hf.ensure_model(cfg))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    assert len(calls) == 1 and results == [target] * 4
+    assert (target / "config.json").is_file() and not stale.exists()
+    # A local HF directory is used as is; anything else is an error.
+    assert hf.ensure_model(ModelSection(name=str(target))) == target
+    with pytest.raises(FileNotFoundError):
+        hf.ensure_model(ModelSection(name=str(tmp_path / "nope")))
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    def broken(package, filename, out_dir):
+        (Path(out_dir) / "partial").write_text("x")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(hf, "_convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        hf.ensure_model(ModelSection(cache_dir=str(tmp_path)))
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [".smollm2-135m-instruct.lock"]

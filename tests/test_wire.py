@@ -1,0 +1,345 @@
+"""opsd.wire: round trips of every message type, and every kind of bad input rejected with WireError."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from opsd import wire
+from opsd.types import SCHEMA_VERSION, MessageError, RolloutGroup, ScoredGroup, TaskGroup
+from opsd.wire import WireError, decode, encode
+from tests.factories import make_rollout_group, make_scored_group, make_task
+
+LIMIT = 1 << 20
+
+
+def assert_same(a, b, path="msg"):
+    """Deep equality of messages: same types, array dtypes, shapes and values."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        assert np.array_equal(a, b), path
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def tamper(data: bytes, edit) -> bytes:
+    """Unpack an encoded message, let `edit(envelope)` change it in place, repack."""
+    env = msgpack.unpackb(data, raw=False)
+    edit(env)
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def rollout_bytes() -> bytes:
+    return encode(make_rollout_group(G=3, turns=2, seed=7))
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [make_task(group_size=8, seed=3), make_rollout_group(G=4, turns=3, seed=1), make_scored_group(G=3, turns=4, seed=2)],
+    ids=["TaskGroup", "RolloutGroup", "ScoredGroup"],
+)
+def test_round_trip_is_exact(msg):
+    data = encode(msg, LIMIT)
+    back = decode(data, type(msg), LIMIT)
+    assert_same(msg, back)
+
+
+def test_round_trip_keeps_dtypes_emoji_and_gives_writable_copies():
+    sg = make_scored_group(G=2, turns=2, seed=5)
+    sg.rollout.task.privileged_info = "go north 🙂 then ñ, 中文"
+    back = decode(encode(sg), ScoredGroup, LIMIT)
+    traj = back.rollout.trajectories[0]
+    assert traj.token_ids_S.dtype == np.int32 and traj.loss_mask_S.dtype == np.uint8
+    assert traj.sampler_logprobs_S.dtype == np.float32 and back.eligible_MM.dtype == np.bool_
+    assert back.rollout.task.privileged_info == "go north 🙂 then ñ, 中文"
+    assert "🚪" in traj.turns[0].observation and "\ufffd" not in traj.turns[0].observation
+    traj.token_ids_S[0] = 5  # a read-only view of the message bytes would raise here
+    assert back.rollout.task.game["goal"] == "take the coin 🪙"
+
+
+def test_empty_trajectory_arrays_round_trip():
+    rg = make_rollout_group(G=1, turns=0, seed=0)
+    t = rg.trajectories[0]
+    t.token_ids_S, t.sampler_logprobs_S, t.loss_mask_S = (np.zeros(0, d) for d in (np.int32, np.float32, np.uint8))
+    assert_same(rg, decode(encode(rg), RolloutGroup, LIMIT))
+
+
+def test_wire_error_is_a_message_error():
+    assert issubclass(WireError, MessageError)
+
+
+# ---------------------------------------------------------------- encode refuses bad messages
+
+
+def test_encode_rejects_nan_logprob():
+    rg = make_rollout_group(G=2, turns=2, seed=0)
+    rg.trajectories[1].sampler_logprobs_S[3] = np.nan
+    with pytest.raises(WireError, match="NaN"):
+        encode(rg)
+
+
+def test_encode_rejects_nan_in_plain_float_field_with_path():
+    rg = make_rollout_group(G=2, turns=2, seed=0)
+    rg.trajectories[1].reward = float("nan")
+    with pytest.raises(WireError, match=r"RolloutGroup\.trajectories\[1\]\.reward"):
+        encode(rg)
+    sg = make_scored_group(G=2, turns=2)
+    sg.source_weights_M[0] = [float("inf")]
+    with pytest.raises(WireError, match=r"source_weights_M\[0\]\[0\]"):
+        encode(sg)
+
+
+def test_encode_rejects_object_and_unlisted_dtypes():
+    rg = make_rollout_group(G=2, turns=2, seed=0)
+    rg.trajectories[0].token_ids_S = np.array([1, "x", None], dtype=object)
+    with pytest.raises(WireError, match="dtype object not allowed"):
+        encode(rg)
+    rg = make_rollout_group(G=2, turns=2, seed=0)
+    rg.trajectories[0].sampler_logprobs_S = rg.trajectories[0].sampler_logprobs_S.astype(np.float64)
+    with pytest.raises(WireError, match="float64 not allowed"):
+        encode(rg)
+
+
+def test_encode_rejects_wrong_types_and_non_json_game():
+    task = make_task()
+    task.step = "3"
+    with pytest.raises(WireError, match=r"TaskGroup\.step: expected int, got str"):
+        encode(task)
+    task = make_task()
+    task.game = {"seed": np.int64(3)}
+    with pytest.raises(WireError, match=r"TaskGroup\.game\['seed'\]: expected JSON-like"):
+        encode(task)
+    task = make_task()
+    task.game = {"temperature": float("nan")}
+    with pytest.raises(WireError, match="not a finite float"):
+        encode(task)
+
+
+def test_encode_oversized():
+    with pytest.raises(WireError) as e:
+        encode(make_rollout_group(G=4, turns=3), max_bytes=1000)
+    assert e.value.reason == "oversized"
+
+
+# ---------------------------------------------------------------- decode refuses bad bytes
+
+
+def _set_array(env, traj_i, name, arr):
+    env["body"]["trajectories"][traj_i][name] = {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def test_decode_rejects_nan_logprob_in_array_bytes():
+    def edit(env):
+        arr = np.frombuffer(env["body"]["trajectories"][0]["sampler_logprobs_S"]["data"], "<f4").copy()
+        arr[-1] = np.nan
+        env["body"]["trajectories"][0]["sampler_logprobs_S"]["data"] = arr.tobytes()
+
+    with pytest.raises(WireError, match=r"sampler_logprobs_S: contains NaN"):
+        decode(tamper(rollout_bytes(), edit), RolloutGroup, LIMIT)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_decode_rejects_non_finite_plain_float(value):
+    def edit(env):
+        env["body"]["trajectories"][2]["reward"] = value
+
+    with pytest.raises(WireError, match=r"RolloutGroup\.trajectories\[2\]\.reward: .* not a finite float"):
+        decode(tamper(rollout_bytes(), edit), RolloutGroup, LIMIT)
+
+
+def test_decode_rejects_wrong_dtypes():
+    data = rollout_bytes()
+    # not on the whitelist at all
+    with pytest.raises(WireError, match="dtype 'float64' not allowed"):
+        decode(tamper(data, lambda env: _set_array(env, 0, "sampler_logprobs_S", np.zeros(10))), RolloutGroup, LIMIT)
+    # on the whitelist, but not this field's dtype: validate() catches it
+    rg = make_rollout_group(G=3, turns=2, seed=7)
+    ids64 = rg.trajectories[0].token_ids_S.astype(np.int64)
+    with pytest.raises(WireError, match="token_ids_S: expected dtype int32, got int64"):
+        decode(tamper(data, lambda env: _set_array(env, 0, "token_ids_S", ids64)), RolloutGroup, LIMIT)
+
+
+def test_decode_rejects_shape_mismatches():
+    def wrong_shape(env):
+        env["body"]["trajectories"][0]["token_ids_S"]["shape"][0] += 1
+
+    with pytest.raises(WireError, match="data bytes for shape"):
+        decode(tamper(rollout_bytes(), wrong_shape), RolloutGroup, LIMIT)
+
+    def shorter_mask(env):
+        _set_array(env, 1, "loss_mask_S", np.zeros(3, np.uint8))
+
+    with pytest.raises(WireError, match="lengths differ"):
+        decode(tamper(rollout_bytes(), shorter_mask), RolloutGroup, LIMIT)
+
+    def negative_dim(env):
+        env["body"]["trajectories"][0]["token_ids_S"]["shape"] = [-1]
+
+    with pytest.raises(WireError, match="bad shape"):
+        decode(tamper(rollout_bytes(), negative_dim), RolloutGroup, LIMIT)
+
+
+def test_decode_rejects_missing_and_unknown_fields():
+    with pytest.raises(WireError, match=r"RolloutGroup\.task: missing field\(s\) env"):
+        decode(tamper(rollout_bytes(), lambda env: env["body"]["task"].pop("env")), RolloutGroup, LIMIT)
+    with pytest.raises(WireError, match=r"RolloutGroup\.trajectories\[1\]\.turns\[0\]: unknown field\(s\) evil"):
+        decode(
+            tamper(rollout_bytes(), lambda env: env["body"]["trajectories"][1]["turns"][0].update(evil=1)),
+            RolloutGroup, LIMIT,
+        )
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [("step", "3", "expected int, got str"), ("group_size", True, "expected int, got bool"),
+     ("env", 5, "expected str, got int"), ("game", [1, 2], "expected map, got list")],
+)
+def test_decode_rejects_wrong_types(field, value, expected):
+    data = tamper(encode(make_task()), lambda env: env["body"].__setitem__(field, value))
+    with pytest.raises(WireError, match=rf"TaskGroup\.{field}: {expected}"):
+        decode(data, TaskGroup, LIMIT)
+
+
+def test_decode_rejects_wrong_bool_and_list_types():
+    def edit(env):
+        env["body"]["trajectories"][0]["won"] = 1
+
+    with pytest.raises(WireError, match=r"trajectories\[0\]\.won: expected bool, got int"):
+        decode(tamper(rollout_bytes(), edit), RolloutGroup, LIMIT)
+    with pytest.raises(WireError, match=r"RolloutGroup\.trajectories: expected list"):
+        decode(tamper(rollout_bytes(), lambda env: env["body"].__setitem__("trajectories", {})), RolloutGroup, LIMIT)
+
+
+def test_decode_rejects_schema_version_and_type_name():
+    with pytest.raises(WireError, match=f"schema version 2 != {SCHEMA_VERSION}"):
+        decode(tamper(rollout_bytes(), lambda env: env.__setitem__("schema", 2)), RolloutGroup, LIMIT)
+    with pytest.raises(WireError, match="schema_version 9"):
+        decode(tamper(rollout_bytes(), lambda env: env["body"].__setitem__("schema_version", 9)), RolloutGroup, LIMIT)
+    with pytest.raises(WireError, match="expected message type ScoredGroup, got 'RolloutGroup'"):
+        decode(rollout_bytes(), ScoredGroup, LIMIT)
+    with pytest.raises(WireError, match="not a message envelope"):
+        decode(msgpack.packb({"schema": 1, "body": {}}), RolloutGroup, LIMIT)
+
+
+def test_decode_oversized():
+    data = rollout_bytes()
+    with pytest.raises(WireError) as e:
+        decode(data, RolloutGroup, max_bytes=len(data) - 1)
+    assert e.value.reason == "oversized"
+    decode(data, RolloutGroup, max_bytes=len(data))  # exactly at the limit is fine
+
+
+@pytest.mark.parametrize("cut", [1, 10, 0.5, 0.99])
+def test_decode_rejects_truncated_bytes(cut):
+    data = rollout_bytes()
+    n = int(len(data) * cut) if isinstance(cut, float) else len(data) - cut
+    with pytest.raises(WireError, match="undecodable msgpack"):
+        decode(data[:n], RolloutGroup, LIMIT)
+
+
+def test_decode_rejects_trailing_bytes_and_empty_input():
+    with pytest.raises(WireError):
+        decode(rollout_bytes() + b"\x00", RolloutGroup, LIMIT)
+    with pytest.raises(WireError):
+        decode(b"", RolloutGroup, LIMIT)
+
+
+def test_decode_rejects_object_array_attempts():
+    for dtype in ("object", "O", "|O", "<U4", "V8"):
+        with pytest.raises(WireError, match="not allowed on the wire"):
+            decode(
+                tamper(rollout_bytes(), lambda env: env["body"]["trajectories"][0]["token_ids_S"].__setitem__("dtype", dtype)),
+                RolloutGroup, LIMIT,
+            )
+    # an ext type where an array belongs is data, never turned into an object
+    def ext(env):
+        env["body"]["trajectories"][0]["token_ids_S"] = msgpack.ExtType(42, pickle.dumps(object()))
+
+    with pytest.raises(WireError, match="expected array map"):
+        decode(tamper(rollout_bytes(), ext), RolloutGroup, LIMIT)
+    # and a pickled message is just garbage
+    with pytest.raises(WireError):
+        decode(pickle.dumps(make_rollout_group()), RolloutGroup, LIMIT)
+
+
+def test_decode_rejects_bool_array_bytes_other_than_0_1():
+    data = encode(make_scored_group(G=2, turns=2))
+
+    def edit(env):
+        raw = bytearray(env["body"]["eligible_MM"]["data"])
+        raw[0] = 2
+        env["body"]["eligible_MM"]["data"] = bytes(raw)
+
+    with pytest.raises(WireError, match="bool array holds bytes other than 0/1"):
+        decode(tamper(data, edit), ScoredGroup, LIMIT)
+
+
+def test_decode_rejects_nan_and_bytes_inside_json_game():
+    data = encode(make_task())
+    with pytest.raises(WireError, match=r"TaskGroup\.game\['x'\]\[1\]: nan is not a finite float"):
+        decode(tamper(data, lambda env: env["body"]["game"].__setitem__("x", [1, math.nan])), TaskGroup, LIMIT)
+    with pytest.raises(WireError, match="expected JSON-like value, got bytes"):
+        decode(tamper(data, lambda env: env["body"]["game"].__setitem__("blob", b"\x00")), TaskGroup, LIMIT)
+
+
+def test_decode_rejects_invalid_spans_via_validate():
+    def edit(env):
+        env["body"]["trajectories"][0]["turns"][1]["response_start"] = 0
+
+    with pytest.raises(WireError, match="out of order or bounds"):
+        decode(tamper(rollout_bytes(), edit), RolloutGroup, LIMIT)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300))
+def test_random_garbage_only_raises_wire_error(blob):
+    with pytest.raises(WireError):
+        decode(blob, RolloutGroup, LIMIT)
+
+
+_VALID = encode(make_rollout_group(G=2, turns=2, seed=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(_VALID) - 1), st.integers(0, 255))
+def test_corrupted_byte_gives_wire_error_or_a_valid_message(pos, byte):
+    data = bytearray(_VALID)
+    data[pos] = byte
+    try:
+        msg = decode(bytes(data), RolloutGroup, LIMIT)
+    except WireError:
+        return
+    msg.validate()  # anything that gets through is a fully valid message
+    assert all(np.isfinite(t.sampler_logprobs_S).all() for t in msg.trajectories)
+
+
+def test_unsupported_schema_annotation_is_a_programming_error():
+    @dataclasses.dataclass
+    class Bad:
+        x: int | str
+
+    with pytest.raises(TypeError, match="unsupported union"):
+        encode(Bad(1))
+    assert wire.ARRAY_DTYPES == ("int32", "uint8", "float32", "bool", "int64")
