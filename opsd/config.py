@@ -36,11 +36,14 @@ class RedisSection(_Section):
 
 
 class ModelSection(_Section):
-    name: str = "smollm2-135m-instruct"  # a packaged model (opsd.models.registry) or a local HF dir
+    name: str = "smollm2-135m-instruct"  # a packaged model (opsd.models.hf.PACKAGED_MODELS) or a local HF dir
+    backend: Literal["hf"] = "hf"  # transformers; vLLM comes with its own issue
     dtype: Literal["float32", "bfloat16"] = "float32"  # sampler, teacher and trainer compute log-probs in it
     cache_dir: str | None = None  # default: $OPSD_CACHE or ~/.cache/opsd
     max_model_len: int = Field(2048, ge=64)
-    threads: int = Field(0, ge=0)  # torch threads per process (0 = torch default)
+    # torch threads per role process (0 = torch default). On a few shared cores, 1 per
+    # role was 4-5x faster than torch's default (threads spin while others compute).
+    threads: int = Field(0, ge=0)
 
 
 class EnvSection(_Section):
@@ -137,6 +140,7 @@ class TrainerSection(_Section):
     grad_clip: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(2, ge=1)  # trajectories per forward/backward
+    threads: int = Field(0, ge=0)  # torch threads for the trainer (0 = model.threads): it computes alone
     metrics_port: int = 0
 
 

@@ -116,12 +116,16 @@ class RoleProcess:
 def consume_forever(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], Any], reclaim_idle_ms: int, block_ms: int) -> None:
     """The rollout/teacher job loop: take a message, `handle` it, write the output, then ack.
 
-    The input entry is acknowledged in the same transaction that writes the
-    output (`queue.produce_then_ack`), so a crash before that replays the job
-    (re-claimed from the pending list after `reclaim_idle_ms`) and never loses it.
-    A job whose handler raises stays pending; after `max_deliveries` attempts the
-    queue moves it to the dead-letter stream.
+    The input entry is acknowledged in the same server-side step that writes
+    the output (`queue.produce_then_ack`), so a crash before that replays the
+    job (re-claimed from the pending list after `reclaim_idle_ms`) and never
+    loses it. While a job runs, a heartbeat keeps its entry fresh so live
+    workers do not re-claim it. A job whose handler raises, or whose output is
+    invalid, stays pending: it is retried after `reclaim_idle_ms`, and after
+    `max_deliveries` attempts the queue moves it to the dead-letter stream.
     """
+    from opsd.wire import WireError
+
     log = logging.getLogger(proc.role)
     while not proc.stop.is_set():
         deliveries = queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
@@ -129,12 +133,27 @@ def consume_forever(proc: RoleProcess, queue, out_stream: str, handle: Callable[
             if proc.stop.is_set():
                 return
             proc.status["busy"] = True
+            done = threading.Event()
+            beat = threading.Thread(target=_heartbeat, args=(queue, d.entry_id, done, reclaim_idle_ms / 3000), daemon=True)
+            beat.start()
             try:
                 out = handle(d.msg)
+                if queue.produce_then_ack(out_stream, out, d.entry_id) is None:
+                    log.warning("job %s was re-claimed by another worker; its output is theirs", d.entry_id)
+                proc.status["jobs_done"] = proc.status.get("jobs_done", 0) + 1
+            except WireError as e:
+                log.error("job %s produced an invalid output (%s); left pending for retry", d.entry_id, e)
             except Exception:  # one bad job must not kill the worker; it will be retried, then dead-lettered
-                log.exception("job %s failed (delivery %s); left pending for retry", d.entry_id, getattr(d, "deliveries", "?"))
-                continue
+                log.exception("job %s failed (delivery %d); left pending for retry", d.entry_id, d.deliveries)
             finally:
+                done.set()
+                beat.join()
                 proc.status["busy"] = False
-            queue.produce_then_ack(out_stream, out, d.entry_id)
-            proc.status["jobs_done"] = proc.status.get("jobs_done", 0) + 1
+
+
+def _heartbeat(queue, entry_id: str, done: threading.Event, period_s: float) -> None:
+    while not done.wait(period_s):
+        try:
+            queue.keep_alive([entry_id])
+        except Exception as e:  # a lost heartbeat only risks duplicate work, never loss
+            logging.getLogger("heartbeat").warning("keep_alive failed: %s", e)

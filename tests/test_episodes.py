@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from opsd.chat import ChatFormat
+from opsd.chat import ChatFormat, parse_response
 from opsd.config import EnvSection, ModelSection, RolloutSection
 from opsd.envs import make_games
 from opsd.envs.textworld import TextWorldEnv
 from opsd.models.hf import NonFiniteLogitsError
 from opsd.types import TaskGroup
+from services.rollout import prompts
 from services.rollout.episodes import initial_prompt_ids, rollout_ids, run_group
 
 ENV = EnvSection(game_pool=1, seed=1234, max_turns=2)
@@ -36,8 +36,12 @@ def backend():
 
     from opsd.models import load_backend
 
-    torch.set_num_threads(2)  # the test machines have 2 cores shared with other jobs
-    return load_backend(ModelSection())
+    # One thread: on 2 cores shared with other jobs, 2 OpenMP threads stall on
+    # each other (measured 2-20 s for the same call) while 1 thread is steady.
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_backend(ModelSection())
+    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,25 @@ class Recorder:
         gens = self.inner.generate(prompts_, max_new_tokens, temperature, top_p=top_p, seed=seed)
         self.calls.append(([list(p) for p in prompts_], gens))
         return gens
+
+
+@pytest.mark.parametrize("fmt", ["action", "think"])
+def test_prompts_teach_a_parseable_format(fmt, backend):
+    cfg = EnvSection(prompt_format=fmt)
+    ((user, reply),) = prompts.one_shot_examples(cfg)
+    parsed = parse_response(reply, fmt)
+    assert parsed.valid and parsed.action == "open box"  # the example obeys the parser it teaches
+    assert (parsed.thinking != "") == (fmt == "think")
+    assert "open box" in user.splitlines()  # admissible commands listed, one a line
+    assert prompts.one_shot_examples(cfg.model_copy(update={"one_shot": False})) == []
+    bare = prompts.observation_message("You see a box.", ["open box"], cfg.model_copy(update={"list_admissible": False}))
+    assert bare == "You see a box."
+    assert prompts.invalid_message(["look"], cfg).startswith(cfg.invalid_feedback)
+    # Short: system + one-shot stay well under 200 tokens for the 135M model's small context.
+    chat = ChatFormat(backend.tokenizer, fmt)
+    assert len(chat.initial_prompt_ids(prompts.system_prompt(fmt), "x", one_shot=[(user, reply)])) < 200
+    with pytest.raises(ValueError):
+        prompts.system_prompt("json")
 
 
 def test_rollout_ids_sort_numerically():
@@ -201,18 +224,18 @@ def test_nan_logprob_length_finish_and_win(game, backend, chat):
 
     def reply(call, row):
         if call == 0:  # turn 0: cut by the token cap, one NaN log-prob
-            return "open the thing and then look around the room carefully", "length", 2
+            return "open the thing and then look around the room very carefully, then go north and east", "length", 2
         return f"{win}</action>", "stop", None  # turn 1: the winning command (after the prefilled <action>)
 
     fake = ScriptedBackend(backend.tokenizer, backend.eos_token_id, reply)
-    group, stats = run_group(make_task(game, 2, 3), fake, chat, ENV, RolloutSection(group_size=2, max_new_tokens=6), 2048, seed=0)
+    group, stats = run_group(make_task(game, 2, 3), fake, chat, ENV, RolloutSection(group_size=2, max_new_tokens=16), 2048, seed=0)
     group.validate(backend.vocab_size)
     assert stats.nonfinite_logprobs == 2 and stats.length_finishes == 2 and stats.wins == 2
     for traj in group.trajectories:
         t0, t1 = traj.turns
         assert t0.finish_reason == "length" and not t0.format_valid  # cut by the cap: the sampler says so
         assert traj.loss_mask_S[t0.response_start + 2] == 0 and traj.sampler_logprobs_S[t0.response_start + 2] == 0
-        assert traj.loss_mask_S[t0.response_start : t0.response_end].sum() == 5
+        assert t0.response_end - t0.response_start == 16 and traj.loss_mask_S[t0.response_start : t0.response_end].sum() == 15
         # The cut turn was closed by the continuation (it did not end with <|im_end|>).
         assert traj.token_ids_S[t0.response_end : t1.response_start].tolist() == chat.continuation_ids(t0.observation, False)
         assert t1.format_valid and t1.action == win and t1.finish_reason == "stop"

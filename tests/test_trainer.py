@@ -79,7 +79,7 @@ def test_ppo_update_changes_weights_and_first_ratio_is_one():
     model = _tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    m = ppo_update(model, opt, _seqs(model, 1.0, True), TrainerSection(micro_batch_size=2, entropy_coef=0.0), bf16=False)
+    m = ppo_update(model, opt, _seqs(model, 1.0, True), TrainerSection(micro_batch_size=2, entropy_coef=0.0))
     assert np.isfinite(m["loss"]) and m["ratio_dev_max"] < 1e-6 and m["loss_tokens"] == 5 + 7 + 4
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -88,7 +88,7 @@ def test_ppo_update_all_zero_mask_is_zero_loss_and_no_nan():
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    m = ppo_update(model, opt, _seqs(model, 1.0, False), TrainerSection(micro_batch_size=2, entropy_coef=0.001), bf16=False)
+    m = ppo_update(model, opt, _seqs(model, 1.0, False), TrainerSection(micro_batch_size=2, entropy_coef=0.001))
     assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -98,6 +98,6 @@ def test_micro_batching_does_not_change_the_update(micro):
     ref, other = _tiny_model(), _tiny_model()
     for model, mb in ((ref, 2), (other, micro)):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ppo_update(model, opt, _seqs(model, 0.7, True), TrainerSection(micro_batch_size=mb, entropy_coef=0.0), bf16=False)
+        ppo_update(model, opt, _seqs(model, 0.7, True), TrainerSection(micro_batch_size=mb, entropy_coef=0.0))
     for (k, a), b in zip(ref.state_dict().items(), other.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), k

@@ -8,7 +8,11 @@ the log-prob of token y after logits z at temperature T is
 forward pass run under :func:`autocast` for the configured dtype (fp32 weights
 always; ``dtype="bfloat16"`` means bf16 autocast). Top-p truncation changes
 which tokens can be sampled but NOT the reported log-prob, so the sampler's
-log-probs equal :meth:`HFBackend.score` at the same temperature.
+log-probs equal :meth:`HFBackend.score` at the same temperature: within
+3e-5 nats in float32, but only to ~0.03 nats on average (0.1-0.2 at worst)
+under bf16 autocast, where the incremental KV-cache pass and the full forward
+round differently. With bf16, recompute pi_old with a full forward (as the
+trainer does) rather than trusting sampler log-probs for the PPO ratio.
 
 Padding: both `generate` and `score` LEFT-pad a batch and pass explicit
 position ids (``cumsum(mask) - 1``), so a padded row sees exactly the
@@ -38,6 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from opsd.config import ModelSection  # noqa: E402
+from opsd.credit.policy_loss import token_logprobs  # noqa: E402,F401  (the one log-prob convention, case 6)
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +149,10 @@ def ensure_model(cfg: ModelSection) -> Path:
                 t0 = time.perf_counter()
                 package, filename = PACKAGED_MODELS[cfg.name]
                 _convert_gguf(package, filename, tmp)
+                # mkdtemp/mkstemp make owner-only entries; the cache is shared read-only.
+                for f in tmp.iterdir():
+                    f.chmod(0o644)
+                tmp.chmod(0o755)
                 os.rename(tmp, target)  # atomic on one filesystem
                 log.info("converted %s to %s in %.1f s", cfg.name, target, time.perf_counter() - t0)
             except BaseException:
@@ -169,22 +178,6 @@ def autocast(dtype: Literal["float32", "bfloat16"], device: str | torch.device =
     if dtype == "bfloat16":
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
     raise ValueError(f"unknown dtype {dtype!r}")
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob of `token_ids` under ``softmax(logits / temperature)``, in float32.
-
-    logits: [..., V] raw (unprocessed) model logits, any float dtype;
-    token_ids: [...] int64 with the same leading shape. Returns float32 [...].
-    Example (bad-input case 6): logits [2, 1, 0], T=0.5, token 0 -> -0.1429.
-    Non-finite logits give non-finite results; callers check.
-    Differentiable (the trainer may call it with grad enabled).
-    """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = logits.float() / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,6 +214,26 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
+
+
+@dataclass
+class BranchResult:
+    """What :meth:`HFBackend.branch` computes from one base sequence.
+
+    base_logprobs: float32 [len(base) - start], log-prob (nats) of each id of
+    ``base[start:]`` given the ids before it, at score_temperature (empty when
+    start == len(base)); generations: one entry per cut, in the caller's
+    order: the sampled continuation of ``base[:cut]`` (a :class:`Generation`,
+    log-probs at the sampling temperature), or None when generate_tokens == 0
+    or ``cut + generate_tokens > max_model_len``; continuation_logprobs: per
+    cut (caller's order), per continuation (caller's order): float32
+    [len(continuation)] log-probs of those exact ids given ``base[:cut]`` at
+    score_temperature (an empty list per cut when no continuations were given).
+    """
+
+    base_logprobs: np.ndarray
+    generations: list[Generation | None]
+    continuation_logprobs: list[list[np.ndarray]]
 
 
 class HFBackend:
@@ -322,8 +335,8 @@ class HFBackend:
         out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long)
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(B, dtype=torch.long)
-        finished = torch.zeros(B, dtype=torch.bool)
         finish = ["length"] * B
+        rows = torch.arange(B)  # caller's index of each row still in the batch
         cache = None
         step_ids, step_pos = ids, pos
         for t in range(max_new_tokens):
@@ -338,29 +351,29 @@ class HFBackend:
                 )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()  # raw logits, before any processing
-            live = ~finished
-            bad = live & ~torch.isfinite(logits).all(-1).cpu()
+            bad = ~torch.isfinite(logits).all(-1).cpu()
             if bad.any():
-                rows = bad.nonzero().flatten().tolist()
-                raise NonFiniteLogitsError(f"non-finite logits at new token {t} for prompts {rows}", rows)
-            # Finished rows still run (cheaper than re-slicing the cache); give
-            # them harmless logits so their junk can never break sampling.
-            logits = logits.masked_fill(finished.to(logits.device).unsqueeze(-1), 0.0)
+                idx = rows[bad].tolist()
+                raise NonFiniteLogitsError(f"non-finite logits at new token {t} for prompts {idx}", idx)
             nxt = self._sample(logits, temperature, top_p, gen)
-            lp = token_logprobs(logits, nxt, temperature).cpu()
             nxt_cpu = nxt.cpu()
-            out_ids[live, t] = nxt_cpu[live]
-            out_lp[live, t] = lp[live]
-            lengths[live] += 1
-            hit = live & torch.isin(nxt_cpu, stops)
-            for i in hit.nonzero().flatten().tolist():
+            out_ids[rows, t] = nxt_cpu
+            out_lp[rows, t] = token_logprobs(logits, nxt, temperature).cpu()
+            lengths[rows] += 1
+            hit = torch.isin(nxt_cpu, stops)  # the sampler's own stop decision
+            for i in rows[hit].tolist():
                 finish[i] = "stop"
-            finished |= hit
-            if bool(finished.all()) or t == max_new_tokens - 1:
+            if bool(hit.all()) or t == max_new_tokens - 1:
                 break
-            step_ids = nxt.view(B, 1)
+            if bool(hit.any()):
+                # Drop finished rows so the remaining steps only pay for live ones.
+                keep = (~hit).nonzero().flatten()
+                cache.batch_select_indices(keep.to(self.device))
+                rows, nxt = rows[keep], nxt[keep.to(nxt.device)]
+                mask, step_pos = mask[keep.to(mask.device)], step_pos[keep.to(step_pos.device)]
+            step_ids = nxt.view(-1, 1)
             step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=mask.device)], dim=1)
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
 
         results = []
         for i in range(B):
@@ -454,20 +467,337 @@ class HFBackend:
             log.warning("%s (returned as-is for the caller to mask)", msg)
         return results  # type: ignore[return-value]
 
+    # -- prefix reuse ------------------------------------------------------
+
+    # `branch` runs the rows of a batched forward on copies of the needed
+    # prefix of the base KV cache; this caps rows * cached positions per
+    # forward (SmolLM2-135M fp32: 46 KB per position, 8192 -> ~380 MB).
+    branch_batch_tokens: int = 8192
+
+    @torch.inference_mode()
+    def branch(
+        self,
+        base: list[int],
+        start: int,
+        cuts: list[int],
+        continuations: list[list[list[int]]] | None = None,
+        generate_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        score_temperature: float = 1.0,
+    ) -> BranchResult:
+        """Score `base`, then sample and/or teacher-force continuations at cut points, reusing one KV cache.
+
+        Why: the privileged teacher needs, for one trajectory, (a) the
+        log-probs of the whole sequence, (b) a sampled response after each
+        turn's prompt ``base[:cut]`` and (c) the log-probs of other turns'
+        responses after that same prompt. Every prompt is a prefix of `base`,
+        so one forward over `base` holds all their keys/values; each cut then
+        only pays for its own new tokens instead of re-reading ~700 prompt
+        tokens (what vLLM's prefix cache gives for free). Same values as the
+        separate calls: `base_logprobs` == ``score([base], [start],
+        temperature=score_temperature)[0]``; each continuation's log-probs ==
+        ``score([base[:cut] + cont], [cut], temperature=score_temperature)[0]``;
+        each generation is drawn exactly as ``generate([base[:cut] for the
+        cuts that fit], generate_tokens, temperature, top_p, seed)`` would
+        (equal within fp32 rounding: ~1e-5 nats in float32; under bf16
+        autocast the cached pass rounds like `generate`'s, see module doc).
+
+        base: token ids (1 <= len <= model position limit); start: 1 <=
+        start <= len(base), first scored position; cuts: prompt lengths, each
+        in (0, len(base)], any order, duplicates allowed; continuations: None
+        or one list per cut of id lists (each scored after ``base[:cut]``);
+        generate_tokens: new-token budget per cut (0: no sampling);
+        temperature / top_p: sampling as in `generate` (stop at ``<|im_end|>``,
+        kept, finish "stop"; else "length"); seed: one torch.Generator for the
+        whole call (global RNG untouched; None draws from the global RNG);
+        score_temperature: temperature of base and continuation log-probs.
+
+        Work: one forward over `base` (only ``base[:max(cuts)]`` when start ==
+        len(base)); the generations of all cuts that fit are sampled as one
+        batch (each row attends to its own prefix of the shared cache through
+        the attention mask, with explicit position ids); the continuations
+        (length >= 2; length 1 needs only the base forward) are teacher-forced
+        in batches, longest cut first. A batch holds at most
+        `branch_batch_tokens` cached positions (at least one row).
+
+        Raises ValueError for an empty/over-long base or out-of-vocabulary
+        id, a start or cut out of range, `continuations` not matching `cuts`,
+        a continuation with ``cut + len(cont) > max_positions`` (the message
+        names the cut index and value; callers apply their own context policy
+        first, as with `score`), or bad sampling parameters. A cut with
+        ``cut + generate_tokens > max_model_len`` is not an error: its
+        generation is None. NonFiniteLogitsError (never silent) when base,
+        sampling or continuation log-probs are non-finite; its `rows` are cut
+        indices (empty for the base itself).
+        """
+        L = len(base)
+        if L == 0:
+            raise ValueError("branch: empty base")
+        if L > self.max_positions:
+            raise ValueError(f"branch: base of {L} tokens > model limit {self.max_positions}")
+        self._check_ids(base, "base")
+        if not 1 <= start <= L:
+            raise ValueError(f"branch: start {start} outside [1, {L}]")
+        cuts = [int(c) for c in cuts]
+        for i, c in enumerate(cuts):
+            if not 0 < c <= L:
+                raise ValueError(f"branch: cut {i} ({c}) outside (0, {L}]")
+        if continuations is not None and len(continuations) != len(cuts):
+            raise ValueError(f"branch: {len(continuations)} continuation lists for {len(cuts)} cuts")
+        conts = [[[int(t) for t in cont] for cont in cs] for cs in continuations] if continuations else [[] for _ in cuts]
+        for i, cs in enumerate(conts):
+            for j, cont in enumerate(cs):
+                if cuts[i] + len(cont) > self.max_positions:
+                    raise ValueError(
+                        f"branch: cut {i} (at {cuts[i]}): continuation {j} of {len(cont)} tokens "
+                        f"overflows the model limit {self.max_positions}"
+                    )
+                self._check_ids(cont, f"cut {i} continuation {j}")
+        if generate_tokens < 0:
+            raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
+        if generate_tokens > 0:
+            if not temperature > 0:
+                raise ValueError(f"temperature must be > 0 (greedy is not supported), got {temperature}")
+            if not 0 < top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if not score_temperature > 0:
+            raise ValueError(f"score_temperature must be > 0, got {score_temperature}")
+
+        base_lp = np.zeros(0, dtype=np.float32)
+        generations: list[Generation | None] = [None] * len(cuts)
+        cont_lps: list[list[np.ndarray]] = [[np.zeros(0, dtype=np.float32) for _ in cs] for cs in conts]
+        # LM-head rows needed: predictions of base[start:] and of each cut's next token.
+        need = {c - 1 for c in cuts}
+        if start < L:
+            need.update(range(start - 1, L - 1))
+        if not need:
+            return BranchResult(base_lp, generations, cont_lps)
+        n_fwd = L if start < L else max(cuts)
+        keep_rows = sorted(need)
+        where = {r: k for k, r in enumerate(keep_rows)}
+        ids = torch.tensor([base[:n_fwd]], dtype=torch.long, device=self.device)
+        with autocast(self.dtype, self.device):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                position_ids=torch.arange(n_fwd, device=self.device).unsqueeze(0),
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep_rows, dtype=torch.long, device=self.device),
+            )
+        cache = out.past_key_values
+        logits = out.logits[0]  # [len(keep_rows), V]
+        del out
+        for layer in cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise NotImplementedError("branch: sliding-window caches cannot be shared by prefixes")
+        if start < L:
+            lo = where[start - 1]  # rows start-1 .. L-2 are consecutive in keep_rows
+            target = torch.tensor(base[start:], dtype=torch.long, device=self.device)
+            base_lp = np.ascontiguousarray(
+                token_logprobs(logits[lo : lo + L - start], target, score_temperature).cpu().numpy(), dtype=np.float32
+            )
+            if not np.isfinite(base_lp).all():
+                raise NonFiniteLogitsError("branch: non-finite log-probs in the base sequence", [])
+        cut_logits = logits[[where[c - 1] for c in cuts]].float() if cuts else None  # [n_cuts, V]
+        del logits
+
+        if generate_tokens > 0:
+            gen = None
+            if seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(seed))
+            rows = [i for i, c in enumerate(cuts) if self.fits(c, generate_tokens)]  # caller's order
+            for chunk in self._branch_chunks(rows, [cuts[i] + generate_tokens for i in rows]):
+                for i, g in zip(chunk, self._branch_generate(cache, chunk, cuts, cut_logits, generate_tokens,
+                                                             temperature, top_p, gen)):
+                    generations[i] = g
+
+        bad: set[int] = set()
+        multi = []
+        for i, cs in enumerate(conts):
+            for j, cont in enumerate(cs):
+                if len(cont) == 1:
+                    cont_lps[i][j] = token_logprobs(
+                        cut_logits[i], torch.tensor(cont[0], device=self.device), score_temperature
+                    ).reshape(1).cpu().numpy().astype(np.float32)
+                elif len(cont) > 1:
+                    multi.append((i, j))
+        multi.sort(key=lambda ij: -cuts[ij[0]])  # similar prefixes share a batch
+        for chunk in self._branch_chunks(multi, [cuts[i] + len(conts[i][j]) - 1 for i, j in multi]):
+            B = len(chunk)
+            c_t = torch.tensor([cuts[i] for i, _ in chunk], dtype=torch.long, device=self.device)
+            lens = [len(conts[i][j]) for i, j in chunk]
+            cmax, nmax = int(c_t.max()), max(lens) - 1
+            step = torch.full((B, nmax), self.pad_token_id, dtype=torch.long, device=self.device)
+            for r, (i, j) in enumerate(chunk):
+                step[r, : lens[r] - 1] = torch.tensor(conts[i][j][:-1], dtype=torch.long)
+            # Row r sees cache positions < its cut plus its own new ids (right
+            # padding after them is causal-after, so harmless and discarded).
+            hole = (torch.arange(cmax, device=self.device).unsqueeze(0) < c_t.unsqueeze(1)).long()
+            mask = torch.cat([hole, torch.ones((B, nmax), dtype=torch.long, device=self.device)], dim=1)
+            pos = c_t.unsqueeze(1) + torch.arange(nmax, device=self.device).unsqueeze(0)
+            with autocast(self.dtype, self.device):
+                step_logits = self.model(
+                    input_ids=step,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=self._prefix_cache(cache, cmax, B),
+                    use_cache=True,
+                ).logits  # [B, nmax, V]
+            for r, (i, j) in enumerate(chunk):
+                n = lens[r]
+                lg = torch.cat([cut_logits[i : i + 1], step_logits[r, : n - 1].float()], dim=0)
+                target = torch.tensor(conts[i][j], dtype=torch.long, device=self.device)
+                arr = np.ascontiguousarray(token_logprobs(lg, target, score_temperature).cpu().numpy(), dtype=np.float32)
+                cont_lps[i][j] = arr
+            del step_logits
+        for i, cs in enumerate(cont_lps):
+            if any(not np.isfinite(a).all() for a in cs):
+                bad.add(i)
+        if bad:
+            raise NonFiniteLogitsError(f"branch: non-finite continuation log-probs at cuts {sorted(bad)}", sorted(bad))
+        return BranchResult(base_lp, generations, cont_lps)
+
+    def _branch_chunks(self, items: list, costs: list[int]) -> list[list]:
+        """Split `items` (in order) into batches of at most `branch_batch_tokens` rows * max cost (>= 1 row)."""
+        chunks: list[list] = []
+        cur: list = []
+        worst = 0
+        for item, cost in zip(items, costs):
+            if cur and (len(cur) + 1) * max(worst, cost) > self.branch_batch_tokens:
+                chunks.append(cur)
+                cur, worst = [], 0
+            cur.append(item)
+            worst = max(worst, cost)
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _prefix_cache(self, cache, length: int, batch: int):
+        """A new DynamicCache holding positions [0, length) of the 1-row `cache`, repeated `batch` times.
+
+        The source is never modified (forwards append to the copy).
+        """
+        from transformers import DynamicCache
+
+        data = [
+            (
+                layer.keys[:, :, :length].expand(batch, -1, -1, -1),
+                layer.values[:, :, :length].expand(batch, -1, -1, -1),
+            )
+            for layer in cache.layers
+        ]
+        return DynamicCache(data, config=self.model.config)
+
+    def _branch_generate(
+        self,
+        cache,
+        rows: list[int],
+        cuts: list[int],
+        cut_logits: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator | None,
+    ) -> list[Generation]:
+        """Sample one response after ``base[:cuts[i]]`` for each cut index i in `rows`, as one batch.
+
+        Row r attends to cache positions < its cut (a mask with a hole up to
+        the longest cut) and its own new ids at positions cut, cut+1, ...;
+        the first id comes from `cut_logits` (the base forward). Mirrors
+        `generate`'s loop: same sampler, log-probs, stop rule and row dropping.
+        """
+        B = len(rows)
+        c_t = torch.tensor([cuts[i] for i in rows], dtype=torch.long, device=self.device)
+        cmax = int(c_t.max())
+        past = self._prefix_cache(cache, cmax, B)
+        mask = (torch.arange(cmax, device=self.device).unsqueeze(0) < c_t.unsqueeze(1)).long()
+        pos = c_t.view(B, 1)
+        logits = cut_logits[rows]
+        stops = torch.tensor([self.eos_token_id], dtype=torch.long)
+        out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long)
+        out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32)
+        lengths = torch.zeros(B, dtype=torch.long)
+        finish = ["length"] * B
+        live = torch.arange(B)  # batch position -> index into `rows`
+        for t in range(max_new_tokens):
+            bad = ~torch.isfinite(logits).all(-1).cpu()
+            if bad.any():
+                idx = [rows[r] for r in live[bad].tolist()]
+                raise NonFiniteLogitsError(f"branch: non-finite logits at new token {t} for cuts {idx}", idx)
+            nxt = self._sample(logits, temperature, top_p, gen)
+            nxt_cpu = nxt.cpu()
+            out_ids[live, t] = nxt_cpu
+            out_lp[live, t] = token_logprobs(logits, nxt, temperature).cpu()
+            lengths[live] += 1
+            hit = torch.isin(nxt_cpu, stops)
+            for r in live[hit].tolist():
+                finish[r] = "stop"
+            if bool(hit.all()) or t == max_new_tokens - 1:
+                break
+            if bool(hit.any()):
+                keep = (~hit).nonzero().flatten()
+                past.batch_select_indices(keep.to(self.device))
+                k = keep.to(self.device)
+                live, nxt, mask, pos = live[keep], nxt[k], mask[k], pos[k]
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
+            with autocast(self.dtype, self.device):
+                out = self.model(
+                    input_ids=nxt.view(-1, 1),
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=past,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            logits = out.logits[:, -1, :].float()
+            pos = pos + 1
+        return [
+            Generation(out_ids[r, : int(lengths[r])].tolist(), out_lp[r, : int(lengths[r])].tolist(), finish[r])  # type: ignore[arg-type]
+            for r in range(B)
+        ]
+
     # -- weights -----------------------------------------------------------
 
     def load_weights(self, path: Path, version: int) -> None:
         """Load a full safetensors state dict (strict) and set policy_version = version.
 
-        Raises on missing/unexpected keys or shape mismatches (the model is
-        left unchanged only if the file fails to open; a shape error may leave
-        it partially loaded, so callers treat that as fatal).
+        The file must hold every parameter/buffer of the model with the same
+        shape and no other key; a tied tensor (LM head = embedding) may be
+        stored once under either name, or under both with equal values. All
+        checks run before any weight is touched, so on error (KeyError for
+        missing/unexpected keys, ValueError for shape or tie mismatch) the
+        model and policy_version are unchanged.
         """
-        from safetensors.torch import load_model
+        from safetensors.torch import load_file
 
-        missing, unexpected = load_model(self.model, str(path), strict=True, device=str(self.device))
-        if missing or unexpected:  # strict already raises; belt and braces
-            raise RuntimeError(f"load_weights: missing {missing}, unexpected {unexpected}")
+        loaded = load_file(str(path), device="cpu")
+        own = self.model.state_dict()
+        unexpected = sorted(set(loaded) - set(own))
+        # Names sharing storage in the live model (tied weights) form one group.
+        groups: dict[int, list[str]] = {}
+        for name, t in own.items():
+            groups.setdefault(t.data_ptr(), []).append(name)
+        full: dict[str, torch.Tensor] = {}
+        missing = []
+        for names in groups.values():
+            present = [n for n in names if n in loaded]
+            if not present:
+                missing.extend(names)
+                continue
+            for n in present[1:]:
+                if not torch.equal(loaded[n], loaded[present[0]]):
+                    raise ValueError(f"load_weights: tied tensors {present[0]} and {n} differ in {path}")
+            for n in names:
+                full[n] = loaded[present[0]]
+        if missing or unexpected:
+            raise KeyError(f"load_weights {path}: missing {missing}, unexpected {unexpected}")
+        bad = [n for n, t in full.items() if t.shape != own[n].shape]
+        if bad:
+            raise ValueError(f"load_weights {path}: shape mismatch for {bad}")
+        self.model.load_state_dict(full, strict=True)  # copies in place: ties survive
         self.policy_version = int(version)
 
     def save_weights(self, path: Path) -> None:
@@ -484,9 +814,23 @@ class HFBackend:
         os.close(fd)
         try:
             save_model(self.model, tmp, metadata={"format": "pt", "policy_version": str(self.policy_version)})
-            os.replace(tmp, path)
+            os.chmod(tmp, 0o644)  # mkstemp made it owner-only; readers may be other processes/users
+            os.replace(tmp, path)  # readers see the old file or the complete new one
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
 
+    def save_checkpoint(self, directory: Path) -> None:
+        """Save a loadable HF checkpoint (safetensors weights, config, tokenizer) into `directory`.
+
+        Written to a temp directory next to it, then renamed, so a reader
+        never sees half a checkpoint. Raises OSError on write failure.
+        """
+        directory = Path(directory)
+        tmp = directory.with_name(f".{directory.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)

@@ -59,7 +59,9 @@ class Encoder:
         idx = [i for i, t in enumerate(clean) if t]
         if idx:
             with self._lock:
-                vecs = self.model.encode([clean[i] for i in idx], convert_to_numpy=True, normalize_embeddings=True)
+                vecs = self.model.encode(
+                    [clean[i] for i in idx], convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
+                )
             vecs = np.asarray(vecs, dtype=np.float32)
             # A NaN vector must never reach an index (bad-input case 19): zero it.
             vecs[~np.isfinite(vecs).all(axis=1)] = 0.0

@@ -53,7 +53,7 @@ def main() -> None:
             metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
             proc.status["policy_version"] = backend.policy_version
         seed = cfg.run.seed * 1_000_003 + task.step * 1009 + zlib.crc32(task.group_id.encode()) % 1000
-        group, stats = run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed)
+        group, stats = run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, cfg.cache_root)
         metrics.GROUPS.labels(ROLE).inc()
         metrics.TOKENS.labels(ROLE).inc(stats.generated_tokens)
         metrics.JOB_SECONDS.labels(ROLE).observe(group.rollout_seconds)

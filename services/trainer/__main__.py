@@ -35,6 +35,7 @@ from services.trainer.report import append_metrics, plot_metrics
 from services.trainer.update import Sequence, ppo_update
 
 ROLE = "trainer"
+KEEP_VERSIONS = 2  # policy weight files kept on disk (each is ~540 MB for SmolLM2 in fp32)
 log = logging.getLogger(ROLE)
 
 
@@ -100,6 +101,8 @@ def main() -> None:
     run_id = run_dir.name
     proc.serve(port=cfg.trainer.metrics_port)
     torch.manual_seed(cfg.run.seed)
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
 
     backend = load_backend(cfg.model)
     model = backend.model
@@ -135,8 +138,12 @@ def main() -> None:
                     f"step {step}: groups {sorted(wanted - got.keys())} did not arrive within {cfg.run.step_timeout_s:.0f}s "
                     f"(dead-letter stream {streams.dead} holds {client.xlen(streams.dead)} entries)"
                 )
+            # Entries held across this wait stay ours: refresh them so reclaim never hands them back.
+            queue.keep_alive([eid for eid, _ in got.values()])
             for d in queue.reclaim(cfg.redis.reclaim_idle_ms, count=8) + queue.consume(cfg.redis.block_ms, count=8):
                 gid = d.msg.group_id
+                if gid in got and got[gid][0] == d.entry_id:
+                    continue
                 if gid in wanted and gid not in got:
                     got[gid] = (d.entry_id, d.msg)
                 else:
@@ -158,9 +165,12 @@ def main() -> None:
             for g, grp in enumerate(groups)
             for i, t in enumerate(grp.trajectories)
         ]
-        update = ppo_update(model, optimizer, seqs, cfg.trainer, bf16=cfg.model.dtype == "bfloat16")
+        update = ppo_update(model, optimizer, seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature)
         version += 1
         backend.save_weights(weights_path(run_dir, version))
+        # Roles only ever load the newest version; keep one older for a role still finishing a job.
+        if version - KEEP_VERSIONS >= 1:
+            weights_path(run_dir, version - KEEP_VERSIONS).unlink(missing_ok=True)
         backend.policy_version = version
         client.set(f"{cfg.redis.stream_prefix}:policy_version", version)
         for entry_id, _ in got.values():

@@ -15,6 +15,7 @@ import torch
 
 from opsd.config import TrainerSection
 from opsd.credit.policy_loss import entropy_from_logits, ppo_loss, token_logprobs
+from opsd.models.hf import autocast
 
 
 @dataclass
@@ -47,12 +48,17 @@ def _pad(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
     return out
 
 
-def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[Sequence], cfg: TrainerSection, bf16: bool) -> dict[str, float]:
+def ppo_update(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[Sequence], cfg: TrainerSection,
+    dtype: str = "float32", temperature: float = 1.0,
+) -> dict[str, float]:
     """Run `cfg.ppo_epochs` epochs of dual-clip PPO over `seqs`; returns step metrics.
 
     pi_old is the trainer's own recomputation: the first epoch's forward,
     detached (before any optimizer step, so its ratio is exactly 1); later
-    epochs reuse it. `sampler_logprob_mismatch` = mean |sampler - trainer|
+    epochs reuse it. Log-probs are taken at the sampling `temperature`, the
+    distribution the tokens were drawn from (bad-input case 6); `dtype` is the
+    forward-pass convention shared with the sampler. `sampler_logprob_mismatch` = mean |sampler - trainer|
     log-prob over loss tokens (nats), the sampler/trainer agreement check.
     """
     model.train()
@@ -65,12 +71,12 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         for j, b in enumerate(batches):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with autocast(dtype):
                 logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
             logits = logits[:, :-1].float()
             # Position t's log-prob comes from the logits at t-1; position 0 is always prompt.
-            lp = token_logprobs(logits, b["ids"][:, 1:])
-            ent = entropy_from_logits(logits)
+            lp = token_logprobs(logits, b["ids"][:, 1:], temperature)
+            ent = entropy_from_logits(logits, temperature)
             mask = b["mask"][:, 1:]
             if old[j] is None:
                 old[j] = lp.detach()
