@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+import pydantic
 import typer
+import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opsd.config import RunConfig
@@ -46,6 +49,49 @@ STEP_COLUMNS = (
     ("train_seconds", "train_s", "{:.0f}"),
     ("step_seconds", "step_s", "{:.0f}"),
 )
+
+
+def load_config(path: Path, **run_overrides) -> RunConfig:
+    """Read and validate a run config, applying `run:` overrides (e.g. steps) that are not None.
+
+    A missing/unreadable file, bad YAML or an invalid value (typo, wrong type,
+    out of range, NaN) prints one line per problem and exits with code 2,
+    never a traceback.
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        _config_error(path, [f"cannot read it as YAML: {e}"])
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        _config_error(path, [f"the top level must be a mapping of sections (run:, model:, ...), got {type(data).__name__}"])
+    overrides = {k: v for k, v in run_overrides.items() if v is not None}
+    try:
+        cfg = RunConfig.model_validate(data)
+        if overrides:  # validated like the file's own values (e.g. --steps 0 is refused)
+            cfg = RunConfig.model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(), **overrides}})
+    except pydantic.ValidationError as e:
+        _config_error(path, [
+            f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']} (got {repr(err.get('input'))[:120]})"
+            for err in e.errors()
+        ])
+    return cfg
+
+
+def _config_error(path: Path, problems: list[str]) -> None:
+    console.print(f"[red]invalid config[/red] {escape(str(path))}:", soft_wrap=True)
+    for line in problems:
+        console.print("  " + escape(line), soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def complete_lines(path: Path) -> list[str]:
+    """The newline-terminated lines of a file another process appends to (a half-written last line is left out)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()
 
 
 def format_step(record: dict) -> str:
@@ -137,11 +183,7 @@ def run(
     """Train: start Redis (if needed) and the four roles, run the configured steps, write the run directory."""
     from opsd.redis_server import resolve_redis_url
 
-    cfg = RunConfig.load(config)
-    if steps is not None:
-        cfg.run.steps = steps
-    if output_dir is not None:
-        cfg.run.output_dir = str(output_dir)
+    cfg = load_config(config, steps=steps, output_dir=None if output_dir is None else str(output_dir))
     run_id = f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.output_dir).resolve() / run_id
     (run_dir / "logs").mkdir(parents=True)
@@ -168,7 +210,7 @@ def run(
                 if failed:
                     role, rc = failed
                     raise RuntimeError(f"{role} exited with code {rc}; last lines of its log:\n{tail(run_dir / 'logs' / f'{role}.log')}")
-                lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+                lines = complete_lines(run_dir / "metrics.jsonl")
                 for line in lines[seen:]:
                     progress.console.print(format_step(json.loads(line)))
                     progress.advance(bar)
@@ -198,7 +240,7 @@ def run(
 @app.command("prepare")
 def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False)) -> None:
     """Convert the model and generate the games into the cache (what `run` does first)."""
-    prepare(RunConfig.load(config))
+    prepare(load_config(config))
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 """One typed run config with a section per role, loaded from YAML (configs/*.yaml).
 
-Unknown keys are errors (a typo must not silently fall back to a default).
+Unknown keys are errors (a typo must not silently fall back to a default), and
+so are NaN and infinite floats (YAML `.nan`/`.inf`, JSON `NaN`/`Infinity`): no
+hyper-parameter has a meaningful non-finite value, and one would surface as
+NaN advantages or weights mid-run.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RunSection(_Section):
@@ -110,7 +113,7 @@ class AlignSection(_Section):
     max_segment_turns: int = Field(8, ge=1)
     credit_temperature: float = Field(0.5, gt=0)  # T
     mixing_coefficient: float = Field(0.5, ge=0, le=1)  # eta
-    density_upper_bound: float = Field(4.0, gt=0)  # d_max
+    density_upper_bound: float = Field(4.0, ge=1)  # d_max; the box [0, d_max] must hold the mean density 1
     weighting_mode: Literal["legacy", "bounded"] = "legacy"
     multiplier_band: float = Field(0.2, ge=0, lt=1)
 

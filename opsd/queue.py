@@ -16,6 +16,7 @@ they never crash or stall a worker.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from opsd.metrics import MESSAGES_RECLAIMED, MESSAGES_REJECTED, QUEUE_DEPTH, QUE
 
 DEAD_MAXLEN = 1000  # dead letters kept (approximately); they hold whole raw messages
 RECLAIM_SCAN_ROUNDS = 100  # XAUTOCLAIM calls per reclaim(): bounds one scan of a long pending list
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,15 @@ class StreamQueue:
     by `reclaim` (a poison message that keeps killing workers);
     raises ValueError for max_deliveries < 1 or a client decoding replies to str;
     delete_on_ack: delete entries once acknowledged, which bounds Redis memory
-    (entries can be MBs); turn off only if a second group reads the stream.
+    (entries can be MBs); turn off only if a second group reads the stream;
+    vocab_size: when given, messages holding a token id >= vocab_size are
+    dead-lettered (passed to the message's `validate`), so a consumer never
+    indexes an embedding out of range.
+
+    A consumer group that disappeared (Redis restarted without persistence,
+    or the group was destroyed) is re-created on the next call instead of
+    raising NOGROUP forever: entries it held are gone, so ack/keep_alive
+    report them as not held.
     """
 
     def __init__(
@@ -148,6 +158,7 @@ class StreamQueue:
         dead_stream: str,
         max_deliveries: int = 3,
         delete_on_ack: bool = True,
+        vocab_size: int | None = None,
     ):
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
@@ -163,6 +174,7 @@ class StreamQueue:
         self.dead_stream = dead_stream
         self.max_deliveries = max_deliveries
         self.delete_on_ack = delete_on_ack
+        self.vocab_size = vocab_size
         self._finish = client.register_script(_FINISH)
         self._lag = client.register_script(_LAG)
         self._touch = client.register_script(_TOUCH)
@@ -180,6 +192,14 @@ class StreamQueue:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+    def _lost_group(self, e: redis.ResponseError) -> bool:
+        """True (after re-creating the group) if `e` says the stream or group is gone."""
+        if "NOGROUP" not in str(e):
+            return False
+        log.warning("consumer group %r on %r vanished (Redis restarted?); re-creating it", self.group, self.stream)
+        self.ensure_group()
+        return True
 
     def produce(self, msg: Any) -> str:
         """Append `msg` to this queue's stream; returns the entry id. Raises like `produce_message`."""
@@ -203,9 +223,14 @@ class StreamQueue:
         timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
         if timeout is not None and block_ms / 1000 >= timeout:
             raise ValueError(f"block_ms={block_ms} must stay below the socket timeout ({timeout} s): see connect()")
-        reply = self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms if block_ms > 0 else None
-        )
+        try:
+            reply = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms if block_ms > 0 else None
+            )
+        except redis.ResponseError as e:
+            if self._lost_group(e):
+                return []
+            raise
         out = []
         for entry_id, fields in _entries(reply):
             delivery = self._decode(_s(entry_id), fields, deliveries=1)
@@ -227,9 +252,14 @@ class StreamQueue:
         claimed: list[tuple[bytes, dict | None]] = []
         cursor = "0-0"
         for _ in range(RECLAIM_SCAN_ROUNDS):
-            reply = self.client.xautoclaim(
-                self.stream, self.group, self.consumer, min_idle_ms, cursor, count=count - len(claimed)
-            )
+            try:
+                reply = self.client.xautoclaim(
+                    self.stream, self.group, self.consumer, min_idle_ms, cursor, count=count - len(claimed)
+                )
+            except redis.ResponseError as e:
+                if self._lost_group(e):
+                    return []
+                raise
             cursor = _s(reply[0])
             claimed += reply[1]
             if cursor == "0-0" or len(claimed) >= count:
@@ -277,7 +307,7 @@ class StreamQueue:
             self._dead_letter(entry_id, b"", f"entry has no 'data' field (fields: {names})", "malformed")
             return None
         try:
-            msg = wire.decode(raw, self.cls, self.max_bytes)
+            msg = wire.decode(raw, self.cls, self.max_bytes, vocab_size=self.vocab_size)
         except wire.WireError as e:
             self._dead_letter(entry_id, raw, str(e), e.reason)
             return None
@@ -311,7 +341,12 @@ class StreamQueue:
         which will finish it). Raises redis.RedisError.
         """
         args = [self.group, self.consumer, entry_id, int(self.delete_on_ack)]
-        done, _ = self._finish(keys=[self.stream, self.stream], args=args)
+        try:
+            done, _ = self._finish(keys=[self.stream, self.stream], args=args)
+        except redis.ResponseError as e:
+            if self._lost_group(e):
+                return False
+            raise
         return bool(done)
 
     def produce_then_ack(self, out_stream: str, msg: Any, entry_id: str) -> str | None:
@@ -325,9 +360,14 @@ class StreamQueue:
         (invalid/oversized `msg`, nothing written) or redis.RedisError.
         """
         data = wire.encode(msg, self.max_bytes)
-        done, out_id = self._finish(
-            keys=[self.stream, out_stream], args=[self.group, self.consumer, entry_id, int(self.delete_on_ack), data]
-        )
+        try:
+            done, out_id = self._finish(
+                keys=[self.stream, out_stream], args=[self.group, self.consumer, entry_id, int(self.delete_on_ack), data]
+            )
+        except redis.ResponseError as e:
+            if self._lost_group(e):
+                return None
+            raise
         return _s(out_id) if done else None
 
     def keep_alive(self, entry_ids: list[str]) -> int:
@@ -341,7 +381,12 @@ class StreamQueue:
         """
         if not entry_ids:
             return 0
-        return int(self._touch(keys=[self.stream], args=[self.group, self.consumer, *entry_ids]))
+        try:
+            return int(self._touch(keys=[self.stream], args=[self.group, self.consumer, *entry_ids]))
+        except redis.ResponseError as e:
+            if self._lost_group(e):
+                return 0
+            raise
 
     # ------------------------------------------------------------ monitoring
 
@@ -349,8 +394,9 @@ class StreamQueue:
         """(lag, pending) of this group: entries not yet delivered, and delivered but unacknowledged.
 
         Also sets the QUEUE_DEPTH and QUEUE_PENDING gauges of this stream.
-        Returns (0, 0) if the stream does not exist; raises RuntimeError if
-        the group does not (call ensure_group), redis.RedisError otherwise.
+        Returns (0, 0) if the stream does not exist; re-creates the group if
+        the stream exists without it (see the class docstring); raises
+        redis.RedisError otherwise.
         """
         try:
             groups = self.client.xinfo_groups(self.stream)
@@ -360,7 +406,10 @@ class StreamQueue:
             raise
         info = next((g for g in groups if _s(g["name"]) == self.group), None)
         if info is None:
-            raise RuntimeError(f"consumer group {self.group!r} does not exist on {self.stream!r}")
+            log.warning("consumer group %r on %r vanished (Redis restarted?); re-creating it", self.group, self.stream)
+            self.ensure_group()
+            groups = self.client.xinfo_groups(self.stream)
+            info = next(g for g in groups if _s(g["name"]) == self.group)
         lag = info.get("lag")
         if lag is None:  # Redis < 7, or a lag Redis 7 cannot compute (deletions after the group's position)
             lag = self._lag(keys=[self.stream], args=[_s(info["last-delivered-id"])])

@@ -96,9 +96,15 @@ class RoleProcess:
             import torch
 
             torch.set_num_threads(cfg.model.threads)
-        # SIGTERM/SIGINT finish the current job's bookkeeping and exit the loop.
-        signal.signal(signal.SIGTERM, lambda *_: proc.stop.set())
-        signal.signal(signal.SIGINT, lambda *_: proc.stop.set())
+        # First SIGTERM/SIGINT: finish the current job, then leave the loop (an
+        # unfinished job stays pending and is replayed). A second one: exit now.
+        def _on_signal(signum, _frame):
+            if proc.stop.is_set():
+                os._exit(128 + signum)
+            proc.stop.set()
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
         return proc
 
     def serve(self, app: FastAPI | None = None, port: int = 0) -> int:
@@ -128,6 +134,7 @@ def consume_forever(proc: RoleProcess, queue, out_stream: str, handle: Callable[
 
     log = logging.getLogger(proc.role)
     while not proc.stop.is_set():
+        queue.depth()  # exports this stream's lag and pending count
         deliveries = queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
         for d in deliveries:
             if proc.stop.is_set():

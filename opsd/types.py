@@ -27,6 +27,16 @@ import numpy as np
 
 SCHEMA_VERSION = 1
 
+MAX_GROUP_SIZE = 1024  # sibling rollouts per task: a bigger value on the wire would make a worker build millions of games
+# |reward| bound: rewards are z-scored (or centred) in float32 by the trainer; a finite
+# float64 reward like 1e39 would become inf there and crash the step.
+MAX_ABS_REWARD = 1e9
+# Turns of one group (all its trajectories): the teacher and the trainer build [M, M]
+# matrices per group (64 MB of float32 at 4096), so an unbounded M is an out-of-memory kill.
+MAX_GROUP_TURNS = 4096
+SIMILARITY_TOLERANCE = 1e-3  # cosine H may exceed [-1, 1] by float noise (FAISS inner products), not more
+LOGPROB_TOLERANCE = 1e-4  # a log-prob is <= 0; tiny positive values are float noise
+
 FINISH_REASONS = ("stop", "length")  # sampler finish reason of one turn
 EPISODE_ENDINGS = ("won", "lost", "max_turns", "truncated", "error")
 
@@ -69,7 +79,10 @@ class TaskGroup:
 
     def validate(self) -> None:
         _check(bool(self.group_id) and bool(self.task_id), "TaskGroup: empty group_id or task_id")
-        _check(self.group_size >= 1, f"TaskGroup: group_size must be >= 1, got {self.group_size}")
+        _check(
+            1 <= self.group_size <= MAX_GROUP_SIZE,
+            f"TaskGroup: group_size must be in [1, {MAX_GROUP_SIZE}], got {self.group_size}",
+        )
         _check(self.max_turns >= 1, f"TaskGroup: max_turns must be >= 1, got {self.max_turns}")
         _check(self.policy_version >= 0 and self.step >= 0, "TaskGroup: negative step or policy_version")
 
@@ -119,13 +132,14 @@ class Trajectory:
             f"{name}: token_ids, sampler_logprobs and loss_mask lengths differ",
         )
         _check(bool(((self.loss_mask_S == 0) | (self.loss_mask_S == 1)).all()), f"{name}: loss_mask not 0/1")
-        _check(bool((self.sampler_logprobs_S <= 1e-4).all()), f"{name}: a log-prob is positive")
+        _check(bool((self.sampler_logprobs_S <= LOGPROB_TOLERANCE).all()), f"{name}: a log-prob is positive")
         if S:
             _check(int(self.token_ids_S.min()) >= 0, f"{name}: negative token id")
             if vocab_size is not None:
                 _check(int(self.token_ids_S.max()) < vocab_size, f"{name}: token id >= vocab size {vocab_size}")
         _check(self.ending in EPISODE_ENDINGS, f"{name}: unknown ending {self.ending!r}")
         _check(math.isfinite(self.reward), f"{name}: reward is not finite")
+        _check(abs(self.reward) <= MAX_ABS_REWARD, f"{name}: |reward| {self.reward} > {MAX_ABS_REWARD}")
         prev_end = 0
         for k, t in enumerate(self.turns):
             _check(t.turn_id == k, f"{name}: turn ids must be 0..K-1 in order")
@@ -166,6 +180,14 @@ class RolloutGroup:
         ids = [t.rollout_id for t in self.trajectories]
         _check(len(set(ids)) == len(ids), "RolloutGroup: duplicate rollout ids")
         _check(self.prompt_format in ("action", "think"), f"unknown prompt_format {self.prompt_format!r}")
+        _check(
+            len(self.trajectories) <= self.task.group_size,
+            f"RolloutGroup: {len(self.trajectories)} trajectories for group_size {self.task.group_size}",
+        )
+        for t in self.trajectories:
+            _check(len(t.turns) <= self.task.max_turns, f"Trajectory {t.rollout_id}: more turns than max_turns {self.task.max_turns}")
+        M = sum(len(t.turns) for t in self.trajectories)
+        _check(M <= MAX_GROUP_TURNS, f"RolloutGroup: {M} turns > {MAX_GROUP_TURNS}")
         for t in self.trajectories:
             t.validate(vocab_size)
 
@@ -217,10 +239,16 @@ class ScoredGroup:
             for nm, arr in (("teacher_logprobs_S", self.teacher_logprobs_S[i]), ("corrected_logprobs_S", self.corrected_logprobs_S[i])):
                 _check_array(f"ScoredGroup.{nm}[{i}]", arr, np.float32, 1)
                 _check(arr.shape == traj.token_ids_S.shape, f"ScoredGroup.{nm}[{i}]: length != trajectory length")
+                # A positive teacher log-prob would silently inflate every gap built from it.
+                _check(bool((arr <= LOGPROB_TOLERANCE).all()), f"ScoredGroup.{nm}[{i}]: a log-prob is positive")
         M = sum(len(t.turns) for t in self.rollout.trajectories)
         _check_array("ScoredGroup.similarity_MM", self.similarity_MM, np.float32, 2)
         _check_array("ScoredGroup.eligible_MM", self.eligible_MM, np.bool_, 2)
         _check(self.similarity_MM.shape == (M, M) and self.eligible_MM.shape == (M, M), f"ScoredGroup: H must be [{M},{M}]")
+        _check(
+            bool((np.abs(self.similarity_MM) <= 1.0 + SIMILARITY_TOLERANCE).all()),
+            "ScoredGroup.similarity_MM: a cosine outside [-1, 1]",
+        )
         _check_array("ScoredGroup.rho_M", self.rho_M, np.float32, 1)
         _check_array("ScoredGroup.alpha_M", self.alpha_M, np.float32, 1)
         _check(self.rho_M.shape == (M,) and self.alpha_M.shape == (M,), "ScoredGroup: rho/alpha must be [M]")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import types
 import typing
@@ -68,12 +69,14 @@ def encode(msg: Any, max_bytes: int | None = None) -> bytes:
     return data
 
 
-def decode(data: bytes, cls: type[T], max_bytes: int) -> T:
+def decode(data: bytes, cls: type[T], max_bytes: int, vocab_size: int | None = None) -> T:
     """Rebuild a message of class `cls` from bytes made by `encode`.
 
     Checks, in order: size <= `max_bytes`, msgpack well-formed, envelope
     schema version and type name, every field against `cls`'s annotations
-    (recursively), then `validate()`. Arrays are fresh writable copies.
+    (recursively), then `validate()` (given `vocab_size` when not None and the
+    message takes one, so token ids >= vocab_size are rejected). Arrays are
+    fresh writable copies.
     Raises WireError (a MessageError) on any violation; never anything else
     for bad input.
     """
@@ -93,15 +96,18 @@ def decode(data: bytes, cls: type[T], max_bytes: int) -> T:
     if envelope["type"] != cls.__name__:
         raise WireError(f"expected message type {cls.__name__}, got {envelope['type']!r}")
     msg = _unpack(envelope["body"], cls, cls.__name__)
-    _validate(msg, cls.__name__)
+    _validate(msg, cls.__name__, vocab_size)
     return msg
 
 
-def _validate(msg: Any, path: str) -> None:
+def _validate(msg: Any, path: str, vocab_size: int | None = None) -> None:
     if not hasattr(msg, "validate"):
         return
     try:
-        msg.validate()
+        if vocab_size is not None and "vocab_size" in inspect.signature(msg.validate).parameters:
+            msg.validate(vocab_size)
+        else:
+            msg.validate()
     except MessageError as e:
         raise WireError(f"{path}: {e}") from e
     except Exception as e:  # noqa: BLE001 - any crash while checking untrusted data means the data is bad

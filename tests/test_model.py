@@ -243,12 +243,12 @@ def branch_base(backend, prompts) -> list[int]:
 def test_branch_matches_score(backend, branch_base):
     base, start = branch_base, 10
     L = len(base)
-    cuts = [90, 31, L, 60]  # unsorted; L = the whole base
+    cuts = [60, 21, L, 45]  # unsorted; L = the whole base
     conts = [
-        [base[90:110], [44, 4667, 46]],
+        [base[60:80], [44, 4667, 46]],
         [[9]],
         [[44, 4667], [], base[5:25]],
-        [base[60:81]],
+        [base[45:66]],
     ]
     t0 = time.perf_counter()
     res = backend.branch(base, start, cuts, conts, score_temperature=0.7)
@@ -275,21 +275,20 @@ def test_branch_matches_score(backend, branch_base):
         for x, y in zip(a, b):
             np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
     # start == len(base): nothing of the base is scored; only base[:max(cuts)] is run.
-    tail = backend.branch(base, L, [31], [[base[31:40]]])
+    tail = backend.branch(base, L, [21], [[base[21:30]]])
     assert tail.base_logprobs.shape == (0,)
-    np.testing.assert_allclose(tail.continuation_logprobs[0][0], backend.score([base[:40]], [31])[0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(tail.continuation_logprobs[0][0], backend.score([base[:30]], [21])[0], atol=1e-4, rtol=0)
     print(f"branch: {L} tokens, 4 cuts, 7 continuations: {elapsed:.2f} s")
 
 
 def test_branch_generation_is_a_seeded_sample(backend, branch_base):
     base = branch_base
-    cuts = [100, 40, MAX_LEN - 3]  # the last has no budget for 8 new tokens
-    base = base + [198] * max(0, MAX_LEN - 3 - len(base))
+    cuts = [len(base), 40]
     state = torch.get_rng_state()
     res = backend.branch(base, 1, cuts, generate_tokens=8, temperature=0.8, seed=5)
     assert torch.equal(state, torch.get_rng_state())  # the global RNG is untouched
-    assert res.generations[2] is None and res.continuation_logprobs == [[], [], []]
-    for c, g in zip(cuts[:2], res.generations[:2]):
+    assert res.continuation_logprobs == [[], []]
+    for c, g in zip(cuts, res.generations):
         assert isinstance(g, Generation) and 1 <= len(g.token_ids) == len(g.logprobs) <= 8
         if g.finish_reason == "stop":
             assert g.token_ids[-1] == backend.eos_token_id and backend.eos_token_id not in g.token_ids[:-1]
@@ -303,8 +302,13 @@ def test_branch_generation_is_a_seeded_sample(backend, branch_base):
         g and (g.token_ids, g.logprobs) for g in res.generations
     ]
     # Drawn as `generate` draws the same prompts with the same seed (same sampler and stream).
-    gens = backend.generate([base[:c] for c in cuts[:2]], 8, 0.8, seed=5)
-    assert [g.token_ids for g in gens] == [g.token_ids for g in res.generations[:2]]
+    gens = backend.generate([base[:c] for c in cuts], 8, 0.8, seed=5)
+    assert [g.token_ids for g in gens] == [g.token_ids for g in res.generations]
+    # A cut with no budget (cut + generate_tokens > max_model_len) gets None, not an error.
+    budget = MAX_LEN - len(base) + 1
+    assert not backend.fits(len(base), budget) and backend.fits(len(base), budget - 1)
+    none = backend.branch(base, len(base), [len(base)], [[[44]]], generate_tokens=budget, seed=0)
+    assert none.generations == [None] and none.continuation_logprobs[0][0].shape == (1,)
 
 
 def test_branch_errors(backend, branch_base):

@@ -167,9 +167,21 @@ class SourceSelection:
     alpha_M: np.ndarray
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
+def _softmax(x: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """softmax(x / temperature), finite for any temperature > 0 and infinite logits.
+
+    The max is subtracted BEFORE dividing, so a tiny temperature gives the
+    exact limit (one-hot on the max, ties shared) instead of inf - inf = NaN.
+    Logits that are already +inf share all the mass; all -inf gives uniform.
+    """
     z = np.asarray(x, dtype=np.float64)
-    z = np.exp(z - z.max())
+    top = z.max()
+    if np.isposinf(top):
+        z, top = np.where(np.isposinf(z), 0.0, -np.inf), 0.0
+    elif np.isneginf(top):
+        z, top = np.zeros_like(z), 0.0
+    with np.errstate(over="ignore", under="ignore"):
+        z = np.exp((z - top) / temperature)
     return z / z.sum()
 
 
@@ -249,7 +261,7 @@ def select_sources(
         after.append(ranked)
         if ranked:
             h = H[ranked, t].astype(np.float64)
-            w = _softmax(h / cfg.aggregation_temperature)
+            w = _softmax(h, cfg.aggregation_temperature)
             conf = np.clip((h - gamma) / max(1.0 - gamma, 1e-12), 0.0, 1.0)
             rho_M[t] = float((w * conf).sum())
             weights.append(w.astype(np.float32))
@@ -327,7 +339,7 @@ def dense_profiles(H_MM: np.ndarray, eligible_MM: np.ndarray, cfg: AlignSection)
         src = np.flatnonzero(E[:, t])
         if src.size == 0:
             continue
-        P[t, src] = _softmax(H[src, t] / cfg.profile_temperature)
+        P[t, src] = _softmax(H[src, t], cfg.profile_temperature)
         valid[t] = bool(H[src, t].max() >= cfg.similarity_threshold)
     return P, valid
 
@@ -577,17 +589,19 @@ def allocate(
     live = [m for m, (a, b) in enumerate(spans) if used[a:b].any()]
     if live:
         logits = []
-        for m in live:
-            a, b = spans[m]
-            keep = np.arange(a, b)[used[a:b]]
-            logits.append(math.log(Nf[keep].sum()) + s[keep].mean() / T)
-        budget_S[live] = _softmax(np.asarray(logits))
-        total = Nf[used].sum()
-        for m in live:
-            a, b = spans[m]
-            keep = np.arange(a, b)[used[a:b]]
-            q[keep] = _softmax(np.log(Nf[keep]) + s[keep] / T)
-            h[keep] = total * budget_S[m] * q[keep] / Nf[keep]
+        # s / T overflows to +-inf for a tiny T; `_softmax` takes that limit without NaN.
+        with np.errstate(over="ignore"):
+            for m in live:
+                a, b = spans[m]
+                keep = np.arange(a, b)[used[a:b]]
+                logits.append(math.log(Nf[keep].sum()) + s[keep].mean() / T)
+            budget_S[live] = _softmax(np.asarray(logits))
+            total = Nf[used].sum()
+            for m in live:
+                a, b = spans[m]
+                keep = np.arange(a, b)[used[a:b]]
+                q[keep] = _softmax(np.log(Nf[keep]) + s[keep] / T)
+                h[keep] = total * budget_S[m] * q[keep] / Nf[keep]
     lo, hi = density_bounds(cfg)
     hp = h.copy()
     active = False

@@ -10,14 +10,19 @@ hyper-parameters), so any replica can answer it.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from opsd import metrics
@@ -53,8 +58,12 @@ class Encoder:
         self._lock = threading.Lock()  # the torch module is not re-entrant across request threads
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        """Embed texts (whitespace collapsed); empty text -> zero vector (cosine 0, never NaN)."""
-        clean = [_WS.sub(" ", t).strip() for t in texts]
+        """Embed texts (whitespace collapsed); empty text -> zero vector (cosine 0, never NaN).
+
+        Text that is not valid Unicode (a lone surrogate, which JSON's "\\ud800"
+        can carry) is repaired first (the surrogate becomes "?"): the tokenizer cannot encode it.
+        """
+        clean = [_WS.sub(" ", t.encode("utf-8", "replace").decode("utf-8")).strip() for t in texts]
         out = np.zeros((len(clean), self.dim), dtype=np.float32)
         idx = [i for i, t in enumerate(clean) if t]
         if idx:
@@ -84,7 +93,8 @@ def cosine_matrix_faiss(query_QD: np.ndarray, base_ND: np.ndarray) -> np.ndarray
     for q in range(Q):
         keep = ids[q] >= 0
         out[q, ids[q][keep]] = scores[q][keep]
-    return out
+    # Float noise puts the inner product of a unit vector with itself at 1.0000001: a cosine is in [-1, 1].
+    return np.clip(out, -1.0, 1.0)
 
 
 class EmbedRequest(BaseModel):
@@ -170,9 +180,26 @@ def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:
     )
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float replaced by its name ("nan", "inf", "-inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
 def build_app(cfg: EmbedderSection, encoder: Encoder) -> FastAPI:
     """The embedder's FastAPI app (requests validated by pydantic; limits from `cfg`)."""
     app = FastAPI(title="opsd embedder")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the offending input, and a NaN/Infinity input
+        # (which Python's JSON parser accepts) cannot be serialized back: a 500 instead of 422.
+        return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(exc.errors()))})
 
     def _check_texts(texts: list[str]) -> None:
         if len(texts) > cfg.max_texts:
@@ -192,6 +219,8 @@ def build_app(cfg: EmbedderSection, encoder: Encoder) -> FastAPI:
     @app.post("/correspond", response_model=CorrespondResponse)
     def correspond_route(req: CorrespondRequest) -> CorrespondResponse:
         _check_texts([t.student_text for t in req.turns] + [t.teacher_text for t in req.turns])
+        if req.align.action_filter_enabled:  # the actions are embedded too, under the same limits
+            _check_texts([t.student_action for t in req.turns] + [t.teacher_action for t in req.turns])
         t0 = time.perf_counter()
         out = correspond(encoder, req)
         metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)

@@ -26,7 +26,7 @@ from opsd.chat import ChatFormat, decode, parse_response
 from opsd.config import EnvSection, RolloutSection
 from opsd.envs.textworld import EnvStep, TextWorldEnv, load_game
 from opsd.models.hf import NonFiniteLogitsError
-from opsd.types import FINISH_REASONS, RolloutGroup, TaskGroup, Trajectory, TurnRecord
+from opsd.types import FINISH_REASONS, LOGPROB_TOLERANCE, RolloutGroup, TaskGroup, Trajectory, TurnRecord
 from services.rollout import prompts
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ class RolloutStats:
 
     turns / valid_turns: agent turns played / with a format-valid action;
     wins: episodes won; generated_tokens: sampled tokens (all turns);
-    nonfinite_logprobs: sampled tokens whose log-prob came back NaN/inf (masked),
+    nonfinite_logprobs: sampled tokens whose log-prob came back NaN/inf or
+    clearly positive (masked),
     plus rows the backend refused for non-finite logits (those episodes end "error");
     length_finishes: responses cut by the token cap; truncated_episodes:
     episodes ended because the context budget ran out; generate_seconds /
@@ -151,8 +152,8 @@ def run_group(
         (RolloutGroup, RolloutStats). Trajectories are in rollout-id order
         ("r00", "r01", ...), with int32 ids, float32 sampler log-probs (0 off
         the loss mask) and uint8 loss mask; reward 1.0 for a won episode, else
-        0.0. Sampled tokens with a non-finite log-prob are masked (mask 0,
-        log-prob 0) and counted in `stats.nonfinite_logprobs`.
+        0.0. Sampled tokens with a non-finite or positive (> 1e-4) log-prob
+        are masked (mask 0, log-prob 0) and counted in `stats.nonfinite_logprobs`.
 
     Raises:
         ValueError: wrong env, prompt-format mismatch, or a malformed
@@ -294,12 +295,13 @@ def _play_turn(
     start = len(ep.ids)
     for tok, lp in zip(ids, lps):
         ep.ids.append(tok)
-        if math.isfinite(lp):
+        if math.isfinite(lp) and lp <= LOGPROB_TOLERANCE:
             # A sampled token's probability is <= 1; tiny positive values are float noise.
             ep.logprobs.append(min(lp, 0.0))
             ep.mask.append(1)
         else:
-            # Never ship NaN: the token stays in the ids but leaves the loss (case 5).
+            # Never ship NaN, nor a log-prob > 0 (a broken sampler, not noise): the
+            # token stays in the ids but leaves the loss (case 5).
             ep.logprobs.append(0.0)
             ep.mask.append(0)
             stats.nonfinite_logprobs += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 
 import httpx
@@ -72,38 +73,43 @@ def score_group(
 
     Returns the ScoredGroup (identity and corrected teacher log-probs aligned
     with each trajectory's token ids, 0 off the loss mask) and stats. Needs
-    `backend` to hold the group's policy version already. When the embedder
-    is None or fails, every turn falls back to its identity view (alpha = 0)
-    and `identity_fallback` is set.
+    `backend` to hold the group's policy version already. Every privileged
+    view of a trajectory's turns is a prefix of `prefix + token_ids_S`, so
+    each trajectory costs one cached forward per pass (`backend.branch`):
+    pass 1 gives the identity log-probs and the teacher's own response at
+    each turn; pass 2 (only where sources matched) scores the targets'
+    responses after each source turn's privileged history. Without an
+    embedder (methods other than AlignOPSD) there is no generation and no
+    pass 2. When the embedder fails, every turn falls back to its identity
+    view (alpha = 0) and `identity_fallback` is set.
     """
     t0 = time.perf_counter()
     stats = TeacherStats()
     max_len = cfg.model.max_model_len
     prefix = chat.privileged_prefix_ids(group.task.privileged_info)
+    P = len(prefix)
     trajs = group.trajectories
     turns = group.canonical_turns()
     M = len(turns)
+    bases = [prefix + t.token_ids_S.tolist() for t in trajs]
+    turn_cuts = [[P + rec.response_start for rec in t.turns] for t in trajs]  # privileged prompt lengths
+    seed = zlib.crc32(group.group_id.encode()) + 7919 * group.task.policy_version
 
-    def prompt_of(i: int, k: int) -> list[int]:
-        return trajs[i].token_ids_S[: trajs[i].turns[k].response_start].tolist()
+    # Pass 1: identity log-probs of every trajectory, and (AlignOPSD) the teacher's own response per turn.
+    budget = cfg.teacher.thinking_max_new_tokens if embedder is not None else 0
+    teacher_S: list[np.ndarray] = []
+    own: dict[tuple[int, int], str] = {}
+    for i, t in enumerate(trajs):
+        res = backend.branch(bases[i], P, turn_cuts[i] if budget else [], generate_tokens=budget,
+                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=seed + i)
+        teacher_S.append(np.where(t.loss_mask_S == 1, res.base_logprobs, 0.0).astype(np.float32))
+        for k, g in enumerate(res.generations):
+            if g is not None:
+                own[(i, k)] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
+                stats.generated_tokens += len(g.token_ids)
+    teacher_parsed = [parse_response(own[(i, k)], chat.prompt_format) if (i, k) in own else None for i, k in turns]
 
-    def response_of(i: int, k: int) -> list[int]:
-        return trajs[i].token_ids_S[trajs[i].response_slice(k)].tolist()
-
-    # 2. Privileged generation for every turn whose view fits the context.
-    budget = cfg.teacher.thinking_max_new_tokens
-    views = [prefix + prompt_of(i, k) for i, k in turns]
-    fits = [m for m in range(M) if len(views[m]) + budget <= max_len]
-    teacher_text = [""] * M
-    teacher_parsed = [None] * M
-    if fits:
-        gens = backend.generate([views[m] for m in fits], budget, cfg.rollout.temperature, cfg.rollout.top_p)
-        for m, g in zip(fits, gens):
-            teacher_text[m] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
-            teacher_parsed[m] = parse_response(teacher_text[m], chat.prompt_format)
-            stats.generated_tokens += len(g.token_ids)
-
-    # 3. Correspondences. Action-only format: the action text stands in for the thinking.
+    # Correspondences. Action-only format: the action text stands in for the thinking.
     use_action = chat.prompt_format == "action"
     student = [trajs[i].turns[k] for i, k in turns]
     teacher_thinking = [(p.action if use_action else p.thinking) if p and p.valid else "" for p in teacher_parsed]
@@ -113,7 +119,7 @@ def score_group(
     elig_MM = np.zeros((M, M), dtype=bool)
     rho_M = np.zeros(M, dtype=np.float32)
     alpha_M = np.zeros(M, dtype=np.float32)
-    if embedder is not None:
+    if embedder is not None and M:
         payload = {
             "task_id": group.group_id,
             "align": cfg.credit.alignopsd.model_dump(),
@@ -138,47 +144,45 @@ def score_group(
             elig_MM = np.asarray(resp["eligible"], dtype=bool).reshape(M, M)
             sources = [list(map(int, s)) for s in resp["selected_sources"]]
             weights = [list(map(float, w)) for w in resp["source_weights"]]
-            rho_M = np.asarray(resp["rho"], dtype=np.float32)
-            alpha_M = np.asarray(resp["alpha"], dtype=np.float32)
+            rho_M = np.asarray(resp["rho"], dtype=np.float32).reshape(M)
+            alpha_M = np.asarray(resp["alpha"], dtype=np.float32).reshape(M)
         except (httpx.HTTPError, KeyError, ValueError) as e:
             log.warning("group %s: embedder unavailable (%s); identity views only", group.group_id, e)
             stats.embedder_fallback = True
 
-    # 4a. Identity view: one forward per trajectory covers all of its turns.
-    seqs = [prefix + t.token_ids_S.tolist() for t in trajs]
-    identity = backend.score(seqs, [len(prefix)] * len(trajs), batch_size=cfg.teacher.score_batch_size)
-    teacher_S = [np.where(t.loss_mask_S == 1, lp, 0.0).astype(np.float32) for t, lp in zip(trajs, identity)]
+    # Pass 2: each target's response under each matched source turn's privileged history.
+    wanted: dict[int, dict[int, list[int]]] = {}  # source trajectory -> source turn -> target rows
+    for t, (ti, tk) in enumerate(turns):
+        n_resp = trajs[ti].turns[tk].response_end - trajs[ti].turns[tk].response_start
+        for s in sources[t]:
+            si, sk = turns[s]
+            if turn_cuts[si][sk] + n_resp <= max_len:  # a view past the context budget is dropped
+                wanted.setdefault(si, {}).setdefault(sk, []).append(t)
+    cross: dict[tuple[int, int], np.ndarray] = {}  # (target row, source row) -> log-probs [response]
+    for si, by_turn in wanted.items():
+        ks = sorted(by_turn)
+        conts = [[trajs[turns[t][0]].token_ids_S[trajs[turns[t][0]].response_slice(turns[t][1])].tolist() for t in by_turn[k]] for k in ks]
+        # start = len(base): only the prefix up to the last cut is run again, nothing re-scored.
+        res = backend.branch(bases[si], len(bases[si]), [turn_cuts[si][k] for k in ks], continuations=conts)
+        row_of = {turns[m]: m for m in range(M)}
+        for k, lps in zip(ks, res.continuation_logprobs):
+            for t, lp in zip(by_turn[k], lps):
+                cross[(t, row_of[(si, k)])] = lp
+    stats.sources = len(cross)
 
-    # 4b. Matched views: target t's response under source s's privileged history.
-    pairs = [(t, s) for t in range(M) for s in sources[t]]
-    cross_seqs, cross_starts, keep = [], [], []
-    for t, s in pairs:
-        ctx = prefix + prompt_of(*turns[s])
-        seq = ctx + response_of(*turns[t])
-        if len(seq) <= max_len:
-            cross_seqs.append(seq)
-            cross_starts.append(len(ctx))
-            keep.append((t, s))
-    cross = backend.score(cross_seqs, cross_starts, batch_size=cfg.teacher.score_batch_size) if cross_seqs else []
-    cross_by_pair = dict(zip(keep, cross))
-    stats.sources = len(keep)
-
-    # 5. Rectification per target turn (sources that did not fit are dropped, weights renormalized).
+    # Rectification per target turn (sources that did not fit are dropped, weights renormalized).
     corrected_S = [arr.copy() for arr in teacher_S]
     for t, (i, k) in enumerate(turns):
-        sl = trajs[i].response_slice(k)
-        ident_L = teacher_S[i][sl]
-        kept = [(s, w) for s, w in zip(sources[t], weights[t]) if (t, s) in cross_by_pair]
+        kept = [(s, w) for s, w in zip(sources[t], weights[t]) if (t, s) in cross]
         if not kept or alpha_M[t] == 0:
             continue
+        sl = trajs[i].response_slice(k)
         w_K = np.asarray([w for _, w in kept], dtype=np.float32)
-        w_K = w_K / w_K.sum()
-        cross_KL = np.stack([cross_by_pair[(t, s)] for s, _ in kept]).astype(np.float32)
+        cross_KL = np.stack([cross[(t, s)] for s, _ in kept]).astype(np.float32)
         _, corrected_L = alignopsd.rectify(
-            ident_L, cross_KL, w_K, float(alpha_M[t]), cfg.credit.alignopsd.aggregation_mode
+            teacher_S[i][sl], cross_KL, w_K / w_K.sum(), float(alpha_M[t]), cfg.credit.alignopsd.aggregation_mode
         )
-        mask_L = trajs[i].loss_mask_S[sl] == 1
-        corrected_S[i][sl] = np.where(mask_L, corrected_L, 0.0)
+        corrected_S[i][sl] = np.where(trajs[i].loss_mask_S[sl] == 1, corrected_L, 0.0)
 
     for t, lp in zip(trajs, teacher_S):
         mask = t.loss_mask_S == 1

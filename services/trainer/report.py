@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PLOTTED = (
     ("reward_mean", "mean episode reward"),
@@ -45,6 +46,7 @@ def plot_metrics(run_dir: Path) -> Path:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     fig.suptitle(f"opsd run: {Path(run_dir).name}")
     fig.tight_layout()

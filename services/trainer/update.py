@@ -60,16 +60,35 @@ def ppo_update(
     distribution the tokens were drawn from (bad-input case 6); `dtype` is the
     forward-pass convention shared with the sampler. `sampler_logprob_mismatch` = mean |sampler - trainer|
     log-prob over loss tokens (nats), the sampler/trainer agreement check.
+
+    Sequences without loss tokens add nothing to the loss or its gradient and
+    are left out. Sequences holding a token id outside the model's vocabulary
+    are left out too and counted in `dropped_sequences` (an embedding lookup
+    would crash the trainer). With no loss token at all (bad-input case 3)
+    nothing runs: the optimizer is not stepped, so AdamW momentum and weight
+    decay cannot move the weights on an empty batch. An epoch whose gradient
+    norm is not finite does not step the optimizer either (counted in
+    `skipped_steps`); the weights never see a NaN.
     """
-    model.train()
+    vocab = _vocab_size(model)
+    usable = [s for s in seqs if s.loss_mask_S.any()]
+    seqs = [s for s in usable if vocab is None or _ids_in_range(s.token_ids_S, vocab)]
+    dropped = len(usable) - len(seqs)
     total_tokens = float(sum(float(s.loss_mask_S.sum()) for s in seqs))
+    if total_tokens == 0:
+        return dict.fromkeys(
+            ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "loss_tokens"), 0.0
+        ) | {"dropped_sequences": float(dropped), "skipped_steps": 0.0}
+    model.train()
     micro = [seqs[j : j + cfg.micro_batch_size] for j in range(0, len(seqs), cfg.micro_batch_size)]
     batches = [_pad(mb) for mb in micro]
     old: list[torch.Tensor | None] = [None] * len(batches)
     sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0}
     grad_norm = 0.0
+    skipped = 0
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
+        epoch = dict.fromkeys(sums, 0.0)  # merged into sums only if the epoch's gradient is finite
         for j, b in enumerate(batches):
             with autocast(dtype):
                 logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
@@ -81,26 +100,30 @@ def ppo_update(
             if old[j] is None:
                 old[j] = lp.detach()
                 n = mask.sum().clamp_min(1)
-                sums["mismatch"] += float(((lp.detach() - b["sampler"][:, 1:]).abs() * mask).sum() / n) * float(mask.sum()) / max(total_tokens, 1)
+                epoch["mismatch"] += float(((lp.detach() - b["sampler"][:, 1:]).abs() * mask).sum() / n) * float(mask.sum()) / max(total_tokens, 1)
             loss, m = ppo_loss(
                 lp, old[j], b["adv"][:, 1:], mask, total_tokens,
                 cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
                 entropy_BT=ent, entropy_coef=cfg.entropy_coef,
             )
             loss.backward()
-            sums["loss"] += float(loss.detach())
+            epoch["loss"] += float(loss.detach())
             share = float(mask.sum()) / max(total_tokens, 1)
-            sums["clip_frac"] += float(m.get("clip_frac", 0.0)) * share
-            sums["entropy"] += float((ent.detach() * mask).sum()) / max(total_tokens, 1)
-            sums["ratio_dev_max"] = max(sums["ratio_dev_max"], float(m.get("ratio_dev_max", 0.0)))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        if not np.isfinite(grad_norm):
-            # A NaN gradient must never reach the weights: skip this optimizer step.
+            epoch["clip_frac"] += float(m["ppo/clip_frac"]) * share
+            epoch["entropy"] += float((ent.detach() * mask).sum()) / max(total_tokens, 1)
+            epoch["ratio_dev_max"] = max(epoch["ratio_dev_max"], float(m["ppo/ratio_dev_max"]))
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        if not np.isfinite(norm):
+            # A NaN gradient must never reach the weights: skip this optimizer step, count it.
             optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError("non-finite gradient norm; update skipped")
+            skipped += 1
+            continue
         optimizer.step()
+        grad_norm = norm
+        for k, v in epoch.items():
+            sums[k] = max(sums[k], v) if k == "ratio_dev_max" else sums[k] + v
     model.eval()
-    e = float(cfg.ppo_epochs)
+    e = float(max(cfg.ppo_epochs - skipped, 1))
     return {
         "loss": sums["loss"] / e,
         "clip_frac": sums["clip_frac"] / e,
@@ -109,4 +132,15 @@ def ppo_update(
         "ratio_dev_max": sums["ratio_dev_max"],
         "sampler_logprob_mismatch": sums["mismatch"],
         "loss_tokens": total_tokens,
+        "dropped_sequences": float(dropped),
+        "skipped_steps": float(skipped),
     }
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return int(emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else None
+
+
+def _ids_in_range(ids: np.ndarray, vocab: int) -> bool:
+    return ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab)

@@ -1,0 +1,603 @@
+"""Bad inputs against the real code paths: every case is one that crashed, hung, lost work or
+silently produced a wrong number before (see shared/cases/bad-inputs.md for cases 1-19).
+
+Fast (< 60 s): no LLM is loaded. The tokenizer comes from the model cache, the sentence
+encoder is the small packaged one, the PPO update runs on a tiny random Llama, and the queue
+tests use a real redis-server (the `redis_url` fixture or a private LocalRedis).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pydantic
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from opsd.config import AlignSection, CreditSection, EmbedderSection, RunConfig, TrainerSection
+from opsd.credit import alignopsd, compute_advantages, registered
+from opsd.queue import StreamNames, StreamQueue
+from opsd.redis_server import LocalRedis, connect, find_redis_server
+from opsd.types import MessageError, RolloutGroup, ScoredGroup, TaskGroup
+from opsd.wire import WireError, decode, encode
+from services.trainer.batch import build_credit_batch, scatter_advantages
+from services.trainer.update import Sequence, ppo_update
+from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, make_task
+
+LIMIT = 1 << 22
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tamper(data: bytes, edit) -> bytes:
+    env = msgpack.unpackb(data, raw=False)
+    edit(env)
+    return msgpack.packb(env, use_bin_type=True)
+
+
+# ================================================================ wire / message boundary
+
+
+def test_huge_group_size_is_rejected_on_the_wire():
+    # group_size 2**63 decoded fine and made the rollout worker try to build 9e18 games.
+    data = tamper(encode(make_task()), lambda env: env["body"].update(group_size=2**63))
+    with pytest.raises(WireError, match="group_size"):
+        decode(data, TaskGroup, LIMIT)
+    assert decode(encode(make_task(group_size=64)), TaskGroup, LIMIT).group_size == 64
+
+
+def test_group_shape_must_match_its_task_and_stay_bounded():
+    # A RolloutGroup could carry more trajectories than group_size, more turns than max_turns, and
+    # any number of turns: the teacher allocates [M, M] matrices per group (M = 10^6 -> 4 TB).
+    group = make_rollout_group(G=3, turns=3, seed=2)
+    for edit, match in (({"max_turns": 2}, "more turns than max_turns"), ({"group_size": 2}, "trajectories for group_size")):
+        bad = copy.deepcopy(group)
+        for k, v in edit.items():
+            setattr(bad.task, k, v)
+        with pytest.raises(WireError, match=match):
+            encode(bad)
+    huge = make_rollout_group(G=1, turns=1, seed=2)
+    traj = huge.trajectories[0]
+    S = len(traj.token_ids_S)
+    traj.turns += [dataclasses.replace(traj.turns[0], turn_id=k, response_start=S, response_end=S) for k in range(1, 4100)]
+    huge.task.max_turns = 5000
+    with pytest.raises(WireError, match="4100 turns > 4096"):
+        encode(huge)
+
+
+def test_reward_beyond_float32_is_rejected_not_a_trainer_crash():
+    # 1e39 is a finite float64, so it passed validation; the trainer casts rewards to
+    # float32 (inf) and compute_advantages raised mid-step, killing the trainer.
+    group = make_rollout_group(G=3, turns=2, seed=1)
+    data = tamper(encode(group), lambda env: env["body"]["trajectories"][0].update(reward=1e39))
+    with pytest.raises(WireError, match="reward"):
+        decode(data, RolloutGroup, LIMIT)
+    group.trajectories[0].reward = 1e6  # large but sane: finite advantages on every method
+    batch, _ = build_credit_batch([group], None)
+    for scope in ("turn", "trajectory"):
+        for norm in (True, False):
+            adv, metrics = compute_advantages("grpo", batch, CreditSection(grpo_scope=scope, norm_adv_by_std=norm))
+            assert np.isfinite(adv).all() and all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("field", ["teacher_logprobs_S", "corrected_logprobs_S"])
+def test_positive_teacher_logprob_is_rejected(field):
+    # A teacher log-prob of +50 (probability e^50) was accepted and silently inflated every gap.
+    scored = make_scored_group(G=2, turns=2, seed=3)
+    traj = scored.rollout.trajectories[0]
+    getattr(scored, field)[0][traj.loss_mask_S == 1] = 50.0
+    with pytest.raises(WireError, match="log-prob is positive"):
+        encode(scored)
+    with pytest.raises(MessageError):
+        scored.validate()
+
+
+def test_similarity_outside_unit_interval_is_rejected():
+    # H = 3e38 passed (finite) and turned every dense profile into NaN (softmax of inf - inf),
+    # silently changing the AlignOPSD segmentation threshold.
+    scored = make_scored_group(G=3, turns=2, seed=4)
+    bad = copy.deepcopy(scored)
+    bad.similarity_MM[0, 1] = 3e38
+    with pytest.raises(WireError, match="cosine outside"):
+        encode(bad)
+    noisy = copy.deepcopy(scored)
+    noisy.similarity_MM[0, 1] = np.float32(1.0000001)  # FAISS float noise is fine
+    assert decode(encode(noisy), ScoredGroup, LIMIT).similarity_MM[0, 1] > 1.0
+
+
+def test_token_id_beyond_vocab_is_rejected_when_the_consumer_knows_its_vocab(redis_client, stream_prefix):
+    group = make_rollout_group(G=2, turns=2, seed=5)
+    group.trajectories[1].token_ids_S[3] = VOCAB_SIZE + 7  # valid int32, not a token
+    data = encode(group)
+    assert decode(data, RolloutGroup, LIMIT).trajectories[1].token_ids_S[3] == VOCAB_SIZE + 7  # no vocab: unknown
+    with pytest.raises(WireError, match="vocab size"):
+        decode(data, RolloutGroup, LIMIT, vocab_size=VOCAB_SIZE)
+    # A queue that knows the vocabulary dead-letters it instead of handing it to an embedding lookup.
+    names = StreamNames(stream_prefix)
+    q = StreamQueue(redis_client, names.rollouts, "teacher", "t0", RolloutGroup, "teacher", LIMIT, names.dead,
+                    vocab_size=VOCAB_SIZE)
+    q.ensure_group()
+    redis_client.xadd(names.rollouts, {"data": data})
+    good = q.produce(make_rollout_group(G=2, turns=2, seed=6))
+    assert [d.entry_id for d in q.consume(block_ms=100, count=5)] == [good]
+    ((_, dead),) = redis_client.xrange(names.dead)
+    assert b"vocab size" in dead[b"error"]
+
+
+def test_msgpack_bombs_only_raise_wire_error():
+    body = msgpack.unpackb(encode(make_task()), raw=False)["body"]
+    deep = msgpack.packb({"schema": 1, "type": "TaskGroup", "body": {**body, "game": {"k": "HOLE"}}})
+    deep = deep.replace(msgpack.packb("HOLE"), b"\x91" * 100_000 + b"\xc0")  # 100k nested arrays
+    header_bomb = b"\x83" + msgpack.packb("schema") + b"\x01" + msgpack.packb("type") + msgpack.packb("TaskGroup") \
+        + msgpack.packb("body") + b"\xdd\xff\xff\xff\xff"  # claims 4 billion elements
+    ext = msgpack.packb({"schema": 1, "type": "TaskGroup", "body": {**body, "game": {"t": msgpack.Timestamp(1, 0)}}},
+                        datetime=False)
+    for data in (deep, header_bomb, ext, b"\xdf\xff\xff\xff\xff", b"\xc1", b""):
+        t0 = time.monotonic()
+        with pytest.raises(WireError):
+            decode(data, TaskGroup, LIMIT)
+        assert time.monotonic() - t0 < 1.0
+
+
+# ================================================================ credit assignment
+
+
+def _zero_turns(traj) -> None:
+    """Make `traj` an episode whose first prompt was too long: no turn, nothing to train."""
+    traj.turns = []
+    traj.loss_mask_S[:] = 0
+    traj.sampler_logprobs_S[:] = 0
+
+
+def _edge_groups(kind: str) -> list[ScoredGroup]:
+    if kind == "one_trajectory":  # case 2: the other rollouts failed to run
+        return [make_scored_group(G=1, turns=3, seed=11)]
+    sg = make_scored_group(G=4, turns=3, seed=12)
+    trajs = sg.rollout.trajectories
+    if kind in ("all_fail", "all_success"):
+        for t in trajs:
+            t.reward = 0.0 if kind == "all_fail" else 1.0
+            t.won = kind == "all_success"
+        return [sg]
+    if kind == "zero_loss_token_turns":  # every turn of one trajectory cut to prompt-only tokens
+        t = trajs[1]
+        t.loss_mask_S[:] = 0
+        t.sampler_logprobs_S[:] = 0
+        return [sg]
+    if kind == "one_zero_turn_trajectory":
+        rollout = make_rollout_group(G=4, turns=3, seed=13)
+        _zero_turns(rollout.trajectories[2])
+        return [_rescore(rollout)]
+    if kind == "all_zero_turn_trajectories":
+        rollout = make_rollout_group(G=3, turns=2, seed=14)
+        for t in rollout.trajectories:
+            _zero_turns(t)
+        return [_rescore(rollout)]
+    if kind == "two_groups_one_empty":
+        rollout = make_rollout_group(G=2, turns=1, seed=15)
+        for t in rollout.trajectories:
+            _zero_turns(t)
+        return [make_scored_group(G=3, turns=2, seed=16), _rescore(rollout)]
+    raise ValueError(kind)
+
+
+def _rescore(rollout: RolloutGroup) -> ScoredGroup:
+    """A ScoredGroup for `rollout` with identity views only (what the teacher sends without matches)."""
+    M = sum(len(t.turns) for t in rollout.trajectories)
+    teacher = [np.where(t.loss_mask_S == 1, t.sampler_logprobs_S - 0.1, 0).astype(np.float32) for t in rollout.trajectories]
+    sg = ScoredGroup(
+        rollout=rollout, teacher_version=0, teacher_logprobs_S=teacher, corrected_logprobs_S=[a.copy() for a in teacher],
+        teacher_thinking_M=[""] * M, similarity_MM=np.zeros((M, M), np.float32), eligible_MM=np.zeros((M, M), bool),
+        selected_sources_M=[[] for _ in range(M)], source_weights_M=[[] for _ in range(M)],
+        rho_M=np.zeros(M, np.float32), alpha_M=np.zeros(M, np.float32),
+    )
+    sg.validate()
+    return sg
+
+
+EDGE_KINDS = ["one_trajectory", "all_fail", "all_success", "zero_loss_token_turns", "one_zero_turn_trajectory",
+              "all_zero_turn_trajectories", "two_groups_one_empty"]
+
+
+@pytest.mark.parametrize("kind", EDGE_KINDS)
+@pytest.mark.parametrize("scope", ["turn", "trajectory"])
+def test_every_method_on_edge_groups_through_the_trainer_path(kind, scope):
+    scored = _edge_groups(kind)
+    for sg in scored:
+        decode(encode(sg), ScoredGroup, LIMIT)  # each edge group is a legal wire message
+    groups = [s.rollout for s in scored]
+    batch, rows = build_credit_batch(groups, scored)
+    cfg = CreditSection(grpo_scope=scope, use_invalid_action_penalty=False)
+    for method in registered():
+        adv_ML, metrics = compute_advantages(method, batch, cfg)
+        assert adv_ML.shape == batch.loss_mask_ML.shape and adv_ML.dtype == np.float32
+        assert np.isfinite(adv_ML).all() and not adv_ML[batch.loss_mask_ML == 0].any(), method
+        assert all(math.isfinite(v) for v in metrics.values()), (method, metrics)
+        adv = scatter_advantages(groups, rows, adv_ML)
+        for (g, i), a in adv.items():
+            traj = groups[g].trajectories[i]
+            assert a.shape == traj.token_ids_S.shape and not a[traj.loss_mask_S == 0].any()
+        if method in ("grpo", "alignopsd") and kind in ("one_trajectory", "all_fail", "all_success"):
+            assert not adv_ML.any(), (method, "no sibling to compare with / all equal: advantage 0")
+
+
+def test_case1_through_the_trainer_path():
+    # [0.95] + [0.35]*7 in float32: the seven equal rewards must not blow up (std two-pass, float64).
+    rewards = [0.95] + [0.35] * 7
+    group = make_rollout_group(G=8, turns=2, seed=21, rewards=rewards)
+    batch, rows = build_credit_batch([group], None)
+    # trajectory scope: std over 8 values (ddof 1); turn scope: each reward twice, std over 16 rows.
+    for scope, (hi, lo) in {"trajectory": (2.4748737, -0.35355339), "turn": (2.5617376, -0.36596253)}.items():
+        adv_ML, _ = compute_advantages("grpo", batch, CreditSection(grpo_scope=scope, use_invalid_action_penalty=False))
+        per_row = np.array([adv_ML[m][batch.loss_mask_ML[m] == 1][0] for m in range(batch.num_rows)])
+        first = np.array([traj == 0 for _, traj, _ in rows])
+        np.testing.assert_allclose(per_row[first], hi, rtol=1e-5)
+        np.testing.assert_allclose(per_row[~first], lo, rtol=1e-5)
+
+
+def test_tiny_temperatures_give_the_limit_not_nan():
+    # Temperatures only had to be > 0: 1e-320 made H/T overflow and softmax(inf - inf) = NaN,
+    # so source weights, rho and alpha came out NaN (sent as JSON null), and a tiny
+    # credit temperature raised "non-finite advantage" inside the trainer.
+    H = np.array([[0, 0.9, 0.8], [0.9, 0, 0.7], [0.8, 0.7, 0]], np.float32)
+    E = ~np.eye(3, dtype=bool)
+    cfg = AlignSection(aggregation_temperature=1e-320, profile_temperature=1e-320, action_filter_enabled=False,
+                       top_k=2, similarity_threshold=0.5)
+    sel = alignopsd.select_sources(H, E, cfg, rollout_id=["a", "b", "c"])
+    np.testing.assert_array_equal(sel.weights[0], [1.0, 0.0])  # the limit: all weight on the best source
+    assert np.isfinite(sel.rho_M).all() and np.isfinite(sel.alpha_M).all()
+    P, _ = alignopsd.dense_profiles(H, E, cfg)
+    np.testing.assert_array_equal(P[0], [0.0, 1.0, 0.0])
+    sg = make_scored_group(G=4, turns=4, seed=3)
+    batch, _ = build_credit_batch([sg.rollout], [sg])
+    for T in (1e-320, 1e-300, 1e-30):
+        adv, metrics = compute_advantages("alignopsd", batch, CreditSection(alignopsd=AlignSection(credit_temperature=T)))
+        assert np.isfinite(adv).all() and all(math.isfinite(v) for v in metrics.values())
+
+
+# ================================================================ PPO update (tiny random Llama, no LLM)
+
+
+def _tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _seqs(adv: float = 1.0, mask_on: bool = True) -> list[Sequence]:
+    rng = np.random.default_rng(0)
+    out = []
+    for n in (10, 14, 7):
+        ids = rng.integers(0, 64, n).astype(np.int32)
+        mask = np.zeros(n, np.uint8)
+        if mask_on:
+            mask[n // 2:] = 1
+        out.append(Sequence(ids, mask, np.where(mask == 1, adv, 0).astype(np.float32), np.zeros(n, np.float32)))
+    return out
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ppo_update_reports_clip_fraction_and_ratio_deviation():
+    # The trainer read m["clip_frac"] / m["ratio_dev_max"] but ppo_loss returns "ppo/..." keys:
+    # both metrics were always 0 whatever the update did.
+    model = _tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=50.0)
+    m = ppo_update(model, opt, _seqs(), TrainerSection(micro_batch_size=2, entropy_coef=0.0, ppo_epochs=3))
+    assert m["ratio_dev_max"] > 0.05 and m["clip_frac"] > 0.0
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_all_masked_step_never_moves_the_weights():
+    # Case 3 for a whole step: zero gradient, but AdamW's momentum and weight decay still moved
+    # every weight when the optimizer was stepped on an empty batch.
+    model = _tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ppo_update(model, opt, _seqs(), TrainerSection())  # a real step first: the optimizer has momentum
+    before = _state(model)
+    m = ppo_update(model, opt, _seqs(mask_on=False), TrainerSection())
+    assert _same(before, model.state_dict())
+    assert m["loss"] == 0.0 and m["loss_tokens"] == 0.0 and all(math.isfinite(v) for v in m.values())
+
+
+def test_out_of_vocab_ids_are_dropped_not_a_trainer_crash():
+    # An id >= the embedding size crashed the trainer with IndexError (a device assert on GPU).
+    model = _tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    seqs = _seqs()
+    seqs[1].token_ids_S[2] = 64
+    before = _state(model)
+    m = ppo_update(model, opt, seqs, TrainerSection(micro_batch_size=2))
+    assert m["dropped_sequences"] == 1.0 and m["loss_tokens"] == 5 + 4  # the two good sequences trained
+    assert not _same(before, model.state_dict()) and all(math.isfinite(v) for v in m.values())
+
+
+def test_nonfinite_gradient_skips_the_step_without_crashing_or_nan_metrics():
+    # A NaN loss raised FloatingPointError out of ppo_update, which nothing caught: the trainer died.
+    model = _tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight[5, 0] = float("inf")  # every logit row holds an inf: NaN log-probs
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = _state(model)
+    m = ppo_update(model, opt, _seqs(), TrainerSection(ppo_epochs=2))
+    assert m["skipped_steps"] == 2.0 and _same(before, model.state_dict())
+    assert all(math.isfinite(v) for v in m.values()), m
+
+
+def test_zero_turn_groups_flow_through_every_trainer_piece():
+    # All G episodes truncated before their first turn: no rows, no loss tokens, no NaN, no update.
+    scored = _edge_groups("all_zero_turn_trajectories")
+    groups = [s.rollout for s in scored]
+    batch, rows = build_credit_batch(groups, scored)
+    assert batch.num_rows == 0
+    adv_ML, _ = compute_advantages("alignopsd", batch, CreditSection())
+    adv = scatter_advantages(groups, rows, adv_ML)
+    model = _tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seqs = [Sequence(t.token_ids_S % 64, t.loss_mask_S, adv[(0, i)], t.sampler_logprobs_S)
+            for i, t in enumerate(groups[0].trajectories)]
+    before = _state(model)
+    m = ppo_update(model, opt, seqs, TrainerSection())
+    assert _same(before, model.state_dict()) and m["loss_tokens"] == 0.0
+
+
+# ================================================================ rollout episodes (real tokenizer, fake sampler)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    import transformers
+
+    from opsd.config import ModelSection
+    from opsd.models.hf import ensure_model
+
+    return transformers.AutoTokenizer.from_pretrained(ensure_model(ModelSection()), local_files_only=True)
+
+
+@dataclass
+class _Gen:
+    token_ids: list
+    logprobs: list
+    finish_reason: str
+
+
+class _Sampler:
+    """A backend whose turn `call` replies `replies[call]` = (ids, logprobs, finish) to every row."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.calls = tokenizer, replies, 0
+        self.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.vocab_size, self.policy_version, self.max_model_len = len(tokenizer), 0, 2048
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seed=None):
+        assert max_new_tokens >= 1
+        ids, lps, finish = self.replies[min(self.calls, len(self.replies) - 1)](self)
+        self.calls += 1
+        return [_Gen(list(ids), list(lps), finish) for _ in prompts]
+
+
+def test_positive_sampler_logprob_is_masked_and_empty_generation_is_harmless(tokenizer, tmp_path):
+    from opsd.chat import ChatFormat
+    from opsd.config import EnvSection, RolloutSection
+    from opsd.envs import make_games
+    from services.rollout.episodes import run_group
+
+    env = EnvSection(game_pool=1, seed=1234, max_turns=3)
+    game = make_games(env, tmp_path)[0]
+    look = tokenizer.encode("look</action>", add_special_tokens=False)
+
+    def positive(b):  # a broken sampler: log-prob +3 means probability e^3
+        ids = look + [b.eos_token_id]
+        return ids, [3.0] + [-0.5] * (len(ids) - 1), "stop"
+
+    def empty(b):  # a sampler that stops at once: a turn with zero loss tokens
+        return [], [], "stop"
+
+    backend = _Sampler(tokenizer, [positive, empty])
+    task = TaskGroup(group_id="g-bad", task_id=game.task_id, step=0, policy_version=0, group_size=2, env="textworld",
+                     game=game.to_dict(), privileged_info=game.privileged_info(), max_turns=3)
+    group, stats = run_group(task, backend, ChatFormat(tokenizer, "action"), env, RolloutSection(group_size=2, max_new_tokens=8),
+                             2048, seed=0)
+    decode(encode(group), RolloutGroup, LIMIT, vocab_size=len(tokenizer))
+    assert stats.nonfinite_logprobs == 2  # one per episode, counted like a NaN (case 5)
+    for traj in group.trajectories:
+        t0, t1 = traj.turns[:2]
+        assert traj.loss_mask_S[t0.response_start] == 0 and traj.sampler_logprobs_S[t0.response_start] == 0.0
+        assert (traj.sampler_logprobs_S <= 0).all()
+        assert t1.response_start == t1.response_end and not t1.format_valid  # empty reply: invalid, no loss token
+    batch, _ = build_credit_batch([group], None)
+    adv, _ = compute_advantages("grpo", batch, CreditSection())
+    assert np.isfinite(adv).all()
+
+
+# ================================================================ embedder (real small encoder)
+
+
+@pytest.fixture(scope="module")
+def embedder_client():
+    from fastapi.testclient import TestClient
+
+    from services.embedder.app import Encoder, build_app
+
+    app = build_app(EmbedderSection(max_texts=64, max_text_chars=500), Encoder("all-MiniLM-L6-v2"))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _turn(rid: str, text: str = "go north", **kw) -> dict:
+    return {"rollout_id": rid, "turn_id": 0, "student_text": text, "teacher_text": text, "student_valid": True,
+            "teacher_valid": True, "student_action": text, "teacher_action": text, **kw}
+
+
+def test_embedder_repairs_invalid_unicode_instead_of_500(embedder_client):
+    # JSON can carry a lone surrogate; the tokenizer cannot encode it: 500 Internal Server Error.
+    r = embedder_client.post("/embed", content='{"texts": ["go \\ud800 north", "a\\u0000b", "🙂🙂", ""]}',
+                             headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    vecs = np.asarray(r.json()["vectors"], np.float32)
+    assert np.isfinite(vecs).all() and np.allclose(np.linalg.norm(vecs[:3], axis=1), 1.0, atol=1e-5)
+    assert not vecs[3].any()
+
+
+@pytest.mark.parametrize("value", ["NaN", "-Infinity", "Infinity"])
+def test_embedder_rejects_non_finite_hyper_parameters(embedder_client, value):
+    # similarity_threshold -Infinity gave rho = inf/inf = NaN, answered 200 with JSON nulls, and the
+    # teacher then failed the whole group in rectify (alpha NaN).
+    body = ('{"task_id": "t", "turns": [%s, %s], "align": {"similarity_threshold": %s, "action_filter_enabled": false}}'
+            % (str(_turn("a")).replace("'", '"').replace("True", "true"),
+               str(_turn("b")).replace("'", '"').replace("True", "true"), value))
+    r = embedder_client.post("/correspond", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+
+
+def test_embedder_limits_cover_the_action_texts_and_cosines_stay_in_range(embedder_client):
+    long_action = _turn("a", student_action="x" * 10_000)
+    r = embedder_client.post("/correspond", json={"task_id": "t", "turns": [long_action, _turn("b")]})
+    assert r.status_code == 413  # the action filter embeds actions too: same size limit as the thinking
+    r = embedder_client.post("/correspond", json={"task_id": "t", "turns": [_turn("a"), _turn("b"), _turn("c")]})
+    assert r.status_code == 200
+    H = np.asarray(r.json()["similarity"])
+    assert np.abs(H).max() <= 1.0  # identical texts gave 1.0000001 out of FAISS
+
+
+# ================================================================ queues on a real redis-server
+
+
+_VICTIM = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from opsd.redis_server import connect
+from opsd.queue import StreamQueue
+from opsd.types import RolloutGroup
+q = StreamQueue(connect(os.environ["VICTIM_REDIS_URL"], 1000), sys.argv[2], "teacher", "victim", RolloutGroup,
+                "teacher", 1 << 22, sys.argv[3])
+(d,) = q.consume(block_ms=1000)
+print(d.entry_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # dies holding the job, before any ack
+"""
+
+
+def test_case17_sigkilled_worker_job_is_redelivered_and_counted_once(redis_url, redis_client, stream_prefix):
+    names = StreamNames(stream_prefix)
+    survivor = StreamQueue(redis_client, names.rollouts, "teacher", "survivor", RolloutGroup, "teacher", LIMIT, names.dead)
+    survivor.ensure_group()
+    entry = survivor.produce(make_rollout_group(seed=17))
+    victim = subprocess.run([sys.executable, "-c", _VICTIM, str(ROOT), names.rollouts, names.dead],
+                            env={**os.environ, "VICTIM_REDIS_URL": redis_url}, capture_output=True, text=True, timeout=60)
+    assert victim.returncode == -signal.SIGKILL and victim.stdout.strip() == entry, victim.stderr
+    assert survivor.consume(block_ms=0) == []  # not new any more: only a reclaim can get it
+    time.sleep(0.06)
+    (d,) = survivor.reclaim(min_idle_ms=50)
+    assert d.entry_id == entry and d.deliveries == 2
+    assert survivor.produce_then_ack(names.scored, make_scored_group(seed=17), d.entry_id) is not None
+    time.sleep(0.06)
+    assert survivor.reclaim(min_idle_ms=50) == [] and survivor.depth() == (0, 0)
+    assert redis_client.xlen(names.scored) == 1  # one output for one job
+
+
+def test_redis_restart_does_not_kill_consumers(tmp_path):
+    # A restarted redis-server (no persistence) has no consumer groups: every XREADGROUP,
+    # XAUTOCLAIM and ack answered NOGROUP forever and the role loops crashed.
+    server = LocalRedis(tmp_path / "redis.log").start()
+    try:
+        client = connect(server.url, block_ms=1500)
+        q = StreamQueue(client, "s:tasks", "rollout", "c1", TaskGroup, "rollout", LIMIT, "s:dead")
+        q.ensure_group()
+        q.produce(make_task(seed=1))
+        (held,) = q.consume(block_ms=100)
+        result: dict = {}
+
+        def blocked():
+            try:
+                result["value"] = q.consume(block_ms=1500)
+            except Exception as e:  # noqa: BLE001 - the assertion below shows it
+                result["value"] = e
+
+        reader = threading.Thread(target=blocked)
+        reader.start()
+        time.sleep(0.3)  # the reader is blocked inside XREADGROUP
+        server.process.kill()
+        server.process.wait()
+        server.process = subprocess.Popen([find_redis_server(), str(Path(server._dir) / "redis.conf")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        reader.join(timeout=20)
+        assert result["value"] == [], result["value"]
+        assert q.ack(held.entry_id) is False and q.keep_alive([held.entry_id]) == 0  # the held job died with the server
+        assert q.produce_then_ack("s:rollouts", make_rollout_group(seed=1), held.entry_id) is None
+        assert q.reclaim(min_idle_ms=0) == [] and q.depth() == (0, 0)
+        again = q.produce(make_task(seed=2))  # work after the restart flows again
+        (d,) = q.consume(block_ms=100)
+        assert d.entry_id == again and q.ack(d.entry_id)
+        client.close()
+    finally:
+        server.stop()
+
+
+# ================================================================ config and CLI
+
+
+@pytest.mark.parametrize("text, where", [
+    ("trainer:\n  lr: .inf\n", "trainer.lr"),
+    ("credit:\n  opd_coef: .nan\n", "credit.opd_coef"),
+    ("credit:\n  alignopsd:\n    similarity_threshold: -.inf\n", "similarity_threshold"),
+    ("credit:\n  alignopsd:\n    density_upper_bound: 0.5\n", "density_upper_bound"),  # box [0, 0.5] cannot hold mean 1
+])
+def test_config_rejects_values_that_fail_mid_run(tmp_path, text, where):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(pydantic.ValidationError, match=where.split(".")[-1]):
+        RunConfig.load(path)
+
+
+@pytest.mark.parametrize("text, args, expect", [
+    ("run:\n  stpes: 3\n", [], "run.stpes: Extra inputs are not permitted"),
+    ("run: [\n", [], "cannot read it as YAML"),
+    ("- 1\n- 2\n", [], "top level must be a mapping"),
+    ("run:\n  steps: -1\n", [], "run.steps: Input should be greater than or equal to 1"),
+    ("model:\n  dtype: '[bold]fp8'\n", [], "model.dtype"),
+    ("run:\n  steps: 2\n", ["--steps", "0"], "run.steps: Input should be greater than or equal to 1"),
+    ("trainer:\n  lr: .nan\n", [], "trainer.lr: Input should be a finite number"),
+])
+def test_cli_bad_config_gives_a_short_message_not_a_traceback(tmp_path, text, args, expect):
+    from typer.testing import CliRunner
+
+    from opsd.cli import app
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs"), *args])
+    assert result.exit_code == 2, result.output
+    assert expect in result.output and "Traceback" not in result.output
+    assert len(result.output.splitlines()) <= 8
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_cli_progress_reader_skips_a_half_written_metrics_line(tmp_path):
+    # The CLI polled metrics.jsonl while the trainer appended to it; a half-written last line
+    # went to json.loads and the JSONDecodeError took the CLI (and every service) down.
+    from opsd.cli import complete_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 0.1}\n{"step": 1, "lo')
+    assert complete_lines(path) == ['{"step": 0, "loss": 0.1}']
+    path.write_text('{"step": 0, "loss": 0.1}\n{"step": 1, "loss": 0.2}\n')
+    assert len(complete_lines(path)) == 2
+    assert complete_lines(tmp_path / "missing.jsonl") == []
