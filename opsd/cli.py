@@ -168,6 +168,20 @@ class Services:
                 p.wait()
 
 
+def new_run_dir(output_dir: Path, name: str) -> Path:
+    """Create `<output_dir>/<name>-<timestamp>[-N]/logs` (a suffix when two runs start in the same second)."""
+    stamp = f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        run_dir = output_dir.resolve() / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            run_dir.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        (run_dir / "logs").mkdir()
+        return run_dir
+    raise FileExistsError(f"no free run directory for {stamp} in {output_dir}")
+
+
 def tail(path: Path, n: int = 30) -> str:
     if not path.exists():
         return ""
@@ -184,9 +198,8 @@ def run(
     from opsd.redis_server import resolve_redis_url
 
     cfg = load_config(config, steps=steps, output_dir=None if output_dir is None else str(output_dir))
-    run_id = f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.run.output_dir).resolve() / run_id
-    (run_dir / "logs").mkdir(parents=True)
+    run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
+    run_id = run_dir.name
     cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_id}"
     resolved = run_dir / "config.yaml"
     cfg.dump(resolved)

@@ -158,6 +158,17 @@ class RunConfig(_Section):
     credit: CreditSection = CreditSection()
     trainer: TrainerSection = TrainerSection()
 
+    @model_validator(mode="after")
+    def _distillation_temperature(self) -> "RunConfig":
+        # The teacher scores at T = 1 and the gap subtracts the sampler's log-probs:
+        # both must use one temperature convention (bad-input case 7).
+        if self.needs_teacher and self.rollout.temperature != 1.0:
+            raise ValueError(
+                f"run.method={self.run.method} distills against sampler log-probs taken at the rollout temperature; "
+                f"it must be 1.0 (got {self.rollout.temperature}); only method grpo may sample at another temperature"
+            )
+        return self
+
     @property
     def needs_teacher(self) -> bool:
         return self.run.method != "grpo"

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from opsd.config import RunConfig
 
+DEPTH_EVERY_S = 10.0  # how often a worker exports its stream's lag/pending gauges
 BIND_HOST_ENV = "OPSD_BIND_HOST"  # 0.0.0.0 inside containers; loopback by default
 
 
@@ -132,10 +133,24 @@ def consume_forever(proc: RoleProcess, queue, out_stream: str, handle: Callable[
     """
     from opsd.wire import WireError
 
+    import redis
+
     log = logging.getLogger(proc.role)
+    last_depth = 0.0
+    backoff = 1.0
     while not proc.stop.is_set():
-        queue.depth()  # exports this stream's lag and pending count
-        deliveries = queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
+        try:
+            if time.monotonic() - last_depth > DEPTH_EVERY_S:  # lag can cost a scan on old servers: not every loop
+                queue.depth()
+                last_depth = time.monotonic()
+            deliveries = queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
+            backoff = 1.0
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            # Redis restarting or unreachable: wait and retry; pending jobs are kept by the server.
+            log.warning("redis unavailable (%s); retrying in %.0fs", e, backoff)
+            proc.stop.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+            continue
         for d in deliveries:
             if proc.stop.is_set():
                 return

@@ -23,10 +23,10 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from opsd import metrics
-from opsd.config import AlignSection, EmbedderSection
+from opsd.config import EmbedderSection
+from opsd.embedding_api import CorrespondRequest, CorrespondResponse, EmbedRequest, EmbedResponse
 from opsd.credit import alignopsd
 
 ROLE = "embedder"
@@ -95,48 +95,6 @@ def cosine_matrix_faiss(query_QD: np.ndarray, base_ND: np.ndarray) -> np.ndarray
         out[q, ids[q][keep]] = scores[q][keep]
     # Float noise puts the inner product of a unit vector with itself at 1.0000001: a cosine is in [-1, 1].
     return np.clip(out, -1.0, 1.0)
-
-
-class EmbedRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    texts: list[str] = Field(max_length=100_000)
-
-
-class EmbedResponse(BaseModel):
-    dim: int
-    vectors: list[list[float]]
-
-
-class CorrespondTurn(BaseModel):
-    """One turn of the group, in canonical order. `*_text` is the thinking (or, in the
-    action-only format, the action text: a documented deviation for models that do not think)."""
-
-    model_config = ConfigDict(extra="forbid")
-    rollout_id: str
-    turn_id: int = Field(ge=0)
-    data_source: str = "env"
-    student_text: str
-    teacher_text: str
-    student_valid: bool
-    teacher_valid: bool
-    student_action: str = ""
-    teacher_action: str = ""
-
-
-class CorrespondRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    task_id: str
-    turns: list[CorrespondTurn] = Field(min_length=1)
-    align: AlignSection = AlignSection()
-
-
-class CorrespondResponse(BaseModel):
-    similarity: list[list[float]]  # [source][target]
-    eligible: list[list[bool]]
-    selected_sources: list[list[int]]
-    source_weights: list[list[float]]
-    rho: list[float]
-    alpha: list[float]
 
 
 def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:

@@ -43,6 +43,7 @@ def main() -> None:
     queue = StreamQueue(
         client, streams.tasks, group=ROLE, consumer=f"{ROLE}-{socket.gethostname()}-{os.getpid()}", cls=TaskGroup,
         role=ROLE, max_bytes=cfg.redis.max_message_bytes, dead_stream=streams.dead, max_deliveries=cfg.redis.max_deliveries,
+        vocab_size=backend.vocab_size,
     )
     queue.ensure_group()
     proc.status.update(policy_version=backend.policy_version, ready=True)

@@ -24,6 +24,7 @@ import numpy as np
 from opsd.chat import ChatFormat, decode, parse_response
 from opsd.config import RunConfig
 from opsd.credit import alignopsd
+from opsd.embedding_api import CorrespondResponse
 from opsd.types import RolloutGroup, ScoredGroup
 
 log = logging.getLogger("teacher")
@@ -139,14 +140,13 @@ def score_group(
             ],
         }
         try:
-            resp = embedder.correspond(payload)
-            H_MM = np.asarray(resp["similarity"], dtype=np.float32).reshape(M, M)
-            elig_MM = np.asarray(resp["eligible"], dtype=bool).reshape(M, M)
-            sources = [list(map(int, s)) for s in resp["selected_sources"]]
-            weights = [list(map(float, w)) for w in resp["source_weights"]]
-            rho_M = np.asarray(resp["rho"], dtype=np.float32).reshape(M)
-            alpha_M = np.asarray(resp["alpha"], dtype=np.float32).reshape(M)
-        except (httpx.HTTPError, KeyError, ValueError) as e:
+            resp = CorrespondResponse.model_validate(embedder.correspond(payload)).check(M)
+            H_MM = np.asarray(resp.similarity, dtype=np.float32)
+            elig_MM = np.asarray(resp.eligible, dtype=bool)
+            sources, weights = resp.selected_sources, resp.source_weights
+            rho_M = np.asarray(resp.rho, dtype=np.float32)
+            alpha_M = np.asarray(resp.alpha, dtype=np.float32)
+        except (httpx.HTTPError, ValueError) as e:  # pydantic's ValidationError is a ValueError
             log.warning("group %s: embedder unavailable (%s); identity views only", group.group_id, e)
             stats.embedder_fallback = True
 

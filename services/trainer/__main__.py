@@ -115,6 +115,7 @@ def main() -> None:
         client, streams.scored if cfg.needs_teacher else streams.rollouts, group=ROLE,
         consumer=f"{ROLE}-{socket.gethostname()}-{os.getpid()}", cls=in_cls, role=ROLE,
         max_bytes=cfg.redis.max_message_bytes, dead_stream=streams.dead, max_deliveries=cfg.redis.max_deliveries,
+        vocab_size=backend.vocab_size,
     )
     queue.ensure_group()
     version = 0
