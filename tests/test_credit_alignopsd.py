@@ -16,17 +16,15 @@ from opsd.config import AlignSection, CreditSection
 from opsd.credit import compute_advantages, permute_batch
 from opsd.credit.alignopsd import (
     alignopsd_credit,
-    credit_section_from_reference_config,
-    parse_response,
     project_density,
     rectify,
-    run_reference_case,
     segment_trajectory,
     select_sources,
     similarity_matrix,
     structural_mask,
     webshop_actions_agree,
 )
+from opsd.credit.reference import credit_section_from_reference_config, parse_response, run_reference_case
 from opsd.types import CreditBatch
 
 

@@ -3,7 +3,7 @@
 The pipeline runs these pieces in different services, so each is a pure
 function named after the role that calls it:
 
-- embedder (§4.1): `parse_response`, `similarity_matrix`, `structural_mask`,
+- embedder (§4.1): `similarity_matrix`, `structural_mask`,
   `select_sources` (threshold, one source per sibling rollout, top-K, action
   filter, weights, rho, alpha).
 - teacher (§4.2): `rectify` (probability mixture / log mean of the matched
@@ -13,7 +13,8 @@ function named after the role that calls it:
   (`project_density`), `invalid_action_residual`, composed by
   `alignopsd_credit` and the registered `alignopsd` estimator.
 
-`run_reference_case` runs a refvector file through exactly these functions.
+`opsd.credit.reference.run_reference_case` runs a refvector file through
+exactly these functions.
 
 Conventions: M turn rows in canonical order (task_id, rollout_id, turn_id);
 `_MM` matrices are [source, target] except the dense profiles, which are
@@ -36,7 +37,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -47,32 +48,7 @@ from opsd.types import CreditBatch
 
 EmptyTurns = Literal["weight_one", "error"]
 
-# ---------------------------------------------------------------- parsing (§0)
-
-_FLAGS = re.IGNORECASE | re.DOTALL
-_THINK_RE = re.compile(r"<think>(.*?)</think>", _FLAGS)
-_ACTION_RES = tuple(re.compile(rf"<{tag}>(.*?)</{tag}>", _FLAGS) for tag in ("action", "search", "answer"))
 _WEBSHOP_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
-
-
-def parse_response(text: str | None) -> tuple[str, str]:
-    """(thinking, action) of a decoded response, per spec §0 "Response parsing".
-
-    Thinking = the first case-insensitive `<think>...</think>` content,
-    stripped. Action = the first `<action>`, else `<search>`, else `<answer>`
-    content, stripped, searched only outside that thinking block (an action
-    written inside the thinking never counts). "" means invalid/absent.
-    """
-    value = "" if text is None else str(text)
-    think = _THINK_RE.search(value)
-    thinking = think.group(1).strip() if think else ""
-    outside = value[: think.start()] + value[think.end() :] if think else value
-    for pattern in _ACTION_RES:
-        match = pattern.search(outside)
-        if match:
-            return thinking, match.group(1).strip()
-    return thinking, ""
-
 
 # ---------------------------------------------------------------- embedder (§4.1)
 
@@ -844,145 +820,3 @@ def alignopsd_estimator(batch: CreditBatch, cfg: CreditSection) -> tuple[np.ndar
     Returns (final token advantages float32 [M, L], metrics)."""
     out = alignopsd_credit(batch, cfg)
     return out.final_token_advantage_ML, out.metrics
-
-
-# ---------------------------------------------------------------- refvectors
-
-
-def credit_section_from_reference_config(config: Mapping[str, Any]) -> CreditSection:
-    """CreditSection from a refvector `config` (its `m2` sub-dict flattened into AlignSection).
-
-    Raises: ValueError for settings this product does not implement
-    (ablation_mode other than "E", profile_distance other than "jsd") and
-    pydantic.ValidationError for out-of-range values.
-    """
-    m2 = dict(config.get("m2", {}))
-    if m2.pop("profile_distance", "jsd") != "jsd":
-        raise ValueError("only profile_distance='jsd' is implemented")
-    if config.get("ablation_mode", "E") != "E":
-        raise ValueError(f"ablation_mode {config.get('ablation_mode')!r} is not implemented (only 'E', the full method)")
-    align_keys = (
-        "similarity_threshold", "top_k", "source_rollout_cap", "aggregation_temperature", "aggregation_mode",
-        "alpha_max", "action_filter_enabled", "action_filter_threshold", "webshop_symbolic_checks",
-    )
-    align = {k: config[k] for k in align_keys if k in config}
-    align.update(m2)
-    return CreditSection(
-        grpo_scope=config.get("grpo_normalization_scope", "turn"),
-        norm_adv_by_std=config.get("norm_adv_by_std_in_grpo", True),
-        use_invalid_action_penalty=config.get("use_invalid_action_penalty", True),
-        invalid_action_penalty_coef=config.get("invalid_action_penalty_coef", 0.1),
-        alignopsd=AlignSection(**align),
-    )
-
-
-def _f(x: np.ndarray) -> list:
-    return np.asarray(x, dtype=np.float64).tolist()
-
-
-def run_reference_case(
-    inputs: Mapping[str, Any],
-    config: Mapping[str, Any],
-    *,
-    singleton: Singleton = "reference",
-    empty_turns: EmptyTurns = "error",
-) -> dict[str, Any]:
-    """Run one AlignOPSD refvector case through the service functions (spec §4).
-
-    Embedder: parse responses (spec §0) -> thinking validity; H from the
-    thinking embeddings; structural mask; action similarity from the action
-    embeddings (when the filter is on); `select_sources`. Teacher: `rectify`
-    with `cross_teacher_log_probs[source][target]`. Trainer: a CreditBatch
-    through `alignopsd_credit`, the code the registered estimator runs.
-
-    Args: a refvector file's `inputs` and `config` dicts (schema in
-      refvectors/README.md); singleton / empty_turns default to the
-      reference behaviour (a turn without loss tokens raises ValueError, as upstream).
-    Returns: dict with every `expected` field name of the AlignOPSD refvectors
-      (JSON types: lists, floats, bools; segmentation_threshold None for +inf).
-    """
-    cfg = credit_section_from_reference_config(config)
-    acfg = cfg.alignopsd
-    turns = inputs["turns"]
-    M = len(turns)
-    task = [str(t["task_id"]) for t in turns]
-    roll = [str(t["rollout_id"]) for t in turns]
-    tid = [int(t["turn_id"]) for t in turns]
-    src = [str(t["data_source"]) for t in turns]
-
-    ps = [parse_response(x) for x in inputs["student_response_text"]]
-    pt = [parse_response(x) for x in inputs["teacher_response_text"]]
-    s_valid = np.asarray([bool(th) for th, _ in ps])
-    t_valid = np.asarray([bool(th) for th, _ in pt])
-
-    H = similarity_matrix(inputs["teacher_thinking_embedding"], inputs["student_thinking_embedding"], task)
-    E = structural_mask(task, roll, src, s_valid, t_valid)
-    A = None
-    if acfg.action_filter_enabled:
-        A = similarity_matrix(inputs["teacher_action_embedding"], inputs["student_action_embedding"], task)
-    sel = select_sources(H, E, acfg, A, [a for _, a in ps], [a for _, a in pt], rollout_id=roll)
-
-    diag = np.asarray(inputs["diagonal_teacher_log_probs"], dtype=np.float32)
-    cross = inputs["cross_teacher_log_probs"]
-    L = diag.shape[1]
-    agg = np.empty((M, L), np.float32)
-    corr = np.empty((M, L), np.float32)
-    for t in range(M):
-        cross_KL = np.asarray([cross[s][t] for s in sel.sources[t]], dtype=np.float32).reshape(-1, L)
-        agg[t], corr[t] = rectify(diag[t], cross_KL, sel.weights[t], float(sel.alpha_M[t]), acfg.aggregation_mode)
-
-    batch = CreditBatch(
-        task_id=task,
-        rollout_id=roll,
-        turn_id=tid,
-        data_source=src,
-        episode_reward=np.asarray([t["episode_reward"] for t in turns], dtype=np.float32),
-        is_action_valid=np.asarray([bool(t["is_action_valid"]) for t in turns]),
-        loss_mask_ML=np.asarray(inputs["policy_loss_mask"], dtype=np.float32),
-        student_logprobs_ML=np.asarray(inputs["student_log_probs"], dtype=np.float32),
-        teacher_logprobs_ML=diag,
-        corrected_logprobs_ML=corr,
-        similarity_MM=H,
-        eligible_MM=E,
-    )
-    out = alignopsd_credit(batch, cfg, singleton=singleton, empty_turns=empty_turns)
-    return {
-        "parsed_student": [{"thinking": th, "action": a} for th, a in ps],
-        "parsed_teacher": [{"thinking": th, "action": a} for th, a in pt],
-        "thinking_similarity_source_by_target": _f(H),
-        "structural_mask_source_by_target": E.tolist(),
-        "selected_sources_before_action_filter": sel.sources_before_filter,
-        "action_similarity_source_by_target": None if A is None else _f(A),
-        "selected_sources": sel.sources,
-        "selected_source_weights": [_f(w) for w in sel.weights],
-        "correspondence_confidence_rho": _f(sel.rho_M),
-        "correction_strength_alpha": _f(sel.alpha_M),
-        "cross_teacher_log_probs_aggregated": _f(agg),
-        "corrected_teacher_log_probs": _f(corr),
-        "corrected_token_gap": _f(out.corrected_gap_ML),
-        "trajectory_advantage": _f(out.trajectory_advantage_M),
-        "dense_profiles_target_by_source": _f(out.profiles_MM),
-        "profile_valid": out.profile_valid_M.tolist(),
-        "profile_distance_jsd": _f(out.distance_M),
-        "boundary_valid": out.boundary_valid_M.tolist(),
-        "segmentation_threshold": out.threshold if math.isfinite(out.threshold) else None,
-        "segments_per_trajectory": [
-            [rows[a:b].tolist() for a, b in seg.spans] for rows, seg in zip(out.trajectory_rows, out.segmentations)
-        ],
-        "boundary_kinds": [
-            {"trajectory": list(key), "semantic": seg.semantic, "guided_fallback": seg.guided_fallback, "forced_max": seg.forced_max}
-            for key, seg in zip(out.trajectories, out.segmentations)
-        ],
-        "segment_index_per_turn": out.segment_index_M.tolist(),
-        "turn_gap": _f(out.turn_gap_M),
-        "policy_token_count": out.token_count_M.tolist(),
-        "outcome_aligned_score": _f(out.outcome_aligned_score_M),
-        "segment_budget": _f(out.segment_budget_S),
-        "within_segment_turn_budget": _f(out.within_segment_turn_budget_M),
-        "raw_credit_density": _f(out.raw_density_M),
-        "projected_credit_density": _f(out.projected_density_M),
-        "turn_weight": _f(out.turn_weight_M),
-        "m2_token_advantage": _f(out.m2_token_advantage_ML),
-        "invalid_action_residual_scalar": _f(out.residual_M),
-        "final_token_advantage": _f(out.final_token_advantage_ML),
-    }
