@@ -7,6 +7,7 @@ FastAPI app on its own port. The port actually bound is written to
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -85,8 +86,17 @@ class RoleProcess:
     stop: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
+    def from_argv(cls, role: str, description: str | None = None) -> "RoleProcess":
+        """Parse `--config C --run-dir D` (every role's command line) and `start` the role."""
+        ap = argparse.ArgumentParser(prog=f"python -m services.{role}", description=description)
+        ap.add_argument("--config", required=True, help="the run config (YAML)")
+        ap.add_argument("--run-dir", required=True, help="the run directory (ports/, weights/, logs)")
+        args = ap.parse_args()
+        return cls.start(role, args.config, args.run_dir)
+
+    @classmethod
     def start(cls, role: str, config_path: str, run_dir: str) -> "RoleProcess":
-        """Load the config, set up logging and signals, and serve /health + /metrics."""
+        """Load the config, set up logging and signals (serving /health + /metrics is `serve`)."""
         cfg = RunConfig.load(config_path)
         proc = cls(role=role, cfg=cfg, run_dir=Path(run_dir))
         logging.basicConfig(
@@ -107,6 +117,25 @@ class RoleProcess:
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
         return proc
+
+    def open_queue(self, stream: str, cls: type, vocab_size: int | None = None):
+        """A consumer-group reader of `stream` for this role (group = role name, one consumer per process).
+
+        Connects to REDIS_URL (set by `opsd run`, or by the deployment) and
+        creates the group if missing. Raises KeyError without REDIS_URL.
+        """
+        from opsd.queue import StreamNames, StreamQueue
+        from opsd.redis_server import connect
+
+        r = self.cfg.redis
+        client = connect(os.environ["REDIS_URL"], r.block_ms)
+        queue = StreamQueue(
+            client, stream, group=self.role, consumer=f"{self.role}-{socket.gethostname()}-{os.getpid()}", cls=cls,
+            role=self.role, max_bytes=r.max_message_bytes, dead_stream=StreamNames(r.stream_prefix).dead,
+            max_deliveries=r.max_deliveries, vocab_size=vocab_size,
+        )
+        queue.ensure_group()
+        return queue
 
     def serve(self, app: FastAPI | None = None, port: int = 0) -> int:
         """Serve `app` (or a bare one) with /health and /metrics added; returns the bound port."""

@@ -1,4 +1,4 @@
-"""Shared fixtures: a real redis-server for the integration tests (never fakeredis)."""
+"""Shared fixtures: a real redis-server (never fakeredis) and the real SmolLM2 backend."""
 
 from __future__ import annotations
 
@@ -51,3 +51,21 @@ def stream_prefix(redis_client) -> str:
     keys = list(redis_client.scan_iter(match=f"{prefix}:*"))
     if keys:
         redis_client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def policy_backend():
+    """The real SmolLM2 backend (HFBackend), loaded once per session on one torch thread.
+
+    One thread: the 2 cores are shared with other processes, and spinning
+    OpenMP threads under contention ran many times slower (measured).
+    """
+    import torch
+
+    from opsd.config import ModelSection
+    from opsd.models import load_backend
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_backend(ModelSection())
+    torch.set_num_threads(prev)

@@ -139,3 +139,14 @@ def make_scored_group(G: int = 4, turns: int = 3, seed: int = 0) -> ScoredGroup:
         identity_fallback=False,
         teacher_seconds=2.25,
     )
+
+
+def tiny_llama(num_hidden_layers: int = 2, seed: int = 0):
+    """A randomly initialized Llama causal LM (vocab 64, hidden 32) for fast trainer tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).eval()

@@ -25,7 +25,6 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from opsd.config import AlignSection, CreditSection, EmbedderSection, RunConfig, TrainerSection
 from opsd.credit import alignopsd, compute_advantages, registered
@@ -35,7 +34,7 @@ from opsd.types import MessageError, RolloutGroup, ScoredGroup, TaskGroup
 from opsd.wire import WireError, decode, encode
 from services.trainer.batch import build_credit_batch, scatter_advantages
 from services.trainer.update import Sequence, ppo_update
-from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, make_task
+from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, make_task, tiny_llama
 
 LIMIT = 1 << 22
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,11 +269,8 @@ def test_tiny_temperatures_give_the_limit_not_nan():
 # ================================================================ PPO update (tiny random Llama, no LLM)
 
 
-def _tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).eval()
+def _tiny_model():
+    return tiny_llama(num_hidden_layers=1)
 
 
 def _seqs(adv: float = 1.0, mask_on: bool = True) -> list[Sequence]:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from opsd.chat import ChatFormat, parse_response
-from opsd.config import EnvSection, ModelSection, RolloutSection
+from opsd.config import EnvSection, RolloutSection
 from opsd.envs import make_games
 from opsd.envs.textworld import TextWorldEnv
 from opsd.models.hf import NonFiniteLogitsError
@@ -31,17 +31,8 @@ def game(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def backend():
-    import torch
-
-    from opsd.models import load_backend
-
-    # One thread: on 2 cores shared with other jobs, 2 OpenMP threads stall on
-    # each other (measured 2-20 s for the same call) while 1 thread is steady.
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_backend(ModelSection())
-    torch.set_num_threads(prev)
+def backend(policy_backend):
+    return policy_backend
 
 
 @pytest.fixture(scope="module")

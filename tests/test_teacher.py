@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from opsd.chat import ChatFormat
-from opsd.config import EnvSection, ModelSection, RunConfig
+from opsd.config import EnvSection, RunConfig
 from opsd.envs import make_games
 from opsd.types import TaskGroup
 from services.rollout.episodes import run_group
@@ -21,15 +21,8 @@ ENV = EnvSection(game_pool=1, seed=1234, max_turns=2)
 
 
 @pytest.fixture(scope="module")
-def backend():
-    import torch
-
-    from opsd.models import load_backend
-
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_backend(ModelSection())
-    torch.set_num_threads(prev)
+def backend(policy_backend):
+    return policy_backend
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from opsd.config import CreditSection, TrainerSection
 from opsd.credit import compute_advantages
 from services.trainer.batch import build_credit_batch, scatter_advantages
 from services.trainer.update import Sequence, ppo_update
-from tests.factories import make_rollout_group, make_scored_group
+from tests.factories import make_rollout_group, make_scored_group, tiny_llama
 
 
 def test_credit_batch_rows_are_canonical_and_blocks_stay_inside_groups():
@@ -56,11 +55,8 @@ def test_grpo_on_rollouts_without_teacher_all_fail_is_zero():
     assert np.isfinite(adv_ML).all() and not adv_ML.any()
 
 
-def _tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).eval()
+def _tiny_model():
+    return tiny_llama(num_hidden_layers=2)
 
 
 def _seqs(model, adv_value: float, mask_on: bool) -> list[Sequence]:

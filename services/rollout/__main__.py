@@ -6,17 +6,13 @@ task's policy version, writes a RolloutGroup to `<prefix>:rollouts`.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-import socket
 import zlib
 
 from opsd import metrics
 from opsd.chat import ChatFormat
 from opsd.models import load_backend
-from opsd.queue import StreamNames, StreamQueue
-from opsd.redis_server import connect
+from opsd.queue import StreamNames
 from opsd.service import RoleProcess, consume_forever
 from opsd.types import RolloutGroup, TaskGroup
 from opsd.weights import ensure_version
@@ -26,11 +22,7 @@ ROLE = "rollout"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run-dir", required=True)
-    args = ap.parse_args()
-    proc = RoleProcess.start(ROLE, args.config, args.run_dir)
+    proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg = proc.cfg
     log = logging.getLogger(ROLE)
     proc.serve(port=cfg.rollout.metrics_port)
@@ -38,14 +30,8 @@ def main() -> None:
     backend = load_backend(cfg.model)
     chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
-    client = connect(os.environ["REDIS_URL"], cfg.redis.block_ms)
     streams = StreamNames(cfg.redis.stream_prefix)
-    queue = StreamQueue(
-        client, streams.tasks, group=ROLE, consumer=f"{ROLE}-{socket.gethostname()}-{os.getpid()}", cls=TaskGroup,
-        role=ROLE, max_bytes=cfg.redis.max_message_bytes, dead_stream=streams.dead, max_deliveries=cfg.redis.max_deliveries,
-        vocab_size=backend.vocab_size,
-    )
-    queue.ensure_group()
+    queue = proc.open_queue(streams.tasks, TaskGroup, backend.vocab_size)
     proc.status.update(policy_version=backend.policy_version, ready=True)
     log.info("ready: consuming %s", streams.tasks)
 

@@ -8,18 +8,15 @@ or the OPSD_EMBEDDER_URL environment variable.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
 from opsd import metrics
 from opsd.chat import ChatFormat
 from opsd.models import load_backend
-from opsd.queue import StreamNames, StreamQueue
-from opsd.redis_server import connect
+from opsd.queue import StreamNames
 from opsd.service import RoleProcess, consume_forever, read_port
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ensure_version
@@ -43,11 +40,7 @@ def embedder_url(run_dir: Path, timeout_s: float = 300.0) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run-dir", required=True)
-    args = ap.parse_args()
-    proc = RoleProcess.start(ROLE, args.config, args.run_dir)
+    proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg = proc.cfg
     log = logging.getLogger(ROLE)
     proc.serve(port=cfg.teacher.metrics_port)
@@ -58,14 +51,8 @@ def main() -> None:
     embedder = None
     if cfg.run.method == "alignopsd":
         embedder = EmbedderClient(embedder_url(proc.run_dir), cfg.teacher.embedder_timeout_s, cfg.teacher.embedder_retries)
-    client = connect(os.environ["REDIS_URL"], cfg.redis.block_ms)
     streams = StreamNames(cfg.redis.stream_prefix)
-    queue = StreamQueue(
-        client, streams.rollouts, group=ROLE, consumer=f"{ROLE}-{socket.gethostname()}-{os.getpid()}", cls=RolloutGroup,
-        role=ROLE, max_bytes=cfg.redis.max_message_bytes, dead_stream=streams.dead, max_deliveries=cfg.redis.max_deliveries,
-        vocab_size=backend.vocab_size,
-    )
-    queue.ensure_group()
+    queue = proc.open_queue(streams.rollouts, RolloutGroup, backend.vocab_size)
     proc.status.update(policy_version=backend.policy_version, ready=True)
     log.info("ready: consuming %s", streams.rollouts)
 

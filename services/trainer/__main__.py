@@ -10,12 +10,9 @@ and keeps serving /metrics until it is told to stop.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import random
-import socket
 import time
 
 import numpy as np
@@ -25,8 +22,7 @@ from opsd import metrics
 from opsd.credit import compute_advantages
 from opsd.envs.textworld import make_games
 from opsd.models import load_backend
-from opsd.queue import StreamNames, StreamQueue
-from opsd.redis_server import connect
+from opsd.queue import StreamNames
 from opsd.service import RoleProcess
 from opsd.types import RolloutGroup, ScoredGroup, TaskGroup
 from opsd.weights import weights_path
@@ -91,11 +87,7 @@ def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run-dir", required=True)
-    args = ap.parse_args()
-    proc = RoleProcess.start(ROLE, args.config, args.run_dir)
+    proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg = proc.cfg
     run_dir = proc.run_dir
     run_id = run_dir.name
@@ -108,16 +100,10 @@ def main() -> None:
     model = backend.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     games = make_games(cfg.env, cfg.cache_root)
-    client = connect(os.environ["REDIS_URL"], cfg.redis.block_ms)
     streams = StreamNames(cfg.redis.stream_prefix)
-    in_cls = ScoredGroup if cfg.needs_teacher else RolloutGroup
-    queue = StreamQueue(
-        client, streams.scored if cfg.needs_teacher else streams.rollouts, group=ROLE,
-        consumer=f"{ROLE}-{socket.gethostname()}-{os.getpid()}", cls=in_cls, role=ROLE,
-        max_bytes=cfg.redis.max_message_bytes, dead_stream=streams.dead, max_deliveries=cfg.redis.max_deliveries,
-        vocab_size=backend.vocab_size,
-    )
-    queue.ensure_group()
+    queue = proc.open_queue(streams.scored if cfg.needs_teacher else streams.rollouts,
+                            ScoredGroup if cfg.needs_teacher else RolloutGroup, backend.vocab_size)
+    client = queue.client
     version = 0
     metrics.POLICY_VERSION.labels(ROLE).set(version)
     proc.status.update(policy_version=version, step=0, ready=True)
