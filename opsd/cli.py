@@ -207,6 +207,9 @@ def run(
 
     prepare(cfg)
     redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log")
+    # Ctrl-C (SIGINT, even if a parent shell ignored it) and SIGTERM (docker/k8s stop) both stop the run cleanly.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     services = Services(run_dir, resolved, redis_url)
     roles = (["embedder"] if cfg.run.method == "alignopsd" else []) + ["rollout"] + (["teacher"] if cfg.needs_teacher else []) + ["trainer"]
     t0 = time.perf_counter()

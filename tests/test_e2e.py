@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,43 @@ def test_one_step_through_four_services(tmp_path):
     assert 'opsd_policy_version{role="trainer"} 1.0' in (run_dir / "scrapes" / "trainer.prom").read_text()
     for role in ("embedder", "rollout", "teacher", "trainer", "redis"):
         assert (run_dir / "logs" / f"{role}.log").exists(), role
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    """SIGINT to `opsd run` mid-run: the CLI exits, and no role or redis-server process is left."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opsd.cli", "run", str(REPO / "tests/configs/tiny.yaml"), "--output-dir", str(tmp_path)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A fresh session with default signal dispositions, as a shell's foreground job has.
+        start_new_session=True,
+    )
+    roles = ("embedder", "rollout", "teacher", "trainer")
+    deadline = time.time() + 300
+    pids: dict[str, int] = {}
+    while time.time() < deadline and len(pids) < len(roles):
+        for ports in tmp_path.glob("*/ports/*.json"):
+            info = json.loads(ports.read_text())
+            pids[info["role"]] = info["pid"]
+        time.sleep(0.5)
+    assert set(pids) == set(roles), f"roles did not all start: {pids}"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 1 and "interrupted" in out, out[-2000:]
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+    assert not [r for r, pid in pids.items() if alive(pid)]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    # redis-server prefixes its log lines with "<pid>:M": the run's own server must be gone too.
+    redis_log = (run_dir / "logs" / "redis.log").read_text()
+    redis_pid = int(re.search(r"^(\d+):M ", redis_log, re.M).group(1))
+    assert not alive(redis_pid)
