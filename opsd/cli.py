@@ -7,8 +7,10 @@ progress bar with one metrics line per step, and leaves a run directory:
     <output_dir>/<name>-<timestamp>/
       config.yaml      the resolved config        metrics.jsonl  one line a step
       metrics.png      the curves                 checkpoint/    final weights + tokenizer
-      weights/         every policy version       logs/          one log per service (+ redis)
-      scrapes/         each service's last /metrics answer
+      logs/            one log per service (+ redis)
+      scrapes/         each service's last /metrics and /health answer
+      run_summary.json wall time, which services answered
+      weights/ ports/ DONE   working files of the run (policy versions, service ports)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from opsd.config import RunConfig
 from opsd.service import read_port
 
 app = typer.Typer(add_completion=False, help="opsd: RL + on-policy self-distillation for LLM agents.")
-console = Console()
+console = Console(soft_wrap=True)  # one line per step, also when piped to a file
 
 STEP_COLUMNS = (
     ("success_rate", "success", "{:.2f}"),

@@ -36,7 +36,7 @@ def test_one_step_through_four_services(tmp_path):
     assert (run_dir / "metrics.png").stat().st_size > 1000
 
     # The policy version advanced and its weights differ from the initial model's.
-    v1 = load_file(run_dir / "weights" / "policy-v00001.safetensors")
+    v1 = load_file(run_dir / "checkpoint" / "model.safetensors")
     base_dir = ensure_model(RunConfig.load(REPO / "tests/configs/tiny.yaml").model)
     base = {}
     for f in base_dir.glob("*.safetensors"):
@@ -45,7 +45,7 @@ def test_one_step_through_four_services(tmp_path):
     assert shared, "weights file and base model share no tensor names"
     changed = sum(int((v1[k] != base[k]).any()) for k in shared)
     assert changed > 0, "no parameter changed after a training step"
-    assert (run_dir / "checkpoint" / "trainer_state.json").exists()
+    assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["policy_version"] == 1
 
     # Every service answered /metrics and /health, and exports its role's series.
     summary = json.loads((run_dir / "run_summary.json").read_text())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import time
 
 import numpy as np
@@ -191,6 +192,8 @@ def main() -> None:
     ckpt = run_dir / "checkpoint"
     backend.save_checkpoint(ckpt)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": cfg.run.steps, "policy_version": version, "method": cfg.run.method}))
+    # The checkpoint now holds the final policy; the per-version files only served the roles.
+    shutil.rmtree(run_dir / "weights", ignore_errors=True)
     (run_dir / "DONE").write_text(json.dumps({"steps": cfg.run.steps, "policy_version": version}))
     proc.status["finished"] = True
     log.info("finished %d steps; final checkpoint in %s", cfg.run.steps, ckpt)
