@@ -150,3 +150,19 @@ def tiny_llama(num_hidden_layers: int = 2, seed: int = 0):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     return LlamaForCausalLM(cfg).eval()
+
+
+def ppo_sequences(adv: float = 1.0, mask_on: bool = True):
+    """Three trainer Sequences (lengths 10, 14, 7; vocab 64) whose second halves are loss
+    tokens with advantage `adv` (no loss tokens when `mask_on` is False)."""
+    from services.trainer.update import Sequence
+
+    rng = np.random.default_rng(0)
+    out = []
+    for n in (10, 14, 7):
+        ids = rng.integers(0, 64, n).astype(np.int32)
+        mask = np.zeros(n, np.uint8)
+        if mask_on:
+            mask[n // 2:] = 1
+        out.append(Sequence(ids, mask, np.where(mask == 1, adv, 0).astype(np.float32), np.zeros(n, np.float32)))
+    return out

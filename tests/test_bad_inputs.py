@@ -34,7 +34,7 @@ from opsd.types import MessageError, RolloutGroup, ScoredGroup, TaskGroup
 from opsd.wire import WireError, decode, encode
 from services.trainer.batch import build_credit_batch, scatter_advantages
 from services.trainer.update import Sequence, ppo_update
-from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, make_task, tiny_llama
+from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, make_task, ppo_sequences, tiny_llama
 
 LIMIT = 1 << 22
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,18 +273,6 @@ def _tiny_model():
     return tiny_llama(num_hidden_layers=1)
 
 
-def _seqs(adv: float = 1.0, mask_on: bool = True) -> list[Sequence]:
-    rng = np.random.default_rng(0)
-    out = []
-    for n in (10, 14, 7):
-        ids = rng.integers(0, 64, n).astype(np.int32)
-        mask = np.zeros(n, np.uint8)
-        if mask_on:
-            mask[n // 2:] = 1
-        out.append(Sequence(ids, mask, np.where(mask == 1, adv, 0).astype(np.float32), np.zeros(n, np.float32)))
-    return out
-
-
 def _state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -298,7 +286,7 @@ def test_ppo_update_reports_clip_fraction_and_ratio_deviation():
     # both metrics were always 0 whatever the update did.
     model = _tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=50.0)
-    m = ppo_update(model, opt, _seqs(), TrainerSection(micro_batch_size=2, entropy_coef=0.0, ppo_epochs=3))
+    m = ppo_update(model, opt, ppo_sequences(), TrainerSection(micro_batch_size=2, entropy_coef=0.0, ppo_epochs=3))
     assert m["ratio_dev_max"] > 0.05 and m["clip_frac"] > 0.0
     assert all(math.isfinite(v) for v in m.values())
 
@@ -308,9 +296,9 @@ def test_all_masked_step_never_moves_the_weights():
     # every weight when the optimizer was stepped on an empty batch.
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    ppo_update(model, opt, _seqs(), TrainerSection())  # a real step first: the optimizer has momentum
+    ppo_update(model, opt, ppo_sequences(), TrainerSection())  # a real step first: the optimizer has momentum
     before = _state(model)
-    m = ppo_update(model, opt, _seqs(mask_on=False), TrainerSection())
+    m = ppo_update(model, opt, ppo_sequences(mask_on=False), TrainerSection())
     assert _same(before, model.state_dict())
     assert m["loss"] == 0.0 and m["loss_tokens"] == 0.0 and all(math.isfinite(v) for v in m.values())
 
@@ -319,7 +307,7 @@ def test_out_of_vocab_ids_are_dropped_not_a_trainer_crash():
     # An id >= the embedding size crashed the trainer with IndexError (a device assert on GPU).
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    seqs = _seqs()
+    seqs = ppo_sequences()
     seqs[1].token_ids_S[2] = 64
     before = _state(model)
     m = ppo_update(model, opt, seqs, TrainerSection(micro_batch_size=2))
@@ -334,7 +322,7 @@ def test_nonfinite_gradient_skips_the_step_without_crashing_or_nan_metrics():
         model.lm_head.weight[5, 0] = float("inf")  # every logit row holds an inf: NaN log-probs
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = _state(model)
-    m = ppo_update(model, opt, _seqs(), TrainerSection(ppo_epochs=2))
+    m = ppo_update(model, opt, ppo_sequences(), TrainerSection(ppo_epochs=2))
     assert m["skipped_steps"] == 2.0 and _same(before, model.state_dict())
     assert all(math.isfinite(v) for v in m.values()), m
 

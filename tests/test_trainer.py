@@ -9,8 +9,8 @@ import torch
 from opsd.config import CreditSection, TrainerSection
 from opsd.credit import compute_advantages
 from services.trainer.batch import build_credit_batch, scatter_advantages
-from services.trainer.update import Sequence, ppo_update
-from tests.factories import make_rollout_group, make_scored_group, tiny_llama
+from services.trainer.update import ppo_update
+from tests.factories import make_rollout_group, make_scored_group, ppo_sequences, tiny_llama
 
 
 def test_credit_batch_rows_are_canonical_and_blocks_stay_inside_groups():
@@ -59,23 +59,11 @@ def _tiny_model():
     return tiny_llama(num_hidden_layers=2)
 
 
-def _seqs(model, adv_value: float, mask_on: bool) -> list[Sequence]:
-    rng = np.random.default_rng(0)
-    out = []
-    for n in (10, 14, 7):
-        ids = rng.integers(0, 64, n).astype(np.int32)
-        mask = np.zeros(n, np.uint8)
-        if mask_on:
-            mask[n // 2:] = 1
-        out.append(Sequence(ids, mask, np.where(mask == 1, adv_value, 0).astype(np.float32), np.zeros(n, np.float32)))
-    return out
-
-
 def test_ppo_update_changes_weights_and_first_ratio_is_one():
     model = _tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    m = ppo_update(model, opt, _seqs(model, 1.0, True), TrainerSection(micro_batch_size=2, entropy_coef=0.0))
+    m = ppo_update(model, opt, ppo_sequences(1.0, True), TrainerSection(micro_batch_size=2, entropy_coef=0.0))
     assert np.isfinite(m["loss"]) and m["ratio_dev_max"] < 1e-6 and m["loss_tokens"] == 5 + 7 + 4
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -84,7 +72,7 @@ def test_ppo_update_all_zero_mask_is_zero_loss_and_no_nan():
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    m = ppo_update(model, opt, _seqs(model, 1.0, False), TrainerSection(micro_batch_size=2, entropy_coef=0.001))
+    m = ppo_update(model, opt, ppo_sequences(1.0, False), TrainerSection(micro_batch_size=2, entropy_coef=0.001))
     assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -94,6 +82,6 @@ def test_micro_batching_does_not_change_the_update(micro):
     ref, other = _tiny_model(), _tiny_model()
     for model, mb in ((ref, 2), (other, micro)):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ppo_update(model, opt, _seqs(model, 0.7, True), TrainerSection(micro_batch_size=mb, entropy_coef=0.0))
+        ppo_update(model, opt, ppo_sequences(0.7, True), TrainerSection(micro_batch_size=mb, entropy_coef=0.0))
     for (k, a), b in zip(ref.state_dict().items(), other.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), k
