@@ -20,7 +20,7 @@ observations are prompt (mask 0).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -258,15 +258,6 @@ class ScoredGroup:
             _check(len(src) == len(w), f"ScoredGroup: turn {t} sources and weights differ in length")
             _check(all(0 <= s < M for s in src), f"ScoredGroup: turn {t} source index out of range")
             _check(all(math.isfinite(x) for x in w), f"ScoredGroup: turn {t} weight not finite")
-
-
-@dataclass
-class StepMetrics:
-    """One trainer step's summary, one line of metrics.jsonl."""
-
-    step: int
-    policy_version: int
-    values: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
