@@ -331,57 +331,82 @@ class HFBackend:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(seed))
 
-        B = len(prompts)
         ids, mask, pos = left_pad(prompts, self.pad_token_id)
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
+        with autocast(self.dtype, self.device):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        return self._decode(
+            out.past_key_values, out.logits[:, -1, :].float(), mask, pos[:, -1:] + 1, max_new_tokens,
+            temperature, top_p, gen, stops, labels=list(range(len(prompts))), what="prompts",
+        )
+
+    def _decode(
+        self,
+        cache,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator | None,
+        stops: torch.Tensor,
+        labels: list[int],
+        what: str,
+    ) -> list[Generation]:
+        """The sampling loop shared by `generate` and `branch`: B rows whose prompts are in `cache`.
+
+        logits: float32 [B, V] raw logits for each row's first new token;
+        mask: [B, P] attention mask over the cached positions; pos: [B, 1]
+        position id of the first new token. Each step samples, records the
+        id and its log-prob at `temperature`, stops a row when it samples one
+        of `stops` (kept, finish "stop") and drops finished rows from the
+        batch so later steps pay only for live ones. `labels` name the rows in
+        errors (NonFiniteLogitsError for NaN/inf logits of a live row).
+        """
+        B = logits.shape[0]
         out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long)
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(B, dtype=torch.long)
         finish = ["length"] * B
-        rows = torch.arange(B)  # caller's index of each row still in the batch
-        cache = None
-        step_ids, step_pos = ids, pos
+        live = torch.arange(B)  # batch position -> caller's row
         for t in range(max_new_tokens):
+            bad = ~torch.isfinite(logits).all(-1).cpu()
+            if bad.any():
+                idx = [labels[r] for r in live[bad].tolist()]
+                raise NonFiniteLogitsError(f"non-finite logits at new token {t} for {what} {idx}", idx)
+            nxt = self._sample(logits, temperature, top_p, gen)
+            nxt_cpu = nxt.cpu()
+            out_ids[live, t] = nxt_cpu
+            out_lp[live, t] = token_logprobs(logits, nxt, temperature).cpu()
+            lengths[live] += 1
+            hit = torch.isin(nxt_cpu, stops)  # the sampler's own stop decision
+            for r in live[hit].tolist():
+                finish[r] = "stop"
+            if bool(hit.all()) or t == max_new_tokens - 1:
+                break
+            if bool(hit.any()):
+                keep = (~hit).nonzero().flatten()
+                cache.batch_select_indices(keep.to(self.device))
+                k = keep.to(self.device)
+                live, nxt, mask, pos = live[keep], nxt[k], mask[k], pos[k]
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
             with autocast(self.dtype, self.device):
                 out = self.model(
-                    input_ids=step_ids,
+                    input_ids=nxt.view(-1, 1),
                     attention_mask=mask,
-                    position_ids=step_pos,
+                    position_ids=pos,
                     past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()  # raw logits, before any processing
-            bad = ~torch.isfinite(logits).all(-1).cpu()
-            if bad.any():
-                idx = rows[bad].tolist()
-                raise NonFiniteLogitsError(f"non-finite logits at new token {t} for prompts {idx}", idx)
-            nxt = self._sample(logits, temperature, top_p, gen)
-            nxt_cpu = nxt.cpu()
-            out_ids[rows, t] = nxt_cpu
-            out_lp[rows, t] = token_logprobs(logits, nxt, temperature).cpu()
-            lengths[rows] += 1
-            hit = torch.isin(nxt_cpu, stops)  # the sampler's own stop decision
-            for i in rows[hit].tolist():
-                finish[i] = "stop"
-            if bool(hit.all()) or t == max_new_tokens - 1:
-                break
-            if bool(hit.any()):
-                # Drop finished rows so the remaining steps only pay for live ones.
-                keep = (~hit).nonzero().flatten()
-                cache.batch_select_indices(keep.to(self.device))
-                rows, nxt = rows[keep], nxt[keep.to(nxt.device)]
-                mask, step_pos = mask[keep.to(mask.device)], step_pos[keep.to(step_pos.device)]
-            step_ids = nxt.view(-1, 1)
-            step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
-
-        results = []
-        for i in range(B):
-            n = int(lengths[i])
-            results.append(Generation(out_ids[i, :n].tolist(), out_lp[i, :n].tolist(), finish[i]))  # type: ignore[arg-type]
-        return results
+            pos = pos + 1
+        return [
+            Generation(out_ids[r, : int(lengths[r])].tolist(), out_lp[r, : int(lengths[r])].tolist(), finish[r])  # type: ignore[arg-type]
+            for r in range(B)
+        ]
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -715,7 +740,7 @@ class HFBackend:
         Row r attends to cache positions < its cut (a mask with a hole up to
         the longest cut) and its own new ids at positions cut, cut+1, ...;
         the first id comes from `cut_logits` (the base forward). Mirrors
-        `generate`'s loop: same sampler, log-probs, stop rule and row dropping.
+        `generate`: both run `_decode`.
         """
         B = len(rows)
         c_t = torch.tensor([cuts[i] for i in rows], dtype=torch.long, device=self.device)
@@ -723,49 +748,9 @@ class HFBackend:
         past = self._prefix_cache(cache, cmax, B)
         mask = (torch.arange(cmax, device=self.device).unsqueeze(0) < c_t.unsqueeze(1)).long()
         pos = c_t.view(B, 1)
-        logits = cut_logits[rows]
         stops = torch.tensor([self.eos_token_id], dtype=torch.long)
-        out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long)
-        out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32)
-        lengths = torch.zeros(B, dtype=torch.long)
-        finish = ["length"] * B
-        live = torch.arange(B)  # batch position -> index into `rows`
-        for t in range(max_new_tokens):
-            bad = ~torch.isfinite(logits).all(-1).cpu()
-            if bad.any():
-                idx = [rows[r] for r in live[bad].tolist()]
-                raise NonFiniteLogitsError(f"branch: non-finite logits at new token {t} for cuts {idx}", idx)
-            nxt = self._sample(logits, temperature, top_p, gen)
-            nxt_cpu = nxt.cpu()
-            out_ids[live, t] = nxt_cpu
-            out_lp[live, t] = token_logprobs(logits, nxt, temperature).cpu()
-            lengths[live] += 1
-            hit = torch.isin(nxt_cpu, stops)
-            for r in live[hit].tolist():
-                finish[r] = "stop"
-            if bool(hit.all()) or t == max_new_tokens - 1:
-                break
-            if bool(hit.any()):
-                keep = (~hit).nonzero().flatten()
-                past.batch_select_indices(keep.to(self.device))
-                k = keep.to(self.device)
-                live, nxt, mask, pos = live[keep], nxt[k], mask[k], pos[k]
-            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
-            with autocast(self.dtype, self.device):
-                out = self.model(
-                    input_ids=nxt.view(-1, 1),
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=past,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            logits = out.logits[:, -1, :].float()
-            pos = pos + 1
-        return [
-            Generation(out_ids[r, : int(lengths[r])].tolist(), out_lp[r, : int(lengths[r])].tolist(), finish[r])  # type: ignore[arg-type]
-            for r in range(B)
-        ]
+        return self._decode(past, cut_logits[rows], mask, pos, max_new_tokens, temperature, top_p, gen, stops,
+                            labels=list(rows), what="cuts")
 
     # -- weights -----------------------------------------------------------
 
