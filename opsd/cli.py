@@ -195,11 +195,14 @@ def run(
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="run config (YAML)"),
     steps: Optional[int] = typer.Option(None, help="override run.steps"),
     output_dir: Optional[Path] = typer.Option(None, help="override run.output_dir"),
+    dump_credit: bool = typer.Option(False, "--dump-credit", help="write each step's credit inputs to <run>/credit/ (replay: opsd credit check)"),
 ) -> None:
     """Train: start Redis (if needed) and the four roles, run the configured steps, write the run directory."""
     from opsd.redis_server import resolve_redis_url
 
     cfg = load_config(config, steps=steps, output_dir=None if output_dir is None else str(output_dir))
+    if dump_credit:
+        cfg.trainer.dump_credit = True
     run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
     run_id = run_dir.name
     cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_id}"
@@ -252,6 +255,52 @@ def run(
         if local_redis is not None:
             local_redis.stop()
     if not ok:
+        raise typer.Exit(1)
+
+
+credit_app = typer.Typer(add_completion=False, help="Credit-assignment tools.")
+app.add_typer(credit_app, name="credit")
+
+
+@credit_app.command("check")
+def credit_check(
+    paths: list[Path] = typer.Argument(..., help="vector files (JSON) or folders of them"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="print every field, not only failures"),
+) -> None:
+    """Replay credit vector files (../shared/refvectors schema, or a run's credit/ dumps) and compare.
+
+    Prints, per file, the max absolute error of every `expected` field, then
+    `N passed, M failed`; exits 1 on any failure (a field that differs, or one
+    the replay cannot compute), 2 when a path does not exist or holds no files.
+    """
+    from opsd.credit.replay import check_file, vector_files
+
+    try:
+        files = vector_files(paths)
+    except FileNotFoundError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    if not files:
+        console.print("[red]error:[/red] no .json vector files under the given paths")
+        raise typer.Exit(2)
+    passed = failed = 0
+    for f in files:
+        r = check_file(f)
+        status = "[green]PASS[/green]" if r.ok else "[red]FAIL[/red]"
+        errs = [x.max_abs_error for x in r.fields if x.max_abs_error is not None]
+        worst = f"max|err| {max(errs):.2e}" if errs else "exact"
+        console.print(f"{status} {escape(str(f))}  {escape(r.method)}/{escape(r.case)}  {len(r.fields)} fields, {worst}")
+        if r.error:
+            console.print(f"    [red]replay failed:[/red] {escape(r.error)}")
+        for x in r.fields:
+            if verbose or not x.ok:
+                err = "exact" if x.max_abs_error is None else f"{x.max_abs_error:.2e}"
+                mark = "ok " if x.ok else "BAD"
+                console.print(f"    {mark} {escape(x.name)}: {err}" + (f"  {escape(x.detail)}" if x.detail else ""))
+        passed += r.ok
+        failed += not r.ok
+    console.print(f"{passed} passed, {failed} failed")
+    if failed:
         raise typer.Exit(1)
 
 

@@ -25,7 +25,7 @@ class RunSection(_Section):
     steps: int = Field(3, ge=1)
     seed: int = 0
     output_dir: str = "runs"  # the run directory is output_dir/<name>-<timestamp>
-    method: Literal["grpo", "opsd", "grpo_opsd", "alignopsd"] = "alignopsd"
+    method: str = "alignopsd"  # a registered credit estimator (opsd.credit.registered()), checked on load
     step_timeout_s: float = Field(1800.0, gt=0)  # a step waiting longer than this fails the run
 
 
@@ -116,6 +116,10 @@ class AlignSection(_Section):
     density_upper_bound: float = Field(4.0, ge=1)  # d_max; the box [0, d_max] must hold the mean density 1
     weighting_mode: Literal["legacy", "bounded"] = "legacy"
     multiplier_band: float = Field(0.2, ge=0, lt=1)
+    # Ablations (spec 4.4): A no_rectification (alpha_max = 0), B token_level allocation,
+    # C turn_level allocation without spans, D random_spans (seeded by ablation_seed).
+    ablation: Literal["none", "no_rectification", "token_level", "turn_level", "random_spans"] = "none"
+    ablation_seed: int = 0
 
     @model_validator(mode="after")
     def _spans(self) -> "AlignSection":
@@ -124,13 +128,135 @@ class AlignSection(_Section):
         return self
 
 
+class AgentOPSDSection(_Section):
+    """AgentOPSD recursive belief revision (spec 2).
+
+    variant "paper" (default): gamma 0.95, B_0 = clip(success rate S/G), A_seq
+    from credit.grpo_scope. variant "reference" (released code): gamma 1.0,
+    B_0 = mean first-row reward clipped, A_seq from the turn scope.
+    """
+
+    variant: Literal["paper", "reference"] = "paper"
+    granularity: Literal["turn", "token"] = "turn"
+    gamma: float | None = Field(None, gt=0, le=1)  # None: 0.95 (paper) / 1.0 (reference)
+    mult_lambda: float = Field(0.5, ge=0, le=1)  # lambda
+    mult_band: float = Field(0.2, ge=0, lt=1)  # b
+    eps: float = Field(1e-6, gt=0)
+
+    @property
+    def resolved_gamma(self) -> float:
+        if self.gamma is not None:
+            return self.gamma
+        return 0.95 if self.variant == "paper" else 1.0
+
+
+class GCOPDSection(_Section):
+    """GC-OPD group-calibrated residual + RACA (spec 3); a trajectory is one response."""
+
+    residual_beta: float = Field(0.10, ge=0)  # beta; 0 = vanilla OPD
+    credit_mode: Literal["raca", "uniform", "teacher_abs", "relative_teacher_support", "relative_opd_leverage"] = "raca"
+    credit_cap: float = Field(5.0, gt=0)  # c_max
+    min_group_std: float = Field(1e-6, ge=0)  # tau_G
+    min_token_std: float = Field(1e-6, ge=0)  # tau_T
+    adv_clip: float = Field(10.0, ge=0)  # a_max; 0 disables clipping
+
+
+class UniOPDSection(_Section):
+    margin_delta: float = Field(0.4, ge=0)  # delta
+    max_logprob_diff: float = Field(10.0, gt=0)  # tokens with |current - teacher| >= this get advantage 0
+
+
+class PowerOPDSection(_Section):
+    alpha: float = Field(100.0, gt=0)
+
+
+class ExOPDSection(_Section):
+    lam: float = 1.25  # target = lam * teacher + (1 - lam) * base
+    base: Literal["initial", "old"] = "initial"  # base log-probs: the initial policy's, or pi_old's
+
+
+class FiReOPDSection(_Section):
+    skip_percentile: float = Field(20.0, ge=0, le=100)  # rows below this percentile of mean teacher log-prob are dropped
+    entropy_alpha: float = Field(1.0, ge=0)
+    entropy_beta: float = Field(1.0, ge=0)
+
+
+class SDARSection(_Section):
+    """SDAR auxiliary loss (ALFWorld-3B profile): coef * token-mean(sigmoid(beta (teacher - sg(student))) (teacher - log pi))."""
+
+    coef: float = Field(0.0, ge=0)  # 0 = off
+    beta: float = Field(5.0, gt=0)
+
+
+# The released launchers (spec 4.5), applied under a config's own keys by `credit.profile`.
+_ALIGN_COMMON = {"aggregation_temperature": 0.10, "profile_temperature": 0.10, "source_rollout_cap": 1}
+ALIGNOPSD_PROFILES: dict[str, dict] = {
+    "alfworld-3b": {
+        "grpo_scope": "turn", "invalid_action_penalty_coef": 0.1, "sdar": {"coef": 0.01, "beta": 5.0},
+        "alignopsd": {"similarity_threshold": 0.65, "top_k": 2, "aggregation_mode": "probability_mixture", "alpha_max": 0.8,
+                      "credit_temperature": 0.5, "action_filter_enabled": True, "webshop_symbolic_checks": False},
+    },
+    "alfworld-7b": {
+        "grpo_scope": "turn", "invalid_action_penalty_coef": 0.1,
+        "alignopsd": {"similarity_threshold": 0.80, "top_k": 3, "aggregation_mode": "probability_mixture", "alpha_max": 0.8,
+                      "credit_temperature": 0.5, "action_filter_enabled": False, "webshop_symbolic_checks": False},
+    },
+    "search-3b": {
+        "grpo_scope": "trajectory", "invalid_action_penalty_coef": 0.01,
+        "alignopsd": {"similarity_threshold": 0.70, "top_k": 3, "aggregation_mode": "log_mean", "alpha_max": 0.2,
+                      "credit_temperature": 1.0, "action_filter_enabled": False, "webshop_symbolic_checks": False},
+    },
+    "search-7b": {
+        "grpo_scope": "turn", "invalid_action_penalty_coef": 0.01,
+        "alignopsd": {"similarity_threshold": 0.70, "top_k": 3, "aggregation_mode": "probability_mixture", "alpha_max": 0.8,
+                      "credit_temperature": 0.5, "action_filter_enabled": False, "webshop_symbolic_checks": False},
+    },
+    "webshop-3b": {
+        "grpo_scope": "turn", "invalid_action_penalty_coef": 0.1,
+        "alignopsd": {"similarity_threshold": 0.80, "top_k": 3, "aggregation_mode": "probability_mixture", "alpha_max": 0.8,
+                      "credit_temperature": 0.2, "action_filter_enabled": True, "webshop_symbolic_checks": True},
+    },
+    "webshop-7b": {
+        "grpo_scope": "turn", "invalid_action_penalty_coef": 0.1,
+        "alignopsd": {"similarity_threshold": 0.80, "top_k": 2, "aggregation_mode": "probability_mixture", "alpha_max": 0.8,
+                      "credit_temperature": 0.5, "action_filter_enabled": False, "webshop_symbolic_checks": False},
+    },
+}
+for _p in ALIGNOPSD_PROFILES.values():
+    _p["alignopsd"] = {**_ALIGN_COMMON, **_p["alignopsd"]}
+
+
+def _under(preset: dict, own: dict) -> dict:
+    """`own` over `preset`, recursively for sub-dicts (a config's explicit keys win)."""
+    out = dict(preset)
+    for k, v in own.items():
+        out[k] = _under(preset[k], v) if isinstance(v, dict) and isinstance(preset.get(k), dict) else v
+    return out
+
+
 class CreditSection(_Section):
+    # A named launcher profile (spec 4.5): its values apply under this section's own keys.
+    profile: Literal["alfworld-3b", "alfworld-7b", "search-3b", "search-7b", "webshop-3b", "webshop-7b"] | None = None
     grpo_scope: Literal["trajectory", "turn"] = "turn"
     norm_adv_by_std: bool = True
-    opd_coef: float = 1.0  # grpo_opsd: A = A_grpo + opd_coef * (teacher - student)
+    opd_coef: float = 1.0  # grpo_opd: A = A_grpo + opd_coef * (teacher - student)
     use_invalid_action_penalty: bool = True
     invalid_action_penalty_coef: float = Field(0.1, ge=0)
     alignopsd: AlignSection = AlignSection()
+    agentopsd: AgentOPSDSection = AgentOPSDSection()
+    gc_opd: GCOPDSection = GCOPDSection()
+    uni_opd: UniOPDSection = UniOPDSection()
+    power_opd: PowerOPDSection = PowerOPDSection()
+    ex_opd: ExOPDSection = ExOPDSection()
+    fire_opd: FiReOPDSection = FiReOPDSection()
+    sdar: SDARSection = SDARSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_profile(cls, data):
+        if isinstance(data, dict) and data.get("profile") in ALIGNOPSD_PROFILES:
+            return _under(ALIGNOPSD_PROFILES[data["profile"]], data)
+        return data
 
 
 class TrainerSection(_Section):
@@ -144,6 +270,7 @@ class TrainerSection(_Section):
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(2, ge=1)  # trajectories per forward/backward
     threads: int = Field(0, ge=0)  # torch threads for the trainer (0 = model.threads): it computes alone
+    dump_credit: bool = False  # write each step's credit inputs to <run_dir>/credit/ (replay: opsd credit check)
     metrics_port: int = 0
 
 
@@ -157,6 +284,14 @@ class RunConfig(_Section):
     embedder: EmbedderSection = EmbedderSection()
     credit: CreditSection = CreditSection()
     trainer: TrainerSection = TrainerSection()
+
+    @model_validator(mode="after")
+    def _known_method(self) -> "RunConfig":
+        from opsd.credit import registered  # the registry imports this module
+
+        if self.run.method not in registered():
+            raise ValueError(f"run.method {self.run.method!r} is not a credit method; registered: {', '.join(registered())}")
+        return self
 
     @model_validator(mode="after")
     def _distillation_temperature(self) -> "RunConfig":

@@ -12,6 +12,8 @@ import math
 from pydantic import BaseModel, ConfigDict, Field
 
 from opsd.config import AlignSection
+from opsd.types import MAX_EMBEDDING_DIM
+from opsd.types import SIMILARITY_TOLERANCE as NORM_TOLERANCE  # a unit vector's float noise
 
 
 class EmbedRequest(BaseModel):
@@ -40,16 +42,29 @@ class CorrespondTurn(BaseModel):
     teacher_action: str = ""
 
 
+EMBEDDING_FIELDS = ("student_thinking_emb", "teacher_thinking_emb", "student_action_emb", "teacher_action_emb")
+
+
 class CorrespondRequest(BaseModel):
+    """`return_embeddings`: also send back the four [M][D] embeddings (for a credit dump;
+    about 4 x D floats of JSON per turn, so off by default)."""
+
     model_config = ConfigDict(extra="forbid")
     task_id: str
     turns: list[CorrespondTurn] = Field(min_length=1)
     align: AlignSection = AlignSection()
+    return_embeddings: bool = False
 
 
 class CorrespondResponse(BaseModel):
     """Per target turn t (canonical order): its selected sources (row indices), their
-    softmax weights omega, rho and alpha (spec 4.1-4.2); H and eligibility are [source][target]."""
+    softmax weights omega, rho and alpha (spec 4.1-4.2); H and eligibility are [source][target].
+
+    With `return_embeddings`, the four `*_emb` fields hold the [M][D] vectors that
+    were compared: thinking texts (the action text in the action-only format) with
+    zero rows for invalid turns, action texts with zero rows for empty actions;
+    None otherwise.
+    """
 
     model_config = ConfigDict(extra="forbid")
     similarity: list[list[float]]  # [source][target]
@@ -58,10 +73,16 @@ class CorrespondResponse(BaseModel):
     source_weights: list[list[float]]
     rho: list[float]
     alpha: list[float]
+    student_thinking_emb: list[list[float]] | None = None
+    teacher_thinking_emb: list[list[float]] | None = None
+    student_action_emb: list[list[float]] | None = None
+    teacher_action_emb: list[list[float]] | None = None
 
     def check(self, M: int) -> "CorrespondResponse":
         """Raise ValueError unless every field has M rows (M x M matrices), indices are in
-        range, weights are finite and non-negative, and each turn's sources and weights align."""
+        range, weights are finite and non-negative, each turn's sources and weights align,
+        and the embeddings are absent or all four finite [M][D] with 1 <= D <= MAX_EMBEDDING_DIM
+        and rows of length <= 1."""
         if len(self.similarity) != M or any(len(r) != M for r in self.similarity):
             raise ValueError(f"similarity must be {M}x{M}")
         if len(self.eligible) != M or any(len(r) != M for r in self.eligible):
@@ -77,4 +98,19 @@ class CorrespondResponse(BaseModel):
         values = [x for r in self.similarity for x in r] + self.rho + self.alpha
         if any(not math.isfinite(x) for x in values):
             raise ValueError("similarity, rho and alpha must be finite")
+        embs = [getattr(self, n) for n in EMBEDDING_FIELDS]
+        if any(e is not None for e in embs):
+            if any(e is None for e in embs):
+                raise ValueError(f"embeddings {', '.join(EMBEDDING_FIELDS)} come all four or none")
+            D = len(embs[0][0]) if embs[0] else 0
+            if M and not 1 <= D <= MAX_EMBEDDING_DIM:
+                raise ValueError(f"embedding width {D} outside [1, {MAX_EMBEDDING_DIM}]")
+            for name, e in zip(EMBEDDING_FIELDS, embs):
+                if len(e) != M or any(len(r) != D for r in e):
+                    raise ValueError(f"{name} must be {M}x{D}")
+                if any(not math.isfinite(x) for r in e for x in r):
+                    raise ValueError(f"{name} must be finite")
+                # The encoder L2-normalizes (or zeroes) every row; a longer one is not its output.
+                if any(math.fsum(x * x for x in r) > (1.0 + NORM_TOLERANCE) ** 2 for r in e):
+                    raise ValueError(f"{name}: a row longer than 1")
         return self

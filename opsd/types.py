@@ -36,6 +36,9 @@ MAX_ABS_REWARD = 1e9
 MAX_GROUP_TURNS = 4096
 SIMILARITY_TOLERANCE = 1e-3  # cosine H may exceed [-1, 1] by float noise (FAISS inner products), not more
 LOGPROB_TOLERANCE = 1e-4  # a log-prob is <= 0; tiny positive values are float noise
+ENTROPY_TOLERANCE = 1e-4  # an entropy lies in [0, log V]; float noise may step outside by this much
+# Sentence-embedding width bound (MiniLM 384, Qwen3-Embedding-0.6B 1024): [M, D] arrays stay small.
+MAX_EMBEDDING_DIM = 4096
 
 FINISH_REASONS = ("stop", "length")  # sampler finish reason of one turn
 EPISODE_ENDINGS = ("won", "lost", "max_turns", "truncated", "error")
@@ -56,6 +59,16 @@ def _check_array(name: str, arr: Any, dtype: np.dtype | type, ndim: int) -> None
     _check(arr.ndim == ndim, f"{name}: expected {ndim}-d array, got shape {arr.shape}")
     if arr.dtype.kind == "f":
         _check(bool(np.isfinite(arr).all()), f"{name}: contains NaN or inf")
+
+
+def _check_entropy(name: str, arr: Any, loss_mask_S: np.ndarray, vocab_size: int | None) -> None:
+    """float32 [S] entropies (nats): finite, in [0, log V] (to ENTROPY_TOLERANCE), 0 off the loss mask."""
+    _check_array(name, arr, np.float32, 1)
+    _check(arr.shape == loss_mask_S.shape, f"{name}: length {arr.shape[0]} != trajectory length {loss_mask_S.shape[0]}")
+    _check(bool((arr >= -ENTROPY_TOLERANCE).all()), f"{name}: a negative entropy")
+    if vocab_size is not None and arr.size:
+        _check(float(arr.max()) <= math.log(vocab_size) + ENTROPY_TOLERANCE, f"{name}: an entropy > log(vocab size)")
+    _check(not bool(arr[loss_mask_S == 0].any()), f"{name}: nonzero off the loss mask")
 
 
 @dataclass
@@ -110,6 +123,13 @@ class Trajectory:
     probability of each sampled token under the sampling temperature, 0 where
     loss_mask is 0); loss_mask_S uint8 [S]. `reward` is the terminal episode
     reward (TextWorld: 1.0 won, 0.0 otherwise).
+
+    Optional (None when the sampler did not report it, e.g. messages from
+    before the field existed): sampler_entropy_S float32 [S], the entropy in
+    nats of the distribution each sampled token was drawn from (softmax at the
+    sampling temperature, renormalized to the top-p nucleus when top_p < 1),
+    in [0, log V], 0 where loss_mask is 0 (FiRe-OPD's student confusion, spec 3).
+    4 bytes per token, like the log-probs.
     """
 
     rollout_id: str
@@ -120,6 +140,7 @@ class Trajectory:
     reward: float
     won: bool
     ending: str
+    sampler_entropy_S: np.ndarray | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         name = f"Trajectory {self.rollout_id}"
@@ -133,6 +154,8 @@ class Trajectory:
         )
         _check(bool(((self.loss_mask_S == 0) | (self.loss_mask_S == 1)).all()), f"{name}: loss_mask not 0/1")
         _check(bool((self.sampler_logprobs_S <= LOGPROB_TOLERANCE).all()), f"{name}: a log-prob is positive")
+        if self.sampler_entropy_S is not None:
+            _check_entropy(f"{name}.sampler_entropy_S", self.sampler_entropy_S, self.loss_mask_S, vocab_size)
         if S:
             _check(int(self.token_ids_S.min()) >= 0, f"{name}: negative token id")
             if vocab_size is not None:
@@ -207,7 +230,36 @@ class ScoredGroup:
     Per group, over the M turns in `rollout.canonical_turns()` order:
     similarity_MM[s, t] = H (teacher thinking of s vs student thinking of t),
     eligible_MM[s, t] = structural eligibility (spec 4.1), and the selected
-    sources / weights / rho / alpha of each target turn.
+    sources / weights / rho / alpha of each target turn. `teacher_thinking_M`
+    is the text the embedder embedded for the teacher (the parsed thinking;
+    the parsed action in the action-only format; "" when invalid).
+
+    Optional fields (None in messages from before they existed; the teacher
+    fills them as noted). Per trajectory, aligned with token_ids_S:
+    - teacher_entropy_S: float32 [S] per trajectory, entropy (nats, T = 1) of
+      the identity view's next-token distribution at each response position,
+      in [0, log V], 0 off the loss mask (FiRe-OPD's teacher confidence).
+    Per group, over the M canonical turns (what a credit dump writes in the
+    refvector AlignOPSD schema):
+    - teacher_response_M: the teacher's own decoded response (prefill
+      included; "" where none was generated); student_thinking_M: the student
+      text the embedder embedded (same rule as teacher_thinking_M);
+      student_action_M / teacher_action_M: parsed actions ("" = invalid).
+    - student_thinking_emb_MD, teacher_thinking_emb_MD, student_action_emb_MD,
+      teacher_action_emb_MD: float32 [M, D], the encoder's L2-normalized
+      embeddings of those texts (zero rows for empty/invalid text), all four
+      or none: None when the embedder was unavailable (identity fallback) or
+      not asked for them (the teacher asks only with trainer.dump_credit).
+      D = 384 for MiniLM: 4 x 1.5 KiB = 6 KiB per turn.
+    - cross_logprobs_M: per target turn t a float32 [K_t, n_t] array, the
+      teacher-forced log-probs (T = 1) of all n_t response tokens of t
+      (response_end - response_start, loss mask or not) under the privileged
+      history of each source in selected_sources_M[t], rows in that order
+      (K_t = 0 -> [0, n_t]); 4 K_t n_t bytes per turn. The teacher keeps in
+      selected_sources_M only the sources it scored (a view past the context
+      budget, or of weight 0, is dropped; weights renormalized), so for every t:
+      corrected_logprobs_S[i][response of t] = rectify(teacher_logprobs_S[i][..],
+      cross_logprobs_M[t], source_weights_M[t], alpha_M[t]) on the loss mask.
     """
 
     rollout: RolloutGroup
@@ -224,6 +276,18 @@ class ScoredGroup:
     identity_fallback: bool = False  # correspondences unavailable: identity views only
     teacher_seconds: float = 0.0
     schema_version: int = SCHEMA_VERSION
+    teacher_entropy_S: list[np.ndarray] | None = None
+    teacher_response_M: list[str] | None = None
+    student_thinking_M: list[str] | None = None
+    student_action_M: list[str] | None = None
+    teacher_action_M: list[str] | None = None
+    student_thinking_emb_MD: np.ndarray | None = None
+    teacher_thinking_emb_MD: np.ndarray | None = None
+    student_action_emb_MD: np.ndarray | None = None
+    teacher_action_emb_MD: np.ndarray | None = None
+    cross_logprobs_M: list[np.ndarray] | None = None
+
+    EMBEDDING_FIELDS = ("student_thinking_emb_MD", "teacher_thinking_emb_MD", "student_action_emb_MD", "teacher_action_emb_MD")
 
     @property
     def group_id(self) -> str:
@@ -258,6 +322,45 @@ class ScoredGroup:
             _check(len(src) == len(w), f"ScoredGroup: turn {t} sources and weights differ in length")
             _check(all(0 <= s < M for s in src), f"ScoredGroup: turn {t} source index out of range")
             _check(all(math.isfinite(x) for x in w), f"ScoredGroup: turn {t} weight not finite")
+        self._validate_optional(M, vocab_size)
+
+    def _validate_optional(self, M: int, vocab_size: int | None) -> None:
+        """Checks of the optional fields (see the class docstring); each may be None."""
+        trajs = self.rollout.trajectories
+        if self.teacher_entropy_S is not None:
+            _check(len(self.teacher_entropy_S) == len(trajs), "ScoredGroup: teacher_entropy_S count != trajectories")
+            for i, (traj, arr) in enumerate(zip(trajs, self.teacher_entropy_S)):
+                _check_entropy(f"ScoredGroup.teacher_entropy_S[{i}]", arr, traj.loss_mask_S, vocab_size)
+        for nm in ("teacher_response_M", "student_thinking_M", "student_action_M", "teacher_action_M"):
+            val = getattr(self, nm)
+            if val is not None:
+                _check(len(val) == M, f"ScoredGroup: {nm} must have {M} entries, got {len(val)}")
+        embs = [getattr(self, nm) for nm in self.EMBEDDING_FIELDS]
+        if any(e is not None for e in embs):
+            _check(all(e is not None for e in embs), f"ScoredGroup: embeddings {', '.join(self.EMBEDDING_FIELDS)} come all four or none")
+            text_of = {"student_thinking_emb_MD": self.student_thinking_M, "teacher_thinking_emb_MD": self.teacher_thinking_M,
+                       "student_action_emb_MD": self.student_action_M, "teacher_action_emb_MD": self.teacher_action_M}
+            for nm, arr in zip(self.EMBEDDING_FIELDS, embs):
+                _check_array(f"ScoredGroup.{nm}", arr, np.float32, 2)
+            D = embs[0].shape[1]
+            _check(1 <= D <= MAX_EMBEDDING_DIM, f"ScoredGroup: embedding width {D} outside [1, {MAX_EMBEDDING_DIM}]")
+            for nm, arr in zip(self.EMBEDDING_FIELDS, embs):
+                _check(arr.shape == (M, D), f"ScoredGroup.{nm}: expected shape ({M}, {D}), got {arr.shape}")
+                # The encoder's vectors are unit length (or zero): anything longer is not an embedding.
+                _check(bool((np.linalg.norm(arr, axis=1) <= 1.0 + SIMILARITY_TOLERANCE).all()), f"ScoredGroup.{nm}: a row longer than 1")
+                txt = text_of[nm]
+                _check(txt is not None, f"ScoredGroup.{nm} needs its texts")
+                empty = np.array([not x for x in txt], dtype=bool)
+                _check(not bool(arr[empty].any()), f"ScoredGroup.{nm}: nonzero row for an empty text")
+        if self.cross_logprobs_M is not None:
+            _check(len(self.cross_logprobs_M) == M, f"ScoredGroup: cross_logprobs_M must have {M} entries")
+            for t, ((i, k), arr) in enumerate(zip(self.rollout.canonical_turns(), self.cross_logprobs_M)):
+                nm = f"ScoredGroup.cross_logprobs_M[{t}]"
+                _check_array(nm, arr, np.float32, 2)
+                rec = trajs[i].turns[k]
+                shape = (len(self.selected_sources_M[t]), rec.response_end - rec.response_start)
+                _check(arr.shape == shape, f"{nm}: expected shape {shape} (sources, response tokens), got {arr.shape}")
+                _check(bool((arr <= LOGPROB_TOLERANCE).all()), f"{nm}: a log-prob is positive")
 
 
 @dataclass
@@ -291,6 +394,10 @@ class CreditBatch:
     corrected_logprobs_ML: np.ndarray | None = None
     similarity_MM: np.ndarray | None = None
     eligible_MM: np.ndarray | None = None
+    # Needed by single methods only (None otherwise), float32 [M, L]:
+    base_logprobs_ML: np.ndarray | None = None  # ex_opd: the initial policy's log-prob of the token
+    teacher_entropy_ML: np.ndarray | None = None  # fire_opd: entropy (nats) of the teacher's next-token distribution
+    student_entropy_ML: np.ndarray | None = None  # fire_opd: entropy (nats) of the sampler's distribution
 
     @property
     def num_rows(self) -> int:

@@ -11,7 +11,9 @@ finite float, str, list, str-keyed map), and numpy arrays as
 `{"dtype": name, "shape": [..], "data": little-endian bytes}` with `dtype` one
 of `ARRAY_DTYPES`. Decoding trusts nothing: every field is checked against
 the annotations (missing, unknown or mistyped fields raise `WireError` naming
-the field path), then the message's own `validate()` runs. Nothing on the wire
+the field path; a missing field that has a default takes it, so messages from
+before an optional field was added still decode), then the message's own
+`validate()` runs. Nothing on the wire
 can make the decoder build an arbitrary object.
 """
 
@@ -195,15 +197,17 @@ def _unpack(value: Any, hint: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise _fail(path, f"{hint.__name__} map", value)
-        names = [f.name for f in dataclasses.fields(hint)]
-        missing = [n for n in names if n not in value]
+        fields = dataclasses.fields(hint)
+        names = [f.name for f in fields]
+        # A field with a default may be absent (a message from before the field existed).
+        missing = [f.name for f in fields if f.name not in value and not _has_default(f)]
         unknown = sorted(str(k) for k in value if k not in names)
         if missing:
             raise WireError(f"{path}: missing field(s) {', '.join(missing)}")
         if unknown:
             raise WireError(f"{path}: unknown field(s) {', '.join(unknown)}")
         hints = _hints(hint)
-        return hint(**{n: _unpack(value[n], hints[n], f"{path}.{n}") for n in names})
+        return hint(**{n: _unpack(value[n], hints[n], f"{path}.{n}") for n in names if n in value})
     if hint is np.ndarray:
         return _unpack_array(value, path)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -219,6 +223,10 @@ def _unpack(value: Any, hint: Any, path: str) -> Any:
             raise WireError(f"{path}: map key is not a str")
         return {k: _unpack(v, args[1], f"{path}[{k!r}]") for k, v in value.items()}
     return _scalar(value, hint, path)
+
+
+def _has_default(f: dataclasses.Field) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
 def _unpack_array(value: Any, path: str) -> np.ndarray:

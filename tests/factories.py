@@ -9,9 +9,12 @@ and log-prob 0. Observations carry multi-byte text (emoji) on purpose.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 
-from opsd.types import RolloutGroup, ScoredGroup, TaskGroup, Trajectory, TurnRecord
+from opsd.types import CreditBatch, RolloutGroup, ScoredGroup, TaskGroup, Trajectory, TurnRecord
 
 VOCAB_SIZE = 49_152  # SmolLM2's vocabulary
 ACTIONS = ("go north", "open door", "take coin", "look", "go east")
@@ -68,6 +71,8 @@ def make_trajectory(rollout_id: str, turns: int, rng: np.random.Generator, rewar
     loss_mask = np.concatenate(mask)
     logprobs = np.where(loss_mask == 1, -rng.exponential(1.5, len(token_ids)), 0.0).astype(np.float32)
     won = reward > 0.5
+    # Deterministic (no rng draw, so every other factory value stays as it was): nats, 0 off the mask.
+    entropy = np.where(loss_mask == 1, 0.25 - 0.5 * logprobs, 0.0).astype(np.float32)
     return Trajectory(
         rollout_id=rollout_id,
         token_ids_S=token_ids,
@@ -77,6 +82,7 @@ def make_trajectory(rollout_id: str, turns: int, rng: np.random.Generator, rewar
         reward=float(reward),
         won=won,
         ending="won" if won else "max_turns",
+        sampler_entropy_S=entropy,
     )
 
 
@@ -138,16 +144,17 @@ def make_scored_group(G: int = 4, turns: int = 3, seed: int = 0) -> ScoredGroup:
         alpha_M=(0.8 * rho).astype(np.float32),
         identity_fallback=False,
         teacher_seconds=2.25,
+        teacher_entropy_S=[np.where(t.loss_mask_S == 1, 0.1 - 0.4 * lp, 0).astype(np.float32) for t, lp in zip(rollout.trajectories, teacher)],
     )
 
 
-def tiny_llama(num_hidden_layers: int = 2, seed: int = 0):
-    """A randomly initialized Llama causal LM (vocab 64, hidden 32) for fast trainer tests."""
+def tiny_llama(num_hidden_layers: int = 2, seed: int = 0, vocab_size: int = 64):
+    """A randomly initialized Llama causal LM (hidden 32; vocab 64, or VOCAB_SIZE for factory trajectories)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     return LlamaForCausalLM(cfg).eval()
 
@@ -166,3 +173,56 @@ def ppo_sequences(adv: float = 1.0, mask_on: bool = True):
             mask[n // 2:] = 1
         out.append(Sequence(ids, mask, np.where(mask == 1, adv, 0).astype(np.float32), np.zeros(n, np.float32)))
     return out
+
+
+def shared_dir() -> Path:
+    """The project's shared folder (spec, refvectors): $OPSD_SHARED, else ../shared beside the repo
+    (CI clones the repo into another folder with shared/ beside it)."""
+    env = os.environ.get("OPSD_SHARED")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+
+
+def random_credit_batch(
+    seed: int, tasks: int = 3, rollouts: int = 3, max_turns: int = 3, L: int = 7, edge_cases: bool = True
+) -> CreditBatch:
+    """A valid random CreditBatch with every field any estimator reads (rows canonical).
+
+    With `edge_cases`: task t0 has one trajectory, and the last trajectory has
+    `max_turns` (>= 2) turns, the last without loss tokens and the one before
+    with a different reward (rows that disagree). Log-probs and entropies off
+    the mask are random (padding may hold anything).
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for t in range(tasks):
+        n_roll = 1 if edge_cases and t == 0 else rollouts
+        for r in range(n_roll):
+            reward = float(rng.integers(0, 2))
+            last = t == tasks - 1 and r == n_roll - 1
+            n_turns = max_turns if edge_cases and last else int(rng.integers(1, max_turns + 1))
+            for k in range(n_turns):
+                rows.append((f"t{t}", f"r{r}", k, reward))
+    M = len(rows)
+    lengths = rng.integers(1, L + 1, M)
+    mask = (np.arange(L)[None] < lengths[:, None]).astype(np.float32)
+    reward = np.asarray([r[3] for r in rows], np.float32)
+    if edge_cases:
+        mask[M - 1] = 0.0
+        reward[M - 2] += 0.5
+    student = (-rng.exponential(1.0, (M, L))).astype(np.float32)
+    teacher = np.minimum(student + rng.normal(0, 1.0, (M, L)), 0).astype(np.float32)
+    valid = rng.random(M) > 0.2
+    base = np.minimum(student + rng.normal(0, 0.3, (M, L)), 0).astype(np.float32)
+    t_ent = rng.uniform(0, 3, (M, L)).astype(np.float32)
+    s_ent = rng.uniform(0, 3, (M, L)).astype(np.float32)
+    task = np.asarray([r[0] for r in rows])
+    roll = np.asarray([r[1] for r in rows])
+    return CreditBatch(
+        task_id=list(task), rollout_id=list(roll), turn_id=[r[2] for r in rows],
+        data_source=["textworld"] * M, episode_reward=reward, is_action_valid=valid,
+        loss_mask_ML=mask, student_logprobs_ML=student, teacher_logprobs_ML=teacher,
+        corrected_logprobs_ML=np.minimum(teacher + rng.normal(0, 0.1, (M, L)), 0).astype(np.float32),
+        similarity_MM=np.where(task[:, None] == task[None], rng.uniform(0.5, 1.0, (M, M)), 0).astype(np.float32),
+        eligible_MM=(task[:, None] == task[None]) & (roll[:, None] != roll[None]),
+        base_logprobs_ML=base, teacher_entropy_ML=t_ent, student_entropy_ML=s_ent,
+    )

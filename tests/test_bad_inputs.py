@@ -158,6 +158,7 @@ def _zero_turns(traj) -> None:
     traj.turns = []
     traj.loss_mask_S[:] = 0
     traj.sampler_logprobs_S[:] = 0
+    traj.sampler_entropy_S[:] = 0
 
 
 def _edge_groups(kind: str) -> list[ScoredGroup]:
@@ -174,6 +175,8 @@ def _edge_groups(kind: str) -> list[ScoredGroup]:
         t = trajs[1]
         t.loss_mask_S[:] = 0
         t.sampler_logprobs_S[:] = 0
+        t.sampler_entropy_S[:] = 0
+        sg.teacher_entropy_S[1][:] = 0
         return [sg]
     if kind == "one_zero_turn_trajectory":
         rollout = make_rollout_group(G=4, turns=3, seed=13)
@@ -201,6 +204,7 @@ def _rescore(rollout: RolloutGroup) -> ScoredGroup:
         teacher_thinking_M=[""] * M, similarity_MM=np.zeros((M, M), np.float32), eligible_MM=np.zeros((M, M), bool),
         selected_sources_M=[[] for _ in range(M)], source_weights_M=[[] for _ in range(M)],
         rho_M=np.zeros(M, np.float32), alpha_M=np.zeros(M, np.float32),
+        teacher_entropy_S=[np.where(t.loss_mask_S == 1, 1.0, 0).astype(np.float32) for t in rollout.trajectories],
     )
     sg.validate()
     return sg

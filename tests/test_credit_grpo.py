@@ -199,3 +199,44 @@ def test_grpo_opsd_adds_coef_times_gap():
     adv, _ = compute_advantages("grpo_opsd", make_batch(rows, L=2, mask=mask, teacher=teacher, student=student), cfg)
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     assert adv == pytest.approx(np.asarray([[a + 0.25, a + 0.0], [-a - 0.5, 0.0]]), abs=1e-6)
+
+
+# ------------------------------------------------------------ every method: invariants (hypothesis)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from tests.factories import random_credit_batch
+
+
+@pytest.mark.parametrize("method", registered())
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_every_method_is_row_order_independent_and_survives_edge_cases(method, seed):
+    batch = random_credit_batch(seed)
+    perm = np.random.default_rng(seed).permutation(batch.num_rows)
+    adv, metrics = compute_advantages(method, batch, CreditSection())
+    adv_shuffled, metrics_shuffled = compute_advantages(method, permute_batch(batch, perm), CreditSection())
+    assert np.isfinite(adv).all() and not adv[batch.loss_mask_ML == 0].any()
+    np.testing.assert_allclose(adv_shuffled, adv[perm], rtol=1e-6, atol=1e-6)
+    assert metrics == pytest.approx(metrics_shuffled, rel=1e-5, abs=1e-6)
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("method", ["grpo", "opd", "grpo_opd"])
+def test_edge_cases_are_counted_in_metrics(method):
+    _, metrics = compute_advantages(method, random_credit_batch(3), CreditSection())
+    prefix = "grpo" if method == "grpo" else "opd"
+    assert metrics[f"{prefix}/turns_without_loss_tokens"] == 1
+    assert metrics[f"{prefix}/single_trajectory_tasks"] == 1
+    assert metrics[f"{prefix}/trajectories_with_varying_reward"] == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), value=st.sampled_from([0.0, 1.0, 10.0, 0.1]))
+def test_all_equal_rewards_give_zero_outcome_advantage(seed, value):
+    batch = random_credit_batch(seed, edge_cases=False)
+    batch.episode_reward[:] = value
+    batch.is_action_valid[:] = True
+    for scope in ("turn", "trajectory"):
+        adv, _ = compute_advantages("grpo", batch, CreditSection(grpo_scope=scope))
+        assert not adv.any()

@@ -22,11 +22,17 @@ pytestmark = pytest.mark.e2e
 def test_one_step_through_four_services(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the run must start its own redis-server
     proc = subprocess.run(
-        [sys.executable, "-m", "opsd.cli", "run", str(REPO / "tests/configs/tiny.yaml"), "--output-dir", str(tmp_path)],
+        [sys.executable, "-m", "opsd.cli", "run", str(REPO / "tests/configs/tiny.yaml"), "--output-dir", str(tmp_path),
+         "--dump-credit"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+
+    # The step's AlignOPSD inputs (embeddings, cross-teacher log-probs) replay to the advantages it trained on.
+    check = subprocess.run([sys.executable, "-m", "opsd.cli", "credit", "check", str(run_dir / "credit")],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and check.stdout.strip().endswith("1 passed, 0 failed"), check.stdout + check.stderr
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0]
@@ -56,6 +62,27 @@ def test_one_step_through_four_services(tmp_path):
     assert 'opsd_policy_version{role="trainer"} 1.0' in (run_dir / "scrapes" / "trainer.prom").read_text()
     for role in ("embedder", "rollout", "teacher", "trainer", "redis"):
         assert (run_dir / "logs" / f"{role}.log").exists(), role
+
+
+def test_every_other_method_runs_by_name_end_to_end(tmp_path):
+    """gc_opd (teacher without embedder) through the real services; its dump replays exactly."""
+    cfg = RunConfig.load(REPO / "tests/configs/tiny.yaml").model_dump(mode="json")
+    cfg["run"]["method"] = "gc_opd"
+    path = tmp_path / "gc_opd.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsd.cli", "run", str(path), "--output-dir", str(tmp_path / "runs"), "--dump-credit"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["policy_version"] == 1 and "gc_opd/residual_abs_mean" in record
+    assert json.loads((run_dir / "run_summary.json").read_text())["roles"] == ["rollout", "teacher", "trainer"]
+    check = subprocess.run([sys.executable, "-m", "opsd.cli", "credit", "check", str(run_dir / "credit")],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and check.stdout.strip().endswith("1 passed, 0 failed"), check.stdout + check.stderr
 
 
 def test_ctrl_c_stops_every_process(tmp_path):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from opsd.config import AlignSection, EmbedderSection
+from opsd.embedding_api import EMBEDDING_FIELDS, CorrespondResponse
 from services.embedder.app import Encoder, build_app, cosine_matrix_faiss
 
 
@@ -72,3 +75,48 @@ def test_bad_requests_are_rejected_clearly(client):
     assert client.post("/embed", json={"texts": "not a list"}).status_code == 422
     assert client.post("/embed", json={"texts": ["a"], "extra": 1}).status_code == 422
     assert client.post("/correspond", json={"task_id": "g", "turns": []}).status_code == 422
+
+
+def test_correspond_returns_the_compared_embeddings_on_request(client, encoder):
+    turns = [
+        {"rollout_id": "r00", "turn_id": 0, "student_text": "take the key", "teacher_text": "take the key",
+         "student_valid": True, "teacher_valid": True, "student_action": "take key", "teacher_action": "take key"},
+        {"rollout_id": "r01", "turn_id": 0, "student_text": "take key", "teacher_text": "open chest",
+         "student_valid": True, "teacher_valid": True, "student_action": "take key", "teacher_action": ""},
+        {"rollout_id": "r01", "turn_id": 1, "student_text": "", "teacher_text": "open chest",
+         "student_valid": False, "teacher_valid": True, "student_action": "", "teacher_action": "open chest"},
+    ]
+    align = AlignSection(similarity_threshold=0.5, top_k=2, action_filter_enabled=False).model_dump()
+    plain = client.post("/correspond", json={"task_id": "g0", "turns": turns, "align": align}).json()
+    assert all(plain[k] is None for k in EMBEDDING_FIELDS)  # off by default: the response stays small
+    r = client.post("/correspond", json={"task_id": "g0", "turns": turns, "align": align, "return_embeddings": True})
+    assert r.status_code == 200, r.text
+    out = CorrespondResponse.model_validate(r.json()).check(3)
+    st, tt, sa, ta = (np.asarray(getattr(out, k), dtype=np.float32) for k in EMBEDDING_FIELDS)
+    assert st.shape == tt.shape == sa.shape == ta.shape == (3, 384)
+    # Exactly the encoder's vectors (JSON carries float32 exactly); the invalid student thinking is a zero row.
+    np.testing.assert_array_equal(tt, encoder.embed([t["teacher_text"] for t in turns]))
+    np.testing.assert_array_equal(st[:2], encoder.embed(["take the key", "take key"]))
+    assert not st[2].any() and not ta[1].any() and not sa[2].any()
+    np.testing.assert_array_equal(sa, encoder.embed([t["student_action"] for t in turns]))
+    np.testing.assert_allclose(np.asarray(out.similarity), np.clip(tt @ st.T, -1, 1), atol=1e-6)
+    # The rest of the answer does not change when the embeddings are asked for.
+    assert {k: v for k, v in r.json().items() if k not in EMBEDDING_FIELDS} == {k: v for k, v in plain.items() if k not in EMBEDDING_FIELDS}
+
+
+def test_correspond_response_check_rejects_bad_embeddings():
+    base = {"similarity": [[0.0, 0.5], [0.5, 0.0]], "eligible": [[False, True], [True, False]],
+            "selected_sources": [[1], [0]], "source_weights": [[1.0], [1.0]], "rho": [0.1, 0.1], "alpha": [0.1, 0.1]}
+    good = {k: [[1.0, 0.0], [0.0, 0.0]] for k in EMBEDDING_FIELDS}
+    CorrespondResponse.model_validate({**base, **good}).check(2)
+    bad = [
+        ({**good, "teacher_action_emb": None}, "all four or none"),
+        ({**good, "student_action_emb": [[1.0, 0.0]]}, "must be 2x2"),
+        ({**good, "student_action_emb": [[1.0, 0.0], [0.0]]}, "must be 2x2"),
+        ({**good, "teacher_thinking_emb": [[math.nan, 0.0], [0.0, 0.0]]}, "must be finite"),
+        ({**good, "student_thinking_emb": [[2.0, 0.0], [0.0, 0.0]]}, "longer than 1"),
+        ({k: [[], []] for k in EMBEDDING_FIELDS}, "width 0"),
+    ]
+    for emb, match in bad:
+        with pytest.raises(ValueError, match=match):
+            CorrespondResponse.model_validate({**base, **emb}).check(2)

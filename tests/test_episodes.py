@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 from opsd.chat import ChatFormat, parse_response
 from opsd.config import EnvSection, RolloutSection
+from opsd.credit.policy_loss import entropy_from_logits
 from opsd.envs import make_games
 from opsd.envs.textworld import TextWorldEnv
 from opsd.models.hf import NonFiniteLogitsError
@@ -109,6 +111,8 @@ def test_real_group_token_in_token_out(game, backend, chat):
             assert match, f"{traj.rollout_id} turn {k}: ids differ from every request/response pair"
             np.testing.assert_allclose(traj.sampler_logprobs_S[turn.response_start : turn.response_end],
                                        np.float32(match[0].logprobs), rtol=0, atol=0)
+            np.testing.assert_allclose(traj.sampler_entropy_S[turn.response_start : turn.response_end],
+                                       np.float32(match[0].entropies), rtol=0, atol=0)
             assert turn.finish_reason == match[0].finish_reason
             assert 1 <= len(response) <= 8 and turn.text.startswith(chat.prefill_text)
             expected_mask[turn.response_start : turn.response_end] = 1
@@ -122,9 +126,19 @@ def test_real_group_token_in_token_out(game, backend, chat):
         np.testing.assert_array_equal(traj.loss_mask_S, expected_mask)
         assert (traj.sampler_logprobs_S[expected_mask == 0] == 0).all()
         assert (traj.sampler_logprobs_S[expected_mask == 1] <= 0).all()
+        ent = traj.sampler_entropy_S
+        assert ent.dtype == np.float32 and ent.shape == traj.token_ids_S.shape
+        assert (ent[expected_mask == 0] == 0).all() and (ent >= 0).all() and (ent <= math.log(backend.vocab_size)).all()
     assert stats.turns == sum(len(t.turns) for t in group.trajectories)
     assert stats.generated_tokens == sum(int(t.loss_mask_S.sum()) for t in group.trajectories)
     assert stats.nonfinite_logprobs == 0 and stats.seconds > 0
+    # The entropy of the distribution the token was drawn from (T = 1, top_p = 1), recomputed
+    # for one position from a plain forward pass over the trajectory's ids.
+    traj = group.trajectories[0]
+    pos = traj.turns[-1].response_end - 1
+    with torch.no_grad():
+        logits = backend.model(input_ids=torch.tensor([traj.token_ids_S[:pos].tolist()])).logits[0, -1]
+    assert abs(float(traj.sampler_entropy_S[pos]) - float(entropy_from_logits(logits, 1.0))) < 1e-4
 
 
 def test_truncation_before_sampling(game, backend, chat):
@@ -231,6 +245,28 @@ def test_nan_logprob_length_finish_and_win(game, backend, chat):
         assert traj.token_ids_S[t0.response_end : t1.response_start].tolist() == chat.continuation_ids(t0.observation, False)
         assert t1.format_valid and t1.action == win and t1.finish_reason == "stop"
         assert traj.won and traj.reward == 1.0 and traj.ending == "won" and t1.observation == ""
+        assert traj.sampler_entropy_S is None  # the scripted backend reports no entropies
+
+
+def test_scripted_entropies_kept_and_bad_ones_masked(game, backend, chat):
+    class WithEntropy(ScriptedBackend):
+        def generate(self, *args, **kwargs):
+            gens = super().generate(*args, **kwargs)
+            for g in gens:  # 0.5 nats per token, one NaN and one negative entropy in the first turn
+                g.entropies = [0.5] * len(g.token_ids)
+                if self.calls == 1:
+                    g.entropies[1], g.entropies[3] = math.nan, -1.0
+            return gens
+
+    fake = WithEntropy(backend.tokenizer, backend.eos_token_id, lambda c, r: ("look</action>", "stop", None))
+    group, stats = run_group(make_task(game, 1, 2), fake, chat, ENV, RolloutSection(group_size=1, max_new_tokens=8), 2048, seed=0)
+    group.validate(backend.vocab_size)
+    (traj,) = group.trajectories
+    t0 = traj.turns[0]
+    ent, mask = traj.sampler_entropy_S, traj.loss_mask_S
+    assert stats.nonfinite_logprobs == 2 and mask[t0.response_start + 1] == 0 and mask[t0.response_start + 3] == 0
+    assert (ent[mask == 1] == 0.5).all() and (ent[mask == 0] == 0).all()
+    assert traj.sampler_logprobs_S[t0.response_start + 1] == 0
 
 
 def test_nonfinite_logits_row_ends_as_error(game, backend, chat):

@@ -345,3 +345,62 @@ def test_branch_nonfinite_is_never_silent(backend, branch_base):
     finally:
         with torch.no_grad():
             w[100] = saved
+
+
+def _full_forward_logits(backend, ids: list[int]) -> torch.Tensor:
+    """float32 [len(ids), V] logits of one plain forward (no cache, no batching)."""
+    with torch.no_grad():
+        return backend.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def test_generate_entropies_are_those_of_the_sampling_distribution(backend, prompts):
+    from opsd.credit.policy_loss import entropy_from_logits
+
+    log_v = math.log(backend.vocab_size)
+    gens = backend.generate(prompts, max_new_tokens=6, temperature=0.8, seed=2)
+    for p, g in zip(prompts, gens):
+        assert g.entropies is not None and len(g.entropies) == len(g.token_ids)
+        assert all(0.0 <= h <= log_v for h in g.entropies)
+        # Position j's distribution (temperature 0.8, no top-p) recomputed from a plain forward.
+        logits = _full_forward_logits(backend, p + g.token_ids[:-1])
+        want = entropy_from_logits(logits[len(p) - 1 :], 0.8).numpy()
+        np.testing.assert_allclose(np.float32(g.entropies), want, atol=1e-4, rtol=0)
+    # With top-p the sampled-from distribution is the renormalized nucleus: lower entropy.
+    g = backend.generate(prompts[:1], max_new_tokens=4, temperature=1.0, top_p=0.5, seed=2)[0]
+    p = prompts[0]
+    logits = _full_forward_logits(backend, p + g.token_ids[:-1])[len(p) - 1 :]
+    probs = torch.softmax(logits, -1).double()
+    full = entropy_from_logits(logits, 1.0).numpy()
+    for j, h in enumerate(g.entropies):
+        sp, _ = probs[j].sort(descending=True)
+        q = sp[(sp.cumsum(0) - sp) < 0.5]
+        q = q / q.sum()
+        assert h == pytest.approx(float(-(q * q.log()).sum()), abs=1e-4)
+        assert 0.0 <= h <= full[j] + 1e-5
+    # top_p tiny: one token left, a point mass of entropy 0.
+    g = backend.generate(prompts[:1], 2, 1.0, top_p=1e-6, seed=1)[0]
+    assert g.entropies == [0.0] * len(g.token_ids)
+
+
+def test_branch_entropies_equal_a_plain_forward(backend, branch_base):
+    from opsd.credit.policy_loss import entropy_from_logits
+
+    base, start = branch_base, 10
+    res = backend.branch(base, start, [40], generate_tokens=3, temperature=0.8, seed=1, return_entropy=True)
+    assert res.base_entropies.dtype == np.float32 and res.base_entropies.shape == (len(base) - start,)
+    want = entropy_from_logits(_full_forward_logits(backend, base)[start - 1 : -1], 1.0).numpy()
+    np.testing.assert_allclose(res.base_entropies, want, atol=1e-4, rtol=0)
+    assert (res.base_entropies >= 0).all() and (res.base_entropies <= math.log(backend.vocab_size)).all()
+    # The generations report theirs too (temperature 0.8).
+    g = res.generations[0]
+    assert g.entropies is not None and len(g.entropies) == len(g.token_ids)
+    # Several entropy chunks give the same numbers; off by default; none at start == len(base).
+    saved = HFBackend._ENTROPY_ROWS
+    try:
+        HFBackend._ENTROPY_ROWS = 7
+        chunked = backend.branch(base, start, [], return_entropy=True)
+    finally:
+        HFBackend._ENTROPY_ROWS = saved
+    np.testing.assert_allclose(chunked.base_entropies, res.base_entropies, atol=1e-6, rtol=0)
+    assert backend.branch(base, start, []).base_entropies is None
+    assert backend.branch(base, len(base), [5], return_entropy=True).base_entropies.shape == (0,)

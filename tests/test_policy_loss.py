@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -123,3 +125,29 @@ def test_entropy_bonus_and_kl_terms():
 def test_truncated_is_weight():
     w = truncated_is_weight(torch.tensor([0.0, -1.0, 100.0]), torch.tensor([-3.0, 0.0, 0.0]))
     assert w.tolist() == pytest.approx([5.0, math.exp(-1.0), 5.0])
+
+
+def test_sdar_loss_value_gate_and_gradient():
+    """coef * token-mean(sigmoid(beta (t - sg(s))) (t - s)) over the mini-batch's loss tokens."""
+    from opsd.credit.policy_loss import sdar_loss
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5, float("-inf")]], requires_grad=True)
+    teacher = torch.tensor([[-0.5, -2.5, -0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, m = sdar_loss(logp, teacher, mask, total_loss_tokens=4, coef=0.01, beta=5.0)
+    gaps = np.array([0.5, -0.5, 0.0])
+    gates = 1 / (1 + np.exp(-5.0 * gaps))
+    assert float(loss) == pytest.approx(0.01 * float((gates * gaps).sum()) / 4, rel=1e-6)
+    assert m["sdar/gate_mean"] == pytest.approx(gates.mean(), rel=1e-6)
+    loss.backward()
+    # d loss / d logp = -coef * gate / N on loss tokens (the gate is stop-gradient), 0 (not NaN) off the mask.
+    assert torch.allclose(logp.grad, torch.tensor([[*(-0.01 * gates / 4), 0.0]], dtype=torch.float32), atol=1e-8)
+
+
+def test_sdar_loss_empty_mask_is_zero():
+    from opsd.credit.policy_loss import sdar_loss
+
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = sdar_loss(logp, torch.zeros(2, 3), torch.zeros(2, 3), 0)
+    loss.backward()
+    assert float(loss) == 0.0 and not logp.grad.any()

@@ -6,14 +6,20 @@ correspondence (a narrow stand-in: its own service is tested in test_embedder.py
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from opsd.chat import ChatFormat
 from opsd.config import EnvSection, RunConfig
+from opsd.credit.alignopsd import rectify
+from opsd.credit.policy_loss import entropy_from_logits
 from opsd.envs import make_games
-from opsd.types import TaskGroup
+from opsd.types import ScoredGroup, TaskGroup
+from opsd.wire import decode, encode
 from services.rollout.episodes import run_group
 from services.teacher.scoring import score_group
 
@@ -43,10 +49,14 @@ def group(backend, cfg, tmp_path_factory):
 
 
 class FixedEmbedder:
-    """Matches every target turn to the first turn of the other rollout with weight 1, alpha 0.5."""
+    """Matches every target turn to the first turn of the other rollout with weight 1, alpha 0.5.
 
-    def __init__(self, fail: bool = False):
+    zero_weight_source: also list the other rollout's last turn (when it differs) with weight 0.
+    """
+
+    def __init__(self, fail: bool = False, zero_weight_source: bool = False):
         self.fail = fail
+        self.zero_weight_source = zero_weight_source
         self.payload = None
 
     def correspond(self, payload):
@@ -58,9 +68,17 @@ class FixedEmbedder:
         first = {}
         for m, t in enumerate(turns):
             first.setdefault(t["rollout_id"], m)
-        sources = [[first[r]] for r in (next(x for x in first if x != t["rollout_id"]) for t in turns)]
+        last = {t["rollout_id"]: m for m, t in enumerate(turns)}
+        others = [next(x for x in first if x != t["rollout_id"]) for t in turns]
+        sources = [[first[r]] for r in others]
+        weights = [[1.0] for _ in turns]
+        if self.zero_weight_source:
+            for t, r in enumerate(others):
+                if last[r] != first[r]:
+                    sources[t].append(last[r])
+                    weights[t].append(0.0)
         return {"similarity": np.eye(M).tolist(), "eligible": np.zeros((M, M), bool).tolist(),
-                "selected_sources": sources, "source_weights": [[1.0]] * M, "rho": [0.625] * M, "alpha": [0.5] * M}
+                "selected_sources": sources, "source_weights": weights, "rho": [0.625] * M, "alpha": [0.5] * M}
 
 
 def test_identity_and_matched_views(backend, cfg, group):
@@ -93,6 +111,54 @@ def test_identity_and_matched_views(backend, cfg, group):
     sent = emb.payload["turns"]
     assert [t["student_action"] for t in sent] == [group.trajectories[i].turns[k].action for i, k in turns]
     assert stats.generated_tokens > 0 and not scored.identity_fallback
+    # The dump texts are what the embedder was sent; the teacher's responses start with the prefill.
+    assert scored.student_thinking_M == [t["student_text"] for t in sent]
+    assert scored.teacher_thinking_M == [t["teacher_text"] for t in sent]
+    assert scored.student_action_M == [t["student_action"] for t in sent]
+    assert scored.teacher_action_M == [t["teacher_action"] for t in sent]
+    assert all(r.startswith(chat.prefill_text) for r in scored.teacher_response_M)
+    # No dump configured: the embeddings are not asked for, nor carried.
+    assert emb.payload["return_embeddings"] is False and scored.student_thinking_emb_MD is None
+    check_cross_logprobs(backend, group, scored, prefix, cfg)
+    check_teacher_entropy(backend, group, scored, prefix)
+    back = decode(encode(scored), ScoredGroup, 1 << 24, vocab_size=backend.vocab_size)
+    for a, b in zip(back.cross_logprobs_M + back.teacher_entropy_S, scored.cross_logprobs_M + scored.teacher_entropy_S):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def check_cross_logprobs(backend, group, scored, prefix, cfg):
+    """cross_logprobs_M[t] = t's whole response under each selected source's privileged history,
+    and the corrected log-probs are `rectify` of exactly these rows."""
+    turns = group.canonical_turns()
+    for t, (ti, tk) in enumerate(turns):
+        tgt = group.trajectories[ti]
+        sl = tgt.response_slice(tk)
+        cross_KL = scored.cross_logprobs_M[t]
+        assert cross_KL.dtype == np.float32 and cross_KL.shape == (len(scored.selected_sources_M[t]), sl.stop - sl.start)
+        for row, s in enumerate(scored.selected_sources_M[t]):
+            si, sk = turns[s]
+            src = group.trajectories[si]
+            ctx = prefix + src.token_ids_S[: src.turns[sk].response_start].tolist()
+            want = backend.score([ctx + tgt.token_ids_S[sl].tolist()], [len(ctx)])[0]
+            np.testing.assert_allclose(cross_KL[row], want, atol=1e-4, rtol=0)
+        _, corrected_L = rectify(scored.teacher_logprobs_S[ti][sl], cross_KL, np.float32(scored.source_weights_M[t]),
+                                 float(scored.alpha_M[t]), cfg.credit.alignopsd.aggregation_mode)
+        m = tgt.loss_mask_S[sl] == 1
+        np.testing.assert_allclose(scored.corrected_logprobs_S[ti][sl][m], corrected_L[m], atol=1e-6, rtol=0)
+
+
+def check_teacher_entropy(backend, group, scored, prefix):
+    """Entropy (T = 1) of the identity view at each response position: [0, log V], 0 off the mask,
+    and equal to a plain forward pass's at the last response token."""
+    for traj, ent in zip(group.trajectories, scored.teacher_entropy_S):
+        assert ent.dtype == np.float32 and ent.shape == traj.token_ids_S.shape
+        assert (ent[traj.loss_mask_S == 0] == 0).all() and (ent >= 0).all() and (ent <= math.log(backend.vocab_size)).all()
+    traj, ent = group.trajectories[0], scored.teacher_entropy_S[0]
+    pos = traj.turns[0].response_end - 1
+    assert traj.loss_mask_S[pos] == 1 and ent[pos] > 0
+    with torch.no_grad():
+        logits = backend.model(input_ids=torch.tensor([prefix + traj.token_ids_S[:pos].tolist()])).logits[0, -1]
+    assert abs(float(ent[pos]) - float(entropy_from_logits(logits, 1.0))) < 1e-4
 
 
 def test_embedder_down_falls_back_to_identity(backend, cfg, group):
@@ -102,3 +168,65 @@ def test_embedder_down_falls_back_to_identity(backend, cfg, group):
     for a, b in zip(scored.teacher_logprobs_S, scored.corrected_logprobs_S):
         assert np.array_equal(a, b)
     assert all(not s for s in scored.selected_sources_M) and not scored.alpha_M.any()
+    # Fallback: no embeddings, every target has an empty [0, n_t] block of cross log-probs.
+    assert scored.student_thinking_emb_MD is None and scored.teacher_action_emb_MD is None
+    for (i, k), cross in zip(group.canonical_turns(), scored.cross_logprobs_M):
+        sl = group.trajectories[i].response_slice(k)
+        assert cross.shape == (0, sl.stop - sl.start) and cross.dtype == np.float32
+    assert len(scored.teacher_entropy_S) == len(group.trajectories)
+
+
+class AppEmbedder:
+    """The real embedder app (MiniLM + FAISS) behind the client's interface, in-process."""
+
+    def __init__(self):
+        from fastapi.testclient import TestClient
+
+        from opsd.config import EmbedderSection
+        from services.embedder.app import Encoder, build_app
+
+        self.encoder = Encoder("all-MiniLM-L6-v2")
+        self.client = TestClient(build_app(EmbedderSection(), self.encoder))
+        self.payload = None
+
+    def correspond(self, payload):
+        self.payload = payload
+        r = self.client.post("/correspond", json=payload)
+        r.raise_for_status()
+        return r.json()
+
+
+def test_dump_fields_with_the_real_embedder(backend, group):
+    cfg = RunConfig.model_validate({"env": ENV.model_dump(), "rollout": {"group_size": 2, "max_new_tokens": 10},
+                                    "teacher": {"thinking_max_new_tokens": 8}, "trainer": {"dump_credit": True},
+                                    "credit": {"alignopsd": {"similarity_threshold": 0.0, "top_k": 2}}})
+    chat = ChatFormat(backend.tokenizer, "action")
+    emb = AppEmbedder()
+    scored, stats = score_group(group, backend, chat, cfg, emb)
+    assert emb.payload["return_embeddings"] is True and not scored.identity_fallback
+    assert any(scored.selected_sources_M)  # gamma_H = 0: the cross log-prob check below is not vacuous
+    M = len(group.canonical_turns())
+    texts = (scored.student_thinking_M, scored.teacher_thinking_M, scored.student_action_M, scored.teacher_action_M)
+    arrays = (scored.student_thinking_emb_MD, scored.teacher_thinking_emb_MD, scored.student_action_emb_MD,
+              scored.teacher_action_emb_MD)
+    for txt, arr in zip(texts, arrays):
+        assert arr.dtype == np.float32 and arr.shape == (M, 384)
+        # The encoder's own vectors of those texts (zero rows for empty text), carried exactly.
+        np.testing.assert_array_equal(arr, emb.encoder.embed(txt))
+    # ... and the very vectors H was computed from.
+    H = scored.teacher_thinking_emb_MD @ scored.student_thinking_emb_MD.T
+    np.testing.assert_allclose(scored.similarity_MM, np.clip(H, -1, 1), atol=1e-5)
+    prefix = chat.privileged_prefix_ids(group.task.privileged_info)
+    check_cross_logprobs(backend, group, scored, prefix, cfg)
+    back = decode(encode(scored), ScoredGroup, 1 << 24, vocab_size=backend.vocab_size)
+    np.testing.assert_array_equal(back.teacher_action_emb_MD, scored.teacher_action_emb_MD)
+
+
+def test_weight_zero_sources_are_left_out(backend, cfg, group):
+    chat = ChatFormat(backend.tokenizer, "action")
+    emb = FixedEmbedder(zero_weight_source=True)
+    scored, stats = score_group(group, backend, chat, cfg, emb)
+    offered = emb.correspond(emb.payload)["selected_sources"]
+    assert stats.dropped_sources == sum(len(s) - 1 for s in offered) > 0
+    assert scored.selected_sources_M == [s[:1] for s in offered] and scored.source_weights_M == [[1.0]] * len(offered)
+    check_cross_logprobs(backend, group, scored, chat.privileged_prefix_ids(group.task.privileged_info), cfg)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opsd import wire
-from opsd.types import SCHEMA_VERSION, MessageError, RolloutGroup, ScoredGroup, TaskGroup
+from opsd.types import SCHEMA_VERSION, MessageError, RolloutGroup, ScoredGroup, TaskGroup, Trajectory
 from opsd.wire import WireError, decode, encode
 from tests.factories import make_rollout_group, make_scored_group, make_task
 
@@ -83,6 +83,7 @@ def test_empty_trajectory_arrays_round_trip():
     rg = make_rollout_group(G=1, turns=0, seed=0)
     t = rg.trajectories[0]
     t.token_ids_S, t.sampler_logprobs_S, t.loss_mask_S = (np.zeros(0, d) for d in (np.int32, np.float32, np.uint8))
+    t.sampler_entropy_S = np.zeros(0, np.float32)
     assert_same(rg, decode(encode(rg), RolloutGroup, LIMIT))
 
 
@@ -343,3 +344,165 @@ def test_unsupported_schema_annotation_is_a_programming_error():
     with pytest.raises(TypeError, match="unsupported union"):
         encode(Bad(1))
     assert wire.ARRAY_DTYPES == ("int32", "uint8", "float32", "bool", "int64")
+
+
+# ---------------------------------------------------------------- optional credit fields (FiRe-OPD, credit dump)
+
+
+def with_credit_fields(sg: ScoredGroup, D: int = 384, seed: int = 0) -> ScoredGroup:
+    """`sg` with every optional field filled as the rollout and the teacher fill them."""
+    rng = np.random.default_rng(seed)
+    for t in sg.rollout.trajectories:
+        t.sampler_entropy_S = np.where(t.loss_mask_S == 1, rng.uniform(0, 5, t.loss_mask_S.shape), 0).astype(np.float32)
+    sg.teacher_entropy_S = [
+        np.where(t.loss_mask_S == 1, rng.uniform(0, 5, t.loss_mask_S.shape), 0).astype(np.float32) for t in sg.rollout.trajectories
+    ]
+    turns = sg.rollout.canonical_turns()
+    M = len(turns)
+    recs = [sg.rollout.trajectories[i].turns[k] for i, k in turns]
+    sg.teacher_response_M = [f"<action>look</action> 🙂 {m}" for m in range(M)]
+    sg.student_thinking_M = [r.action for r in recs]  # action-only format: the action text stands in
+    sg.student_action_M = [r.action for r in recs]
+    sg.teacher_action_M = ["look" if m % 3 else "" for m in range(M)]
+
+    def unit(texts):
+        e = rng.normal(size=(M, D))
+        e /= np.linalg.norm(e, axis=1, keepdims=True)
+        e[[not x for x in texts]] = 0
+        return e.astype(np.float32)
+
+    sg.student_thinking_emb_MD = unit(sg.student_thinking_M)
+    sg.teacher_thinking_emb_MD = unit(sg.teacher_thinking_M)
+    sg.student_action_emb_MD = unit(sg.student_action_M)
+    sg.teacher_action_emb_MD = unit(sg.teacher_action_M)
+    sg.cross_logprobs_M = [
+        -rng.exponential(1.0, (len(sg.selected_sources_M[m]), r.response_end - r.response_start)).astype(np.float32)
+        for m, r in enumerate(recs)
+    ]
+    return sg
+
+
+def test_credit_fields_round_trip_exactly():
+    sg = with_credit_fields(make_scored_group(G=3, turns=3, seed=4))
+    # A target without sources has a [0, n_t] array: it must survive too.
+    sg.selected_sources_M[0], sg.source_weights_M[0] = [], []
+    sg.cross_logprobs_M[0] = np.zeros((0, sg.cross_logprobs_M[0].shape[1]), np.float32)
+    data = encode(sg, LIMIT)
+    back = decode(data, ScoredGroup, LIMIT, vocab_size=49_152)
+    assert_same(sg, back)
+    assert back.cross_logprobs_M[0].shape == (0, sg.cross_logprobs_M[0].shape[1])
+    assert back.student_thinking_emb_MD.shape == (9, 384)
+    # Size: the embeddings cost 4 x D x 4 bytes per turn (6 KiB at D = 384), plus a few bytes of header.
+    plain = make_scored_group(G=3, turns=3, seed=4)
+    plain.teacher_entropy_S = None
+    for t in plain.rollout.trajectories:
+        t.sampler_entropy_S = None
+    extra = len(data) - len(encode(plain))
+    M, S = 9, sum(t.token_ids_S.size for t in sg.rollout.trajectories)
+    cross_bytes = sum(a.nbytes for a in sg.cross_logprobs_M)
+    assert 4 * M * 384 * 4 + 2 * 4 * S + cross_bytes < extra < 4 * M * 384 * 4 + 2 * 4 * S + cross_bytes + 4096
+
+
+def test_credit_fields_default_to_none_and_old_messages_decode():
+    defaults = {f.name: f.default for f in dataclasses.fields(ScoredGroup)}
+    assert defaults["teacher_entropy_S"] is None and defaults["cross_logprobs_M"] is None
+    assert defaults["student_action_emb_MD"] is None
+    assert {f.name: f.default for f in dataclasses.fields(Trajectory)}["sampler_entropy_S"] is None
+
+    def strip(env):  # a message written before the optional fields existed
+        for name in [f.name for f in dataclasses.fields(ScoredGroup)][-10:]:
+            env["body"].pop(name)
+        for t in env["body"]["rollout"]["trajectories"]:
+            t.pop("sampler_entropy_S")
+
+    full = encode(with_credit_fields(make_scored_group(G=2, turns=2, seed=1)))
+    old = decode(tamper(full, strip), ScoredGroup, LIMIT)
+    assert old.teacher_entropy_S is None and old.cross_logprobs_M is None and old.teacher_action_M is None
+    assert old.rollout.trajectories[0].sampler_entropy_S is None
+    # Fields without a default are still required.
+    with pytest.raises(WireError, match="missing field"):
+        decode(tamper(full, lambda env: env["body"].pop("rho_M")), ScoredGroup, LIMIT)
+
+
+def _broken(edit):
+    """A full message (4 turns, every teacher thinking non-empty, teacher action 0 empty, some
+    target with sources) broken by `edit`."""
+    sg = with_credit_fields(make_scored_group(G=2, turns=2, seed=7))
+    assert all(sg.teacher_thinking_M) and not sg.teacher_action_M[0] and any(sg.selected_sources_M)
+    edit(sg)
+    return sg
+
+
+def _sourced(sg) -> int:
+    """A target turn with at least one source (its cross log-probs are not empty)."""
+    return next(t for t, src in enumerate(sg.selected_sources_M) if src)
+
+
+def _set_emb(sg, name, value):
+    setattr(sg, name, value)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda sg: sg.rollout.trajectories[0].sampler_entropy_S.__setitem__(np.flatnonzero(sg.rollout.trajectories[0].loss_mask_S)[0], np.nan),
+         "sampler_entropy_S: contains NaN"),
+        (lambda sg: setattr(sg.rollout.trajectories[1], "sampler_entropy_S", sg.rollout.trajectories[1].sampler_entropy_S[:-1]),
+         "sampler_entropy_S: length"),
+        (lambda sg: setattr(sg.rollout.trajectories[1], "sampler_entropy_S", sg.rollout.trajectories[1].sampler_entropy_S.astype(np.int32)),
+         "expected dtype float32"),
+        (lambda sg: sg.rollout.trajectories[0].sampler_entropy_S.__setitem__(np.flatnonzero(sg.rollout.trajectories[0].loss_mask_S)[0], -0.5),
+         "negative entropy"),
+        (lambda sg: sg.rollout.trajectories[0].sampler_entropy_S.__setitem__(0, 1.0), "nonzero off the loss mask"),
+        (lambda sg: sg.teacher_entropy_S[1].__setitem__(np.flatnonzero(sg.rollout.trajectories[1].loss_mask_S)[0], np.inf),
+         r"teacher_entropy_S\[1\]: contains NaN or inf"),
+        (lambda sg: sg.teacher_entropy_S.pop(), "teacher_entropy_S count"),
+        (lambda sg: sg.teacher_action_M.pop(), "teacher_action_M must have 4 entries"),
+        (lambda sg: _set_emb(sg, "teacher_action_emb_MD", None), "all four or none"),
+        (lambda sg: _set_emb(sg, "student_action_emb_MD", sg.student_action_emb_MD[:, :100]), r"expected shape \(4, 384\)"),
+        (lambda sg: _set_emb(sg, "student_action_emb_MD", sg.student_action_emb_MD[:3]), r"expected shape \(4, 384\)"),
+        (lambda sg: sg.teacher_thinking_emb_MD.__setitem__((1, 5), np.nan), "teacher_thinking_emb_MD: contains NaN"),
+        (lambda sg: sg.teacher_thinking_emb_MD.__setitem__(1, 2 * sg.teacher_thinking_emb_MD[1]), "a row longer than 1"),
+        (lambda sg: sg.teacher_action_emb_MD.__setitem__(0, sg.teacher_thinking_emb_MD[0]), "nonzero row for an empty text"),
+        (lambda sg: sg.cross_logprobs_M.pop(), "cross_logprobs_M must have 4 entries"),
+        (lambda sg: sg.cross_logprobs_M.__setitem__(0, np.zeros((len(sg.selected_sources_M[0]) + 1, sg.cross_logprobs_M[0].shape[1]), np.float32)),
+         r"cross_logprobs_M\[0\]: expected shape"),
+        (lambda sg: sg.cross_logprobs_M.__setitem__(1, sg.cross_logprobs_M[1][:, :-1]), r"cross_logprobs_M\[1\]: expected shape"),
+        (lambda sg: sg.cross_logprobs_M[_sourced(sg)].__setitem__((..., 0), np.nan), r"cross_logprobs_M\[\d\]: contains NaN"),
+        (lambda sg: sg.cross_logprobs_M[_sourced(sg)].__setitem__((..., 0), 0.5), r"cross_logprobs_M\[\d\]: a log-prob is positive"),
+    ],
+    ids=["s-nan", "s-length", "s-dtype", "s-negative", "s-off-mask", "t-inf", "t-count", "text-length", "emb-partial",
+         "emb-width", "emb-rows", "emb-nan", "emb-norm", "emb-empty-text", "cross-count", "cross-K", "cross-n", "cross-nan",
+         "cross-positive"],
+)
+def test_credit_fields_bad_values_rejected(edit, match):
+    _broken(lambda sg: None).validate(vocab_size=49_152)  # the unbroken message is valid
+    sg = _broken(edit)
+    with pytest.raises(MessageError, match=match):
+        sg.validate()
+    with pytest.raises(WireError, match=match):
+        encode(sg)
+
+
+def test_entropy_above_log_vocab_rejected_and_nan_bytes_refused_on_decode():
+    sg = with_credit_fields(make_scored_group(G=2, turns=2, seed=6))
+    on = np.flatnonzero(sg.rollout.trajectories[0].loss_mask_S)[0]
+    sg.rollout.trajectories[0].sampler_entropy_S[on] = 11.0  # > log(49152) = 10.80
+    sg.validate()  # without a vocabulary size there is no upper bound
+    with pytest.raises(MessageError, match=r"entropy > log\(vocab size\)"):
+        sg.validate(vocab_size=49_152)
+    data = encode(with_credit_fields(make_scored_group(G=2, turns=2, seed=6)))
+
+    def nan_entropy(env):
+        arr = np.frombuffer(env["body"]["teacher_entropy_S"][0]["data"], "<f4").copy()
+        arr[-1] = np.nan
+        env["body"]["teacher_entropy_S"][0]["data"] = arr.tobytes()
+
+    with pytest.raises(WireError, match=r"teacher_entropy_S\[0\]: contains NaN"):
+        decode(tamper(data, nan_entropy), ScoredGroup, LIMIT)
+
+    def wrong_cross_shape(env):
+        env["body"]["cross_logprobs_M"][0]["shape"] = [1, 1]
+
+    with pytest.raises(WireError, match="data bytes for shape"):
+        decode(tamper(data, wrong_cross_shape), ScoredGroup, LIMIT)

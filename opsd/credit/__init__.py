@@ -49,7 +49,7 @@ def get_estimator(name: str) -> Estimator:
         raise ValueError(f"unknown credit method {name!r}; registered: {', '.join(registered())}") from None
 
 
-def _check_batch(batch: CreditBatch) -> None:
+def _check_batch(batch: CreditBatch, uses_pairs: bool = True) -> None:
     M = batch.num_rows
     for nm in ("rollout_id", "turn_id", "data_source"):
         if len(getattr(batch, nm)) != M:
@@ -62,22 +62,25 @@ def _check_batch(batch: CreditBatch) -> None:
     mask = np.asarray(batch.loss_mask_ML)
     if mask.ndim != 2 or mask.shape[0] != M:
         raise ValueError(f"CreditBatch.loss_mask_ML must be [{M}, L], got {mask.shape}")
-    if not np.isin(mask, (0, 1)).all():
+    if np.count_nonzero(mask) != np.count_nonzero(mask == 1):  # 0/1 only, without np.isin's copies
         raise ValueError("CreditBatch.loss_mask_ML must be 0/1")
-    for nm in ("student_logprobs_ML", "teacher_logprobs_ML", "corrected_logprobs_ML"):
+    for nm in ("student_logprobs_ML", "teacher_logprobs_ML", "corrected_logprobs_ML", "base_logprobs_ML",
+               "teacher_entropy_ML", "student_entropy_ML"):
         arr = getattr(batch, nm)
         if arr is None:
             continue
         if np.shape(arr) != mask.shape:
             raise ValueError(f"CreditBatch.{nm} must have shape {mask.shape}, got {np.shape(arr)}")
         # Off-mask padding may hold anything (even -inf); only trained tokens must be finite.
-        if not np.isfinite(np.asarray(arr, dtype=np.float64)[mask.astype(bool)]).all():
+        a = np.asarray(arr)
+        if not np.isfinite(a).all() and not np.isfinite(a[mask.astype(bool)]).all():
             raise ValueError(f"CreditBatch.{nm} has NaN or inf on a loss token")
     for nm in ("similarity_MM", "eligible_MM"):
         arr = getattr(batch, nm)
         if arr is not None and np.shape(arr) != (M, M):
             raise ValueError(f"CreditBatch.{nm} must have shape ({M}, {M}), got {np.shape(arr)}")
-    if batch.similarity_MM is not None and not np.isfinite(np.asarray(batch.similarity_MM, dtype=np.float64)).all():
+    # [M, M] is the batch's largest array (164 MB at M = 6400): scan it only for a method that reads it.
+    if uses_pairs and batch.similarity_MM is not None and not np.isfinite(np.asarray(batch.similarity_MM)).all():
         raise ValueError("CreditBatch.similarity_MM contains NaN or inf")
 
 
@@ -101,6 +104,9 @@ def permute_batch(batch: CreditBatch, perm: np.ndarray) -> CreditBatch:
         student_logprobs_ML=rows(batch.student_logprobs_ML),
         teacher_logprobs_ML=rows(batch.teacher_logprobs_ML),
         corrected_logprobs_ML=rows(batch.corrected_logprobs_ML),
+        base_logprobs_ML=rows(batch.base_logprobs_ML),
+        teacher_entropy_ML=rows(batch.teacher_entropy_ML),
+        student_entropy_ML=rows(batch.student_entropy_ML),
         similarity_MM=both(batch.similarity_MM),
         eligible_MM=both(batch.eligible_MM),
     )
@@ -110,7 +116,8 @@ def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection) -> t
     """Token advantages of every turn row with the estimator registered as `method`.
 
     Args:
-      method: "grpo" | "opsd" | "grpo_opsd" | "alignopsd" (see `registered()`).
+      method: a registered name (`registered()`): grpo, opd, grpo_opd, agentopsd,
+        alignopsd, gc_opd, uni_opd, power_opd, ex_opd, fire_opd (opsd, grpo_opsd: aliases).
       batch: a CreditBatch, rows in any order (M rows, L tokens).
       cfg: the run's CreditSection.
     Returns: (advantages_ML float32 [M, L], 0 wherever loss_mask_ML is 0,
@@ -120,21 +127,25 @@ def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection) -> t
       turns) or a field the method needs that is None.
     """
     estimator = get_estimator(method)
-    _check_batch(batch)
+    _check_batch(batch, uses_pairs=method.startswith("alignopsd"))
     from opsd.credit.grpo import canonical_permutation  # grpo imports `register` from here
 
     perm = canonical_permutation(batch.task_id, batch.rollout_id, batch.turn_id)
-    adv_canon_ML, metrics = estimator(permute_batch(batch, perm), cfg)
+    if np.array_equal(perm, np.arange(len(perm))):  # trainer batches arrive canonical: skip the copies
+        adv_canon_ML, metrics = estimator(batch, cfg)
+        adv_ML = np.asarray(adv_canon_ML, dtype=np.float32)  # masked into a new array below
+    else:
+        adv_canon_ML, metrics = estimator(permute_batch(batch, perm), cfg)
+        adv_ML = np.empty_like(adv_canon_ML, dtype=np.float32)
+        adv_ML[perm] = adv_canon_ML
     mask_ML = np.asarray(batch.loss_mask_ML, dtype=np.float32)
-    adv_ML = np.empty_like(adv_canon_ML, dtype=np.float32)
-    adv_ML[perm] = adv_canon_ML
-    adv_ML *= mask_ML  # the contract, whatever an estimator did off the mask
+    adv_ML = adv_ML * mask_ML  # the contract, whatever an estimator did off the mask
     if not np.isfinite(adv_ML).all():
         raise ValueError(f"credit method {method!r} produced a non-finite advantage")
     return adv_ML, {k: float(v) for k, v in metrics.items()}
 
 
 # Importing the estimator modules registers them.
-from opsd.credit import alignopsd, grpo, opd  # noqa: E402,F401
+from opsd.credit import agentopsd, alignopsd, gc_opd, grpo, opd, opd_baselines  # noqa: E402,F401
 
 __all__ = ["register", "registered", "get_estimator", "compute_advantages", "permute_batch"]

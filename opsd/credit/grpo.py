@@ -37,12 +37,19 @@ def canonical_permutation(task_id: Sequence[str], rollout_id: Sequence[str], tur
     M = len(task_id)
     if len(rollout_id) != M or len(turn_id) != M:
         raise ValueError(f"task_id/rollout_id/turn_id lengths differ: {M}, {len(rollout_id)}, {len(turn_id)}")
-    keys = [(str(task_id[i]), str(rollout_id[i]), int(turn_id[i])) for i in range(M)]
-    perm = sorted(range(M), key=keys.__getitem__)
-    for a, b in zip(perm, perm[1:]):
-        if keys[a] == keys[b]:
-            raise ValueError(f"duplicate turn {keys[a]}: each (task_id, rollout_id, turn_id) must appear once")
-    return np.asarray(perm, dtype=np.int64)
+    # numpy's unicode order is Python's str order (code points); lexsort is stable, last key first.
+    task = np.asarray([str(x) for x in task_id], dtype=str) if M else np.zeros(0, dtype=str)
+    roll = np.asarray([str(x) for x in rollout_id], dtype=str) if M else np.zeros(0, dtype=str)
+    turn = np.asarray(turn_id, dtype=np.int64).reshape(M)
+    perm = np.lexsort((turn, roll, task)).astype(np.int64)
+    if M > 1:
+        a, b = perm[:-1], perm[1:]
+        dup = np.flatnonzero((task[a] == task[b]) & (roll[a] == roll[b]) & (turn[a] == turn[b]))
+        if dup.size:
+            i = int(a[dup[0]])
+            key = (str(task[i]), str(roll[i]), int(turn[i]))
+            raise ValueError(f"duplicate turn {key}: each (task_id, rollout_id, turn_id) must appear once")
+    return perm
 
 
 def trajectory_index(task_id: Sequence[str], rollout_id: Sequence[str]) -> tuple[np.ndarray, list[tuple[str, str]]]:
@@ -153,6 +160,32 @@ def grpo_sequence_advantage(
     return adv_G[traj_M]
 
 
+def edge_case_metrics(batch, prefix: str) -> dict[str, float]:
+    """Counts of the inputs every estimator must survive (issue 3), as `<prefix>/...` metrics.
+
+    turns_without_loss_tokens: rows whose loss mask is all 0 (they get
+    advantage 0); single_trajectory_tasks: task groups with one trajectory
+    (no sibling to compare: GRPO advantage 0, see `group_zscore`);
+    trajectories_with_varying_reward: trajectories whose rows disagree on the
+    episode reward (the trajectory scope uses their mean).
+    """
+    traj_M, keys = trajectory_index(batch.task_id, batch.rollout_id)
+    r = np.asarray(batch.episode_reward, dtype=np.float64)
+    n = len(keys)
+    lo = np.full(n, np.inf)
+    hi = np.full(n, -np.inf)
+    np.minimum.at(lo, traj_M, r)
+    np.maximum.at(hi, traj_M, r)
+    per_task: dict[str, int] = {}
+    for task, _ in keys:
+        per_task[task] = per_task.get(task, 0) + 1
+    return {
+        f"{prefix}/turns_without_loss_tokens": float((~np.asarray(batch.loss_mask_ML).astype(bool).any(axis=1)).sum()),
+        f"{prefix}/single_trajectory_tasks": float(sum(c == 1 for c in per_task.values())),
+        f"{prefix}/trajectories_with_varying_reward": float((hi > lo).sum()),
+    }
+
+
 @register("grpo")
 def grpo_estimator(batch, cfg, singleton: Singleton = "zero"):
     """Registered `grpo`: spec §0 advantage broadcast to the turn's loss tokens.
@@ -171,5 +204,6 @@ def grpo_estimator(batch, cfg, singleton: Singleton = "zero"):
         "grpo/seq_adv_mean": float(adv_M.mean()) if adv_M.size else 0.0,
         "grpo/seq_adv_abs_max": float(np.abs(adv_M).max()) if adv_M.size else 0.0,
         "grpo/invalid_turns": float((~np.asarray(batch.is_action_valid, dtype=bool)).sum()),
+        **edge_case_metrics(batch, "grpo"),
     }
     return (mask_ML * adv_M[:, None]).astype(np.float32), metrics

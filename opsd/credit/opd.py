@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opsd.credit import register
-from opsd.credit.grpo import apply_invalid_action_penalty, grpo_sequence_advantage
+from opsd.credit.grpo import apply_invalid_action_penalty, edge_case_metrics, grpo_sequence_advantage
 
 
 def opd_token_gap(teacher_logprobs_ML: np.ndarray, student_logprobs_ML: np.ndarray, loss_mask_ML: np.ndarray) -> np.ndarray:
@@ -40,17 +40,19 @@ def _gap_metrics(gap_ML: np.ndarray, mask_ML: np.ndarray) -> dict[str, float]:
     }
 
 
-@register("opsd")
+@register("opd")
+@register("opsd")  # the name runs used before the method list grew
 def opsd_estimator(batch, cfg):
-    """Registered `opsd`: pure token gap teacher - student (identity privileged view), spec §1."""
+    """Registered `opd` (alias `opsd`): pure token gap teacher - student (identity privileged view), spec §1."""
     _require_teacher(batch, "opsd")
     gap_ML = opd_token_gap(batch.teacher_logprobs_ML, batch.student_logprobs_ML, batch.loss_mask_ML)
-    return gap_ML, _gap_metrics(gap_ML, np.asarray(batch.loss_mask_ML, dtype=np.float32))
+    return gap_ML, _gap_metrics(gap_ML, np.asarray(batch.loss_mask_ML, dtype=np.float32)) | edge_case_metrics(batch, "opd")
 
 
-@register("grpo_opsd")
+@register("grpo_opd")
+@register("grpo_opsd")  # older name, kept for existing configs
 def grpo_opsd_estimator(batch, cfg):
-    """Registered `grpo_opsd`: GRPO advantage broadcast + cfg.opd_coef * (teacher - student), spec §0-§1.
+    """Registered `grpo_opd` (alias `grpo_opsd`): GRPO advantage broadcast + cfg.opd_coef * (teacher - student), spec §0-§1.
 
     The GRPO part is the `grpo` estimator's (same scope, std normalisation and
     invalid-action penalty settings); the sum is masked to loss tokens.
@@ -63,4 +65,4 @@ def grpo_opsd_estimator(batch, cfg):
     adv_M = grpo_sequence_advantage(rewards_M, batch.task_id, batch.rollout_id, cfg.grpo_scope, cfg.norm_adv_by_std)
     gap_ML = opd_token_gap(batch.teacher_logprobs_ML, batch.student_logprobs_ML, batch.loss_mask_ML)
     adv_ML = (mask_ML * adv_M[:, None] + np.float32(cfg.opd_coef) * gap_ML).astype(np.float32)
-    return adv_ML, _gap_metrics(gap_ML, mask_ML)
+    return adv_ML, _gap_metrics(gap_ML, mask_ML) | edge_case_metrics(batch, "opd")

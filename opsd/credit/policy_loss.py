@@ -172,3 +172,50 @@ def ppo_loss(
         metrics["ppo/loss_tokens"] = float(n_local)
         metrics["ppo/pg_loss_sum"] = float(torch.where(mask, pg, zero).sum())
     return loss, metrics
+
+
+def sdar_loss(
+    logprobs_BT: torch.Tensor,
+    teacher_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    total_loss_tokens: int | float,
+    coef: float = 0.01,
+    beta: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SDAR auxiliary distillation loss (AlignOPSD ALFWorld-3B recipe; issue 3):
+
+        coef * token-mean( sigmoid(beta * (teacher - stopgrad(log pi))) * (teacher - log pi) )
+
+    The sigmoid gate (no gradient) weighs tokens where the privileged teacher
+    (identity view) is more confident than the student; minimising the term
+    raises log pi there. Token-mean over the WHOLE mini-batch like `ppo_loss`
+    (sum over this micro-batch's loss tokens / total_loss_tokens).
+
+    Args: logprobs_BT float [B, T] current policy log-probs (with gradient);
+      teacher_logprobs_BT float [B, T] (nats, no gradient); loss_mask_BT 0/1
+      [B, T]; total_loss_tokens >= this micro-batch's mask sum; coef >= 0; beta > 0.
+    Returns: (loss scalar float32, {"sdar/gate_mean", "sdar/gap_mean"} over this
+      micro-batch's loss tokens). An all-zero mask gives 0 with zero gradient.
+    Raises: ValueError on shape mismatch or total_loss_tokens < mask sum.
+    """
+    if teacher_logprobs_BT.shape != logprobs_BT.shape or loss_mask_BT.shape != logprobs_BT.shape:
+        raise ValueError(
+            f"teacher {tuple(teacher_logprobs_BT.shape)}, mask {tuple(loss_mask_BT.shape)} and logprobs "
+            f"{tuple(logprobs_BT.shape)} must have one shape"
+        )
+    mask = loss_mask_BT.bool()
+    n_local = int(mask.sum())
+    if float(total_loss_tokens) < n_local:
+        raise ValueError(f"total_loss_tokens={total_loss_tokens} is smaller than this micro-batch's {n_local} loss tokens")
+    zero = torch.zeros((), dtype=torch.float32, device=logprobs_BT.device)
+    logp = logprobs_BT.float()
+    gap = torch.where(mask, teacher_logprobs_BT.detach().float() - logp, zero)  # where: padding may be -inf
+    gate = torch.sigmoid(beta * gap.detach())
+    total = torch.where(mask, gate * gap, zero).sum()
+    loss = coef * total / float(total_loss_tokens) if total_loss_tokens else total * 0.0
+    with torch.no_grad():
+        metrics = {
+            "sdar/gate_mean": float(gate[mask].mean()) if n_local else 0.0,
+            "sdar/gap_mean": float(gap[mask].mean()) if n_local else 0.0,
+        }
+    return loss, metrics

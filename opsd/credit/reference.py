@@ -3,7 +3,10 @@
 The schema is ../shared/refvectors/README.md. `run_reference_case` takes a
 file's `inputs` and `config`, runs the same functions the embedder, teacher
 and trainer call (opsd.credit.alignopsd), and returns every `expected` field
-by name, so a test (or a researcher) can compare them.
+by name, so a test (or a researcher) can compare them. `replay_case` is the
+replay contract of opsd.credit.replay (`opsd credit check`); `run_product_case`
+runs the same pipeline with a run's own CreditSection and the product's
+settings (a run's credit dump).
 
 Parsing here is the reference's (spec §0: first <think> block, first action
 outside it); the product's stricter turn parser is opsd.chat.parse_response.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from typing import Any, Mapping
 
 import numpy as np
@@ -46,24 +50,39 @@ def parse_response(text: str | None) -> tuple[str, str]:
     return thinking, ""
 
 
+# Refvector `ablation_mode` (the released code's A-E) -> AlignSection.ablation (spec §4.4).
+ABLATION_MODES = {
+    "A": "no_rectification",
+    "B": "token_level",
+    "C": "turn_level",
+    "D": "random_spans",
+    "E": "none",
+}
+
+
 def credit_section_from_reference_config(config: Mapping[str, Any]) -> CreditSection:
     """CreditSection from a refvector `config` (its `m2` sub-dict flattened into AlignSection).
 
+    `ablation_mode` A-E maps through ABLATION_MODES (E, the default, is the
+    full method); `ablation_seed` (or `random_seed`, default 0) seeds D.
     Raises: ValueError for settings this product does not implement
-    (ablation_mode other than "E", profile_distance other than "jsd") and
+    (an unknown ablation_mode, profile_distance other than "jsd") and
     pydantic.ValidationError for out-of-range values.
     """
     m2 = dict(config.get("m2", {}))
     if m2.pop("profile_distance", "jsd") != "jsd":
         raise ValueError("only profile_distance='jsd' is implemented")
-    if config.get("ablation_mode", "E") != "E":
-        raise ValueError(f"ablation_mode {config.get('ablation_mode')!r} is not implemented (only 'E', the full method)")
+    mode = str(config.get("ablation_mode") or "E").upper()
+    if mode not in ABLATION_MODES:
+        raise ValueError(f"ablation_mode {config.get('ablation_mode')!r} is not one of {', '.join(ABLATION_MODES)}")
     align_keys = (
         "similarity_threshold", "top_k", "source_rollout_cap", "aggregation_temperature", "aggregation_mode",
         "alpha_max", "action_filter_enabled", "action_filter_threshold", "webshop_symbolic_checks",
     )
     align = {k: config[k] for k in align_keys if k in config}
     align.update(m2)
+    align["ablation"] = ABLATION_MODES[mode]
+    align["ablation_seed"] = int(config.get("ablation_seed", config.get("random_seed", 0)) or 0)
     return CreditSection(
         grpo_scope=config.get("grpo_normalization_scope", "turn"),
         norm_adv_by_std=config.get("norm_adv_by_std_in_grpo", True),
@@ -83,6 +102,7 @@ def run_reference_case(
     *,
     singleton: Singleton = "reference",
     empty_turns: EmptyTurns = "error",
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Run one AlignOPSD refvector case through the service functions (spec §4).
 
@@ -90,15 +110,58 @@ def run_reference_case(
     thinking embeddings; structural mask; action similarity from the action
     embeddings (when the filter is on); `select_sources`. Teacher: `rectify`
     with `cross_teacher_log_probs[source][target]`. Trainer: a CreditBatch
-    through `alignopsd_credit`, the code the registered estimator runs.
+    through `alignopsd_credit`, the code the registered estimator runs, with
+    the released code's ablation variants (`reference_ablations=True`).
 
     Args: a refvector file's `inputs` and `config` dicts (schema in
       refvectors/README.md); singleton / empty_turns default to the
-      reference behaviour (a turn without loss tokens raises ValueError, as upstream).
+      reference behaviour (a turn without loss tokens raises ValueError, as upstream);
+      strict: also reject, as the released code does, a task with fewer than
+      two trajectories and a trajectory whose rows carry different rewards.
     Returns: dict with every `expected` field name of the AlignOPSD refvectors
       (JSON types: lists, floats, bools; segmentation_threshold None for +inf).
+    Raises: ValueError for those inputs and bad configs.
     """
     cfg = credit_section_from_reference_config(config)
+    if strict:
+        rewards: dict[tuple[str, str], set[float]] = {}
+        for t in inputs["turns"]:
+            rewards.setdefault((str(t["task_id"]), str(t["rollout_id"])), set()).add(float(t["episode_reward"]))
+        if any(len(r) > 1 for r in rewards.values()):
+            raise ValueError("episode reward must be identical across the turns of a trajectory (as in the reference)")
+        per_task = Counter(task for task, _ in rewards)
+        if any(n < 2 for n in per_task.values()):
+            raise ValueError("GRPO needs at least two sibling trajectories per task (as in the reference)")
+    return _run_case(inputs, cfg, singleton=singleton, empty_turns=empty_turns, reference_ablations=True)
+
+
+def run_product_case(inputs: Mapping[str, Any], cfg: CreditSection) -> dict[str, Any]:
+    """`run_reference_case` with the product's settings: the run's CreditSection
+    `cfg`, one-row groups -> advantage 0, turns without loss tokens -> weight 1,
+    the product's ablation variants. Used to replay a run's credit dump
+    (inputs in the AlignOPSD refvector schema); returns the same fields."""
+    return _run_case(inputs, cfg, singleton="zero", empty_turns="weight_one", reference_ablations=False)
+
+
+def replay_case(case: Mapping[str, Any]) -> dict[str, Any]:
+    """Replay contract (opsd.credit.replay) for an AlignOPSD refvector file:
+    {"expected": run_reference_case(case["inputs"], case["config"])}.
+
+    Raises ValueError where the reference does (a turn without policy tokens,
+    a task with one trajectory, rewards that vary inside a trajectory), which is
+    what a file whose `expected` is {"error": "ValueError"} asks for.
+    """
+    return {"expected": run_reference_case(case["inputs"], case["config"])}
+
+
+def _run_case(
+    inputs: Mapping[str, Any],
+    cfg: CreditSection,
+    *,
+    singleton: Singleton,
+    empty_turns: EmptyTurns,
+    reference_ablations: bool,
+) -> dict[str, Any]:
     acfg = cfg.alignopsd
     turns = inputs["turns"]
     M = len(turns)
@@ -142,7 +205,7 @@ def run_reference_case(
         similarity_MM=H,
         eligible_MM=E,
     )
-    out = alignopsd_credit(batch, cfg, singleton=singleton, empty_turns=empty_turns)
+    out = alignopsd_credit(batch, cfg, singleton=singleton, empty_turns=empty_turns, reference_ablations=reference_ablations)
     return {
         "parsed_student": [{"thinking": th, "action": a} for th, a in ps],
         "parsed_teacher": [{"thinking": th, "action": a} for th, a in pt],

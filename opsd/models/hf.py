@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from opsd.config import ModelSection  # noqa: E402
-from opsd.credit.policy_loss import token_logprobs  # noqa: E402,F401  (the one log-prob convention, case 6)
+from opsd.credit.policy_loss import entropy_from_logits, token_logprobs  # noqa: E402,F401  (the one log-prob convention, case 6)
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +210,16 @@ class Generation:
     token_ids: sampled ids (ending with the stop id when finish_reason == "stop");
     logprobs: float log-prob of each sampled id at the sampling temperature
     (same length as token_ids); finish_reason: "stop" (a stop id was sampled)
-    or "length" (max_new_tokens reached without one).
+    or "length" (max_new_tokens reached without one); entropies: entropy in
+    nats (>= 0) of the distribution each id was drawn from (softmax at the
+    sampling temperature, renormalized to the top-p nucleus when top_p < 1;
+    same length as token_ids), or None from a backend that does not report it.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
+    entropies: list[float] | None = None
 
 
 @dataclass
@@ -230,12 +234,16 @@ class BranchResult:
     or ``cut + generate_tokens > max_model_len``; continuation_logprobs: per
     cut (caller's order), per continuation (caller's order): float32
     [len(continuation)] log-probs of those exact ids given ``base[:cut]`` at
-    score_temperature (an empty list per cut when no continuations were given).
+    score_temperature (an empty list per cut when no continuations were given);
+    base_entropies: with ``return_entropy``, float32 [len(base) - start]
+    entropy (nats, >= 0) of softmax(logits / score_temperature) at the
+    position predicting each id of ``base[start:]``; else None.
     """
 
     base_logprobs: np.ndarray
     generations: list[Generation | None]
     continuation_logprobs: list[list[np.ndarray]]
+    base_entropies: np.ndarray | None = None
 
 
 class HFBackend:
@@ -359,7 +367,8 @@ class HFBackend:
         logits: float32 [B, V] raw logits for each row's first new token;
         mask: [B, P] attention mask over the cached positions; pos: [B, 1]
         position id of the first new token. Each step samples, records the
-        id and its log-prob at `temperature`, stops a row when it samples one
+        id, its log-prob at `temperature` and the entropy of the distribution
+        it was drawn from (see `_sample`), stops a row when it samples one
         of `stops` (kept, finish "stop") and drops finished rows from the
         batch so later steps pay only for live ones. `labels` name the rows in
         errors (NonFiniteLogitsError for NaN/inf logits of a live row).
@@ -367,6 +376,7 @@ class HFBackend:
         B = logits.shape[0]
         out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long)
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32)
+        out_ent = torch.zeros((B, max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(B, dtype=torch.long)
         finish = ["length"] * B
         live = torch.arange(B)  # batch position -> caller's row
@@ -375,10 +385,11 @@ class HFBackend:
             if bad.any():
                 idx = [labels[r] for r in live[bad].tolist()]
                 raise NonFiniteLogitsError(f"non-finite logits at new token {t} for {what} {idx}", idx)
-            nxt = self._sample(logits, temperature, top_p, gen)
+            nxt, ent = self._sample(logits, temperature, top_p, gen)
             nxt_cpu = nxt.cpu()
             out_ids[live, t] = nxt_cpu
             out_lp[live, t] = token_logprobs(logits, nxt, temperature).cpu()
+            out_ent[live, t] = ent.cpu()
             lengths[live] += 1
             hit = torch.isin(nxt_cpu, stops)  # the sampler's own stop decision
             for r in live[hit].tolist():
@@ -404,13 +415,23 @@ class HFBackend:
             logits = out.logits[:, -1, :].float()  # raw logits, before any processing
             pos = pos + 1
         return [
-            Generation(out_ids[r, : int(lengths[r])].tolist(), out_lp[r, : int(lengths[r])].tolist(), finish[r])  # type: ignore[arg-type]
+            Generation(out_ids[r, : int(lengths[r])].tolist(), out_lp[r, : int(lengths[r])].tolist(), finish[r],  # type: ignore[arg-type]
+                       out_ent[r, : int(lengths[r])].tolist())
             for r in range(B)
         ]
 
     @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
-        """Draw one id per row from softmax(logits / T) truncated to the top-p nucleus. [B, V] -> [B]."""
+    def _sample(
+        logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one id per row from softmax(logits / T) truncated to the top-p nucleus.
+
+        logits: float32 [B, V]. Returns (ids int64 [B], entropy float32 [B]):
+        the entropy in nats of the distribution actually sampled from, i.e.
+        of softmax(logits / T) when top_p == 1, else of the nucleus
+        renormalized (q = p / Z over the kept ids: H = log Z - sum q log p),
+        clamped at 0 (float noise).
+        """
         probs = torch.softmax(logits / temperature, dim=-1)
         if top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -418,8 +439,13 @@ class HFBackend:
             drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             choice = torch.multinomial(sorted_p, 1, generator=gen)
-            return order.gather(-1, choice).squeeze(-1)
-        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, order)
+            Z = sorted_p.sum(-1, keepdim=True)
+            q = sorted_p / Z
+            ent = torch.log(Z.squeeze(-1)) - torch.where(q > 0, q * logp, torch.zeros_like(q)).sum(-1)
+            return order.gather(-1, choice).squeeze(-1), ent.clamp(min=0.0)
+        ent = entropy_from_logits(logits, temperature)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1), ent.clamp(min=0.0)
 
     # -- scoring -----------------------------------------------------------
 
@@ -500,6 +526,7 @@ class HFBackend:
     # prefix of the base KV cache; this caps rows * cached positions per
     # forward (SmolLM2-135M fp32: 46 KB per position, 8192 -> ~380 MB).
     branch_batch_tokens: int = 8192
+    _ENTROPY_ROWS = 256  # base rows per entropy chunk: temporaries of 256 x V floats (~50 MB for SmolLM2)
 
     @torch.inference_mode()
     def branch(
@@ -513,6 +540,7 @@ class HFBackend:
         top_p: float = 1.0,
         seed: int | None = None,
         score_temperature: float = 1.0,
+        return_entropy: bool = False,
     ) -> BranchResult:
         """Score `base`, then sample and/or teacher-force continuations at cut points, reusing one KV cache.
 
@@ -540,7 +568,10 @@ class HFBackend:
         temperature / top_p: sampling as in `generate` (stop at ``<|im_end|>``,
         kept, finish "stop"; else "length"); seed: one torch.Generator for the
         whole call (global RNG untouched; None draws from the global RNG);
-        score_temperature: temperature of base and continuation log-probs.
+        score_temperature: temperature of base and continuation log-probs;
+        return_entropy: also compute `base_entropies` (the teacher's entropy
+        for FiRe-OPD: a few element-wise passes over the base logits it
+        already holds, in row chunks so memory stays at one [chunk, V] block).
 
         Work: one forward over `base` (only ``base[:max(cuts)]`` when start ==
         len(base)); the generations of all cuts that fit are sampled as one
@@ -606,7 +637,7 @@ class HFBackend:
         if start < L:
             need.update(range(start - 1, L - 1))
         if not need:
-            return BranchResult(base_lp, generations, cont_lps)
+            return BranchResult(base_lp, generations, cont_lps, np.zeros(0, np.float32) if return_entropy else None)
         n_fwd = L if start < L else max(cuts)
         keep_rows = sorted(need)
         where = {r: k for k, r in enumerate(keep_rows)}
@@ -625,13 +656,20 @@ class HFBackend:
         for layer in cache.layers:
             if getattr(layer, "is_sliding", False):
                 raise NotImplementedError("branch: sliding-window caches cannot be shared by prefixes")
+        base_ent = np.zeros(0, dtype=np.float32) if return_entropy else None
         if start < L:
             lo = where[start - 1]  # rows start-1 .. L-2 are consecutive in keep_rows
             target = torch.tensor(base[start:], dtype=torch.long, device=self.device)
             base_lp = np.ascontiguousarray(
                 token_logprobs(logits[lo : lo + L - start], target, score_temperature).cpu().numpy(), dtype=np.float32
             )
-            if not np.isfinite(base_lp).all():
+            if return_entropy:
+                base_ent = np.concatenate([
+                    entropy_from_logits(logits[a : min(a + self._ENTROPY_ROWS, lo + L - start)], score_temperature)
+                    .clamp(min=0.0).cpu().numpy()
+                    for a in range(lo, lo + L - start, self._ENTROPY_ROWS)
+                ]).astype(np.float32)
+            if not (np.isfinite(base_lp).all() and (base_ent is None or np.isfinite(base_ent).all())):
                 raise NonFiniteLogitsError("branch: non-finite log-probs in the base sequence", [])
         cut_logits = logits[[where[c - 1] for c in cuts]].float() if cuts else None  # [n_cuts, V]
         del logits
@@ -691,7 +729,7 @@ class HFBackend:
                 bad.add(i)
         if bad:
             raise NonFiniteLogitsError(f"branch: non-finite continuation log-probs at cuts {sorted(bad)}", sorted(bad))
-        return BranchResult(base_lp, generations, cont_lps)
+        return BranchResult(base_lp, generations, cont_lps, base_ent)
 
     def _branch_chunks(self, items: list, costs: list[int]) -> list[list]:
         """Split `items` (in order) into batches of at most `branch_batch_tokens` rows * max cost (>= 1 row)."""

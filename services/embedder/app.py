@@ -2,7 +2,8 @@
 
 POST /embed       texts -> L2-normalized float32 vectors (empty text -> zero vector)
 POST /correspond  one group's student and teacher texts -> H, eligibility and
-                  the selected sources with weights omega, rho, alpha (spec 4.1)
+                  the selected sources with weights omega, rho, alpha (spec 4.1);
+                  with return_embeddings, also the embeddings it compared
 
 Stateless: every request carries what it needs (including the AlignOPSD
 hyper-parameters), so any replica can answer it.
@@ -98,7 +99,12 @@ def cosine_matrix_faiss(query_QD: np.ndarray, base_ND: np.ndarray) -> np.ndarray
 
 
 def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:
-    """Spec 4.1: H = cos(teacher text of s, student text of t); eligibility; top-K selection."""
+    """Spec 4.1: H = cos(teacher text of s, student text of t); eligibility; top-K selection.
+
+    With `req.return_embeddings` the response also carries the four [M, D]
+    embedding matrices it compared (thinking rows zeroed for invalid turns,
+    action rows zero for empty actions), for the credit dump.
+    """
     turns = req.turns
     M = len(turns)
     texts = [t.teacher_text for t in turns] + [t.student_text for t in turns]
@@ -115,9 +121,10 @@ def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:
         np.array([t.student_valid for t in turns]),
         np.array([t.teacher_valid for t in turns]),
     )
-    action_sim = None
-    if req.align.action_filter_enabled:
+    action_sim = acts = None
+    if req.align.action_filter_enabled or req.return_embeddings:
         acts = encoder.embed([t.teacher_action for t in turns] + [t.student_action for t in turns])
+    if req.align.action_filter_enabled:
         action_sim = cosine_matrix_faiss(acts[:M], acts[M:])
     sel = alignopsd.select_sources(
         H_MM,
@@ -135,6 +142,10 @@ def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:
         source_weights=[list(map(float, w)) for w in sel.weights],
         rho=[float(x) for x in sel.rho_M],
         alpha=[float(x) for x in sel.alpha_M],
+        # float32 -> Python float -> JSON is exact, so the teacher gets these very vectors back.
+        **({"student_thinking_emb": student_MD.tolist(), "teacher_thinking_emb": teacher_MD.tolist(),
+            "student_action_emb": acts[M:].tolist(), "teacher_action_emb": acts[:M].tolist()}
+           if req.return_embeddings else {}),
     )
 
 
@@ -177,7 +188,7 @@ def build_app(cfg: EmbedderSection, encoder: Encoder) -> FastAPI:
     @app.post("/correspond", response_model=CorrespondResponse)
     def correspond_route(req: CorrespondRequest) -> CorrespondResponse:
         _check_texts([t.student_text for t in req.turns] + [t.teacher_text for t in req.turns])
-        if req.align.action_filter_enabled:  # the actions are embedded too, under the same limits
+        if req.align.action_filter_enabled or req.return_embeddings:  # the actions are embedded too, under the same limits
             _check_texts([t.student_action for t in req.turns] + [t.teacher_action for t in req.turns])
         t0 = time.perf_counter()
         out = correspond(encoder, req)

@@ -26,7 +26,9 @@ from opsd.chat import ChatFormat, decode, parse_response
 from opsd.config import EnvSection, RolloutSection
 from opsd.envs.textworld import EnvStep, TextWorldEnv, load_game
 from opsd.models.hf import NonFiniteLogitsError
-from opsd.types import FINISH_REASONS, LOGPROB_TOLERANCE, RolloutGroup, TaskGroup, Trajectory, TurnRecord
+from opsd.types import (
+    ENTROPY_TOLERANCE, FINISH_REASONS, LOGPROB_TOLERANCE, RolloutGroup, TaskGroup, Trajectory, TurnRecord,
+)
 from services.rollout import prompts
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class _Episode:
     env: TextWorldEnv
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    has_entropy: bool = True  # False once a generation came without entropies
     mask: list[int] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)
     admissible: list[str] = field(default_factory=list)
@@ -79,6 +83,7 @@ class _Episode:
     def append_prompt(self, ids: list[int]) -> None:
         self.ids.extend(int(i) for i in ids)
         self.logprobs.extend([0.0] * len(ids))
+        self.entropies.extend([0.0] * len(ids))
         self.mask.extend([0] * len(ids))
 
     def to_trajectory(self) -> Trajectory:
@@ -91,6 +96,7 @@ class _Episode:
             reward=1.0 if self.won else 0.0,
             won=self.won,
             ending=self.ending or "max_turns",
+            sampler_entropy_S=np.asarray(self.entropies, dtype=np.float32) if self.has_entropy else None,
         )
 
 
@@ -152,8 +158,12 @@ def run_group(
         (RolloutGroup, RolloutStats). Trajectories are in rollout-id order
         ("r00", "r01", ...), with int32 ids, float32 sampler log-probs (0 off
         the loss mask) and uint8 loss mask; reward 1.0 for a won episode, else
-        0.0. Sampled tokens with a non-finite or positive (> 1e-4) log-prob
-        are masked (mask 0, log-prob 0) and counted in `stats.nonfinite_logprobs`.
+        0.0. Sampled tokens with a non-finite or positive (> 1e-4) log-prob, or
+        a non-finite / negative (< -1e-4) entropy, are masked (mask 0, log-prob
+        and entropy 0) and counted in `stats.nonfinite_logprobs`.
+        `sampler_entropy_S` holds the generations' entropies (clamped to
+        [0, log vocab_size], 0 off the mask), or is None for a trajectory
+        with a generation that reported none (`Generation.entropies` None).
 
     Raises:
         ValueError: wrong env, prompt-format mismatch, or a malformed
@@ -286,6 +296,12 @@ def _play_turn(
     lps = [float(x) for x in gen.logprobs]
     if len(ids) != len(lps):
         raise ValueError(f"generation has {len(ids)} token ids but {len(lps)} log-probs")
+    ents = getattr(gen, "entropies", None)
+    if ents is None:
+        ep.has_entropy = False
+        ents = [0.0] * len(ids)
+    if len(ents) != len(ids):
+        raise ValueError(f"generation has {len(ids)} token ids but {len(ents)} entropies")
     if len(ids) > max_new:
         raise ValueError(f"generation has {len(ids)} tokens, more than max_new_tokens={max_new}")
     finish = gen.finish_reason
@@ -293,18 +309,19 @@ def _play_turn(
         raise ValueError(f"unknown finish_reason {finish!r}")
 
     start = len(ep.ids)
-    for tok, lp in zip(ids, lps):
-        ep.ids.append(tok)
-        if math.isfinite(lp) and lp <= LOGPROB_TOLERANCE:
-            # A sampled token's probability is <= 1; tiny positive values are float noise.
-            ep.logprobs.append(min(lp, 0.0))
-            ep.mask.append(1)
-        else:
-            # Never ship NaN, nor a log-prob > 0 (a broken sampler, not noise): the
-            # token stays in the ids but leaves the loss (case 5).
-            ep.logprobs.append(0.0)
-            ep.mask.append(0)
-            stats.nonfinite_logprobs += 1
+    lp_N = np.asarray(lps, dtype=np.float64)
+    ent_N = np.asarray(ents, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        # A sampled token's probability is <= 1 and an entropy is >= 0; tiny violations are float noise.
+        ok_N = np.isfinite(lp_N) & (lp_N <= LOGPROB_TOLERANCE) & np.isfinite(ent_N) & (ent_N >= -ENTROPY_TOLERANCE)
+    # Never ship NaN, nor a log-prob > 0 (a broken sampler, not noise): the
+    # token stays in the ids but leaves the loss (case 5).
+    max_ent = math.log(backend.vocab_size) if getattr(backend, "vocab_size", None) else np.inf
+    ep.ids.extend(ids)
+    ep.logprobs.extend(np.where(ok_N, np.minimum(np.nan_to_num(lp_N), 0.0), 0.0).tolist())
+    ep.entropies.extend(np.where(ok_N, np.clip(np.nan_to_num(ent_N), 0.0, max_ent), 0.0).tolist())
+    ep.mask.extend(ok_N.astype(int).tolist())
+    stats.nonfinite_logprobs += int((~ok_N).sum())
     end = len(ep.ids)
     stats.turns += 1
     stats.generated_tokens += len(ids)

@@ -68,8 +68,8 @@ def main() -> None:
             metrics.TEACHER_STUDENT_GAP.labels(ROLE).set(stats.gap_sum / stats.gap_tokens)
         if stats.embedder_fallback:
             metrics.EMBEDDER_FALLBACKS.labels(ROLE).inc()
-        log.info("group %s: %d sources matched, gap %.3f nats/token, %.1fs", group.group_id, stats.sources,
-                 stats.gap_sum / max(stats.gap_tokens, 1), scored.teacher_seconds)
+        log.info("group %s: %d sources matched (%d dropped), gap %.3f nats/token, %.1fs", group.group_id, stats.sources,
+                 stats.dropped_sources, stats.gap_sum / max(stats.gap_tokens, 1), scored.teacher_seconds)
         return scored
 
     consume_forever(proc, queue, streams.scored, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms)

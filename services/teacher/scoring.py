@@ -9,6 +9,11 @@ For one group of G sibling trajectories with policy version v:
    history (identity view), and every target turn's response under each
    selected source's privileged history (matched sibling views).
 5. Rectify: corrected teacher = (1 - alpha) identity + alpha aggregate.
+
+Besides the result, the ScoredGroup keeps what a credit dump (refvector
+AlignOPSD schema) and FiRe-OPD need: the identity view's entropies, the
+parsed texts per turn, the embeddings (only with trainer.dump_credit) and
+the matched views' log-probs before aggregation.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class TeacherStats:
     gap_tokens: int = 0
     embedder_fallback: bool = False
     sources: int = 0
+    dropped_sources: int = 0  # matched views past the context budget or of weight 0 (left out of selected_sources_M)
 
 
 class EmbedderClient:
@@ -83,6 +89,16 @@ def score_group(
     embedder (methods other than AlignOPSD) there is no generation and no
     pass 2. When the embedder fails, every turn falls back to its identity
     view (alpha = 0) and `identity_fallback` is set.
+
+    Also filled (see `ScoredGroup`): teacher_entropy_S (pass 1, T = 1),
+    teacher_response_M / student_thinking_M / student_action_M /
+    teacher_action_M, cross_logprobs_M (pass 2, [K_t, n_t] per target) and,
+    when `cfg.trainer.dump_credit` and the embedder answered, the four
+    embedding matrices. A selected source whose matched view does not fit
+    `max_model_len` is removed from selected_sources_M[t] (weights
+    renormalized; counted in `stats.dropped_sources`), so the ScoredGroup
+    lists exactly the views that were rectified with; rho and alpha stay as
+    the embedder computed them.
     """
     t0 = time.perf_counter()
     stats = TeacherStats()
@@ -99,11 +115,15 @@ def score_group(
     # Pass 1: identity log-probs of every trajectory, and (AlignOPSD) the teacher's own response per turn.
     budget = cfg.teacher.thinking_max_new_tokens if embedder is not None else 0
     teacher_S: list[np.ndarray] = []
+    entropy_S: list[np.ndarray] = []
     own: dict[tuple[int, int], str] = {}
+    max_entropy = float(np.log(backend.vocab_size))
     for i, t in enumerate(trajs):
         res = backend.branch(bases[i], P, turn_cuts[i] if budget else [], generate_tokens=budget,
-                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=seed + i)
+                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=seed + i,
+                             return_entropy=True)
         teacher_S.append(np.where(t.loss_mask_S == 1, res.base_logprobs, 0.0).astype(np.float32))
+        entropy_S.append(np.where(t.loss_mask_S == 1, np.clip(res.base_entropies, 0.0, max_entropy), 0.0).astype(np.float32))
         for k, g in enumerate(res.generations):
             if g is not None:
                 own[(i, k)] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
@@ -114,6 +134,9 @@ def score_group(
     use_action = chat.prompt_format == "action"
     student = [trajs[i].turns[k] for i, k in turns]
     teacher_thinking = [(p.action if use_action else p.thinking) if p and p.valid else "" for p in teacher_parsed]
+    student_thinking = [(s.action if use_action else s.thinking) if s.format_valid else "" for s in student]
+    teacher_action = [p.action if p else "" for p in teacher_parsed]
+    embeddings: list[np.ndarray] | None = None
     sources: list[list[int]] = [[] for _ in range(M)]
     weights: list[list[float]] = [[] for _ in range(M)]
     H_MM = np.zeros((M, M), dtype=np.float32)
@@ -129,15 +152,16 @@ def score_group(
                     "rollout_id": trajs[i].rollout_id,
                     "turn_id": k,
                     "data_source": group.task.env,
-                    "student_text": (s.action if use_action else s.thinking) if s.format_valid else "",
+                    "student_text": student_thinking[m],
                     "teacher_text": teacher_thinking[m],
-                    "student_valid": bool(s.format_valid and (s.action if use_action else s.thinking)),
+                    "student_valid": bool(s.format_valid and student_thinking[m]),
                     "teacher_valid": bool(teacher_thinking[m]),
                     "student_action": s.action,
-                    "teacher_action": teacher_parsed[m].action if teacher_parsed[m] else "",
+                    "teacher_action": teacher_action[m],
                 }
                 for m, ((i, k), s) in enumerate(zip(turns, student))
             ],
+            "return_embeddings": bool(cfg.trainer.dump_credit),
         }
         try:
             resp = CorrespondResponse.model_validate(embedder.correspond(payload)).check(M)
@@ -146,6 +170,12 @@ def score_group(
             sources, weights = resp.selected_sources, resp.source_weights
             rho_M = np.asarray(resp.rho, dtype=np.float32)
             alpha_M = np.asarray(resp.alpha, dtype=np.float32)
+            if resp.student_thinking_emb is not None:
+                texts = (student_thinking, teacher_thinking, [s.action for s in student], teacher_action)
+                embeddings = [np.asarray(v, dtype=np.float32).reshape(M, -1) for v in (
+                    resp.student_thinking_emb, resp.teacher_thinking_emb, resp.student_action_emb, resp.teacher_action_emb)]
+                for emb_MD, txt in zip(embeddings, texts):
+                    emb_MD[[not x for x in txt]] = 0.0  # empty/invalid text embeds to zero (the embedder does so too)
         except (httpx.HTTPError, ValueError) as e:  # pydantic's ValidationError is a ValueError
             log.warning("group %s: embedder unavailable (%s); identity views only", group.group_id, e)
             stats.embedder_fallback = True
@@ -172,15 +202,22 @@ def score_group(
 
     # Rectification per target turn (sources that did not fit are dropped, weights renormalized).
     corrected_S = [arr.copy() for arr in teacher_S]
+    cross_M: list[np.ndarray] = []
     for t, (i, k) in enumerate(turns):
-        kept = [(s, w) for s, w in zip(sources[t], weights[t]) if (t, s) in cross]
+        # A weight-0 source changes nothing in either aggregation mode (and log 0 would): leave it out too.
+        kept = [(s, w) for s, w in zip(sources[t], weights[t]) if (t, s) in cross and w > 0]
+        stats.dropped_sources += len(sources[t]) - len(kept)
+        sl = trajs[i].response_slice(k)
+        n_t = sl.stop - sl.start
+        w_K = np.asarray([w for _, w in kept], dtype=np.float32)
+        w_K = w_K / w_K.sum() if kept else w_K
+        sources[t], weights[t] = [s for s, _ in kept], [float(w) for w in w_K]
+        cross_KL = np.stack([cross[(t, s)] for s, _ in kept]).astype(np.float32) if kept else np.zeros((0, n_t), np.float32)
+        cross_M.append(cross_KL)
         if not kept or alpha_M[t] == 0:
             continue
-        sl = trajs[i].response_slice(k)
-        w_K = np.asarray([w for _, w in kept], dtype=np.float32)
-        cross_KL = np.stack([cross[(t, s)] for s, _ in kept]).astype(np.float32)
         _, corrected_L = alignopsd.rectify(
-            teacher_S[i][sl], cross_KL, w_K / w_K.sum(), float(alpha_M[t]), cfg.credit.alignopsd.aggregation_mode
+            teacher_S[i][sl], cross_KL, w_K, float(alpha_M[t]), cfg.credit.alignopsd.aggregation_mode
         )
         corrected_S[i][sl] = np.where(trajs[i].loss_mask_S[sl] == 1, corrected_L, 0.0)
 
@@ -204,6 +241,15 @@ def score_group(
         alpha_M=alpha_M,
         identity_fallback=stats.embedder_fallback,
         teacher_seconds=time.perf_counter() - t0,
+        teacher_entropy_S=entropy_S,
+        teacher_response_M=[own.get(tk, "") for tk in turns],
+        student_thinking_M=student_thinking,
+        student_action_M=[s.action for s in student],
+        teacher_action_M=teacher_action,
+        cross_logprobs_M=cross_M,
     )
+    if embeddings is not None:
+        (scored.student_thinking_emb_MD, scored.teacher_thinking_emb_MD,
+         scored.student_action_emb_MD, scored.teacher_action_emb_MD) = embeddings
     scored.validate(backend.vocab_size)
     return scored, stats

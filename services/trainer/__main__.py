@@ -10,6 +10,7 @@ and keeps serving /metrics until it is told to stop.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -20,16 +21,14 @@ import numpy as np
 import torch
 
 from opsd import metrics
-from opsd.credit import compute_advantages
 from opsd.envs.textworld import make_games
 from opsd.models import load_backend
 from opsd.queue import StreamNames
 from opsd.service import RoleProcess
 from opsd.types import RolloutGroup, ScoredGroup, TaskGroup
 from opsd.weights import weights_path
-from services.trainer.batch import build_credit_batch, scatter_advantages
 from services.trainer.report import append_metrics, plot_metrics
-from services.trainer.update import Sequence, ppo_update
+from services.trainer.step import learn
 
 ROLE = "trainer"
 KEEP_VERSIONS = 2  # policy weight files kept on disk (each is ~540 MB for SmolLM2 in fp32)
@@ -100,6 +99,10 @@ def main() -> None:
     backend = load_backend(cfg.model)
     model = backend.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    # ExOPD extrapolates from the initial policy: keep a frozen copy of it (one more forward a step).
+    base_model = None
+    if cfg.run.method == "ex_opd" and cfg.credit.ex_opd.base == "initial":
+        base_model = copy.deepcopy(model).eval().requires_grad_(False)
     games = make_games(cfg.env, cfg.cache_root)
     streams = StreamNames(cfg.redis.stream_prefix)
     queue = proc.open_queue(streams.scored if cfg.needs_teacher else streams.rollouts,
@@ -145,15 +148,9 @@ def main() -> None:
         ordered = [got[t.group_id][1] for t in tasks]
         scored = ordered if cfg.needs_teacher else None
         groups = [s.rollout for s in ordered] if cfg.needs_teacher else ordered
-        batch, rows = build_credit_batch(groups, scored)
-        advantages_ML, credit_metrics = compute_advantages(cfg.run.method, batch, cfg.credit)
-        adv = scatter_advantages(groups, rows, advantages_ML)
-        seqs = [
-            Sequence(t.token_ids_S, t.loss_mask_S, adv[(g, i)], t.sampler_logprobs_S)
-            for g, grp in enumerate(groups)
-            for i, t in enumerate(grp.trajectories)
-        ]
-        update = ppo_update(model, optimizer, seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature)
+        dump = run_dir / "credit" / f"step_{step:05d}.json" if cfg.trainer.dump_credit else None
+        result = learn(cfg, model, optimizer, groups, scored, base_model, dump)
+        batch, advantages_ML, credit_metrics, update = result.batch, result.advantages_ML, result.credit_metrics, result.update
         version += 1
         backend.save_weights(weights_path(run_dir, version))
         # Roles only ever load the newest version; keep one older for a role still finishing a job.

@@ -23,13 +23,20 @@ def _rows(groups: list[RolloutGroup]) -> list[tuple[int, int, int]]:
     return sorted(rows, key=lambda r: (groups[r[0]].group_id, groups[r[0]].trajectories[r[1]].rollout_id, r[2]))
 
 
-def build_credit_batch(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> tuple[CreditBatch, list[tuple[int, int, int]]]:
+def build_credit_batch(
+    groups: list[RolloutGroup],
+    scored: list[ScoredGroup] | None,
+    base_logprobs: dict[tuple[int, int], np.ndarray] | None = None,
+) -> tuple[CreditBatch, list[tuple[int, int, int]]]:
     """Stack a step's turns into a CreditBatch; returns it and the (group, trajectory, turn) of each row.
 
     `scored[g]` (when given) is group g's teacher output: identity and
     corrected teacher log-probs, and the group's H / eligibility over its
     turns in `RolloutGroup.canonical_turns()` order, placed block-diagonally.
     Student log-probs are the sampler's (pi_old of the sampled tokens).
+    Entropy fields are filled when every trajectory (sampler) / every scored
+    group (teacher) carries them; `base_logprobs[(g, i)]` (float32 [S], the
+    initial policy's log-probs, for ex_opd) fills base_logprobs_ML.
     """
     rows = _rows(groups)
     M = len(rows)
@@ -38,6 +45,12 @@ def build_credit_batch(groups: list[RolloutGroup], scored: list[ScoredGroup] | N
     student = np.zeros((M, L), dtype=np.float32)
     teacher = np.zeros((M, L), dtype=np.float32) if scored else None
     corrected = np.zeros((M, L), dtype=np.float32) if scored else None
+    trajs = [t for grp in groups for t in grp.trajectories]
+    has_s_ent = bool(trajs) and all(getattr(t, "sampler_entropy_S", None) is not None for t in trajs)
+    has_t_ent = bool(scored) and all(getattr(sg, "teacher_entropy_S", None) is not None for sg in scored)
+    s_ent = np.zeros((M, L), dtype=np.float32) if has_s_ent else None
+    t_ent = np.zeros((M, L), dtype=np.float32) if has_t_ent else None
+    base = np.zeros((M, L), dtype=np.float32) if base_logprobs is not None else None
     for m, (g, i, k) in enumerate(rows):
         traj = groups[g].trajectories[i]
         sl = traj.response_slice(k)
@@ -47,6 +60,12 @@ def build_credit_batch(groups: list[RolloutGroup], scored: list[ScoredGroup] | N
         if scored:
             teacher[m, :n] = scored[g].teacher_logprobs_S[i][sl]
             corrected[m, :n] = scored[g].corrected_logprobs_S[i][sl]
+        if s_ent is not None:
+            s_ent[m, :n] = traj.sampler_entropy_S[sl]
+        if t_ent is not None:
+            t_ent[m, :n] = scored[g].teacher_entropy_S[i][sl]
+        if base is not None:
+            base[m, :n] = base_logprobs[(g, i)][sl]
     H = elig = None
     if scored:
         # Row index of (group, canonical turn position) so each group's block lands in place.
@@ -70,6 +89,9 @@ def build_credit_batch(groups: list[RolloutGroup], scored: list[ScoredGroup] | N
         corrected_logprobs_ML=corrected,
         similarity_MM=H,
         eligible_MM=elig,
+        base_logprobs_ML=base,
+        teacher_entropy_ML=t_ent,
+        student_entropy_ML=s_ent,
     )
     return batch, rows
 

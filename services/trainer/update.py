@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from opsd.config import TrainerSection
-from opsd.credit.policy_loss import entropy_from_logits, ppo_loss, token_logprobs
+from opsd.config import SDARSection, TrainerSection
+from opsd.credit.policy_loss import entropy_from_logits, ppo_loss, sdar_loss, token_logprobs
 from opsd.models.hf import autocast
 
 
@@ -26,6 +26,7 @@ class Sequence:
     loss_mask_S: np.ndarray
     advantages_S: np.ndarray
     sampler_logprobs_S: np.ndarray
+    teacher_logprobs_S: np.ndarray | None = None  # identity privileged view; needed by the SDAR term
 
 
 def _pad(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
@@ -37,6 +38,7 @@ def _pad(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         "mask": torch.zeros(B, S, dtype=torch.float32),
         "adv": torch.zeros(B, S, dtype=torch.float32),
         "sampler": torch.zeros(B, S, dtype=torch.float32),
+        "teacher": torch.zeros(B, S, dtype=torch.float32),
     }
     for b, s in enumerate(seqs):
         n = len(s.token_ids_S)
@@ -45,12 +47,14 @@ def _pad(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         out["mask"][b, :n] = torch.from_numpy(s.loss_mask_S.astype(np.float32))
         out["adv"][b, :n] = torch.from_numpy(s.advantages_S)
         out["sampler"][b, :n] = torch.from_numpy(s.sampler_logprobs_S)
+        if s.teacher_logprobs_S is not None:
+            out["teacher"][b, :n] = torch.from_numpy(s.teacher_logprobs_S)
     return out
 
 
 def ppo_update(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[Sequence], cfg: TrainerSection,
-    dtype: str = "float32", temperature: float = 1.0,
+    dtype: str = "float32", temperature: float = 1.0, sdar: SDARSection | None = None,
 ) -> dict[str, float]:
     """Run `cfg.ppo_epochs` epochs of dual-clip PPO over `seqs`; returns step metrics.
 
@@ -69,7 +73,14 @@ def ppo_update(
     decay cannot move the weights on an empty batch. An epoch whose gradient
     norm is not finite does not step the optimizer either (counted in
     `skipped_steps`); the weights never see a NaN.
+
+    With `sdar.coef > 0` the SDAR auxiliary loss (`opsd.credit.policy_loss.sdar_loss`)
+    against each sequence's `teacher_logprobs_S` is added (`sdar_loss` metric);
+    ValueError if a sequence lacks teacher log-probs then.
     """
+    use_sdar = sdar is not None and sdar.coef > 0
+    if use_sdar and any(s.teacher_logprobs_S is None for s in seqs):
+        raise ValueError("the SDAR auxiliary loss (credit.sdar.coef > 0) needs teacher log-probs for every sequence")
     vocab = _vocab_size(model)
     usable = [s for s in seqs if s.loss_mask_S.any()]
     seqs = [s for s in usable if vocab is None or _ids_in_range(s.token_ids_S, vocab)]
@@ -77,13 +88,13 @@ def ppo_update(
     total_tokens = float(sum(float(s.loss_mask_S.sum()) for s in seqs))
     if total_tokens == 0:
         return dict.fromkeys(
-            ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "loss_tokens"), 0.0
+            ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "loss_tokens", "sdar_loss"), 0.0
         ) | {"dropped_sequences": float(dropped), "skipped_steps": 0.0}
     model.train()
     micro = [seqs[j : j + cfg.micro_batch_size] for j in range(0, len(seqs), cfg.micro_batch_size)]
     batches = [_pad(mb) for mb in micro]
     old: list[torch.Tensor | None] = [None] * len(batches)
-    sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0}
+    sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0, "sdar": 0.0}
     grad_norm = 0.0
     skipped = 0
     for _epoch in range(cfg.ppo_epochs):
@@ -106,6 +117,10 @@ def ppo_update(
                 cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
                 entropy_BT=ent, entropy_coef=cfg.entropy_coef,
             )
+            if use_sdar:
+                aux, _ = sdar_loss(lp, b["teacher"][:, 1:], mask, total_tokens, sdar.coef, sdar.beta)
+                epoch["sdar"] += float(aux.detach())
+                loss = loss + aux
             loss.backward()
             epoch["loss"] += float(loss.detach())
             share = float(mask.sum()) / max(total_tokens, 1)
@@ -134,7 +149,32 @@ def ppo_update(
         "loss_tokens": total_tokens,
         "dropped_sequences": float(dropped),
         "skipped_steps": float(skipped),
+        "sdar_loss": sums["sdar"] / e,
     }
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model: torch.nn.Module, seqs: list[Sequence], dtype: str = "float32", temperature: float = 1.0, micro_batch_size: int = 2,
+) -> list[np.ndarray]:
+    """Log-probs of every sequence's own tokens under `model` (e.g. the frozen initial policy for ex_opd).
+
+    Returns float32 [S] per sequence: position t holds log softmax(logits_{t-1}/T)[id_t],
+    position 0 (always prompt) holds 0.
+    """
+    out: list[np.ndarray] = []
+    model.eval()
+    for j in range(0, len(seqs), micro_batch_size):
+        mb = seqs[j : j + micro_batch_size]
+        b = _pad(mb)
+        with autocast(dtype):
+            logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
+        lp = token_logprobs(logits[:, :-1].float(), b["ids"][:, 1:], temperature)
+        for r, s in enumerate(mb):
+            arr = np.zeros(len(s.token_ids_S), dtype=np.float32)
+            arr[1:] = lp[r, : len(s.token_ids_S) - 1].numpy()
+            out.append(arr)
+    return out
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:

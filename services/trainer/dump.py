@@ -1,0 +1,156 @@
+"""A step's credit inputs as a vector file (`opsd run --dump-credit`), replayable with `opsd credit check`.
+
+Top-level fields follow ../shared/refvectors/README.md (method, case,
+description, source, reference_function, config, dtype, inputs, expected).
+`config.opsd_credit` is the run's whole `credit` section, so a replay runs
+exactly the trainer's settings; `expected.advantages` holds the token
+advantages the trainer trained on (rows in canonical order).
+
+Inputs:
+- `alignopsd`: the AlignOPSD schema of the README (turns, response texts,
+  thinking/action embeddings, policy_loss_mask, student_log_probs,
+  diagonal_teacher_log_probs, cross_teacher_log_probs [M][M][L] with the
+  selected pairs filled), so the replay re-runs selection, rectification and
+  allocation. Size grows as M^2 L: a dump is a debugging tool for small steps.
+- every other method: one row per turn, `uid`, `traj_uid`, `turn_step`,
+  `data_source`, `episode_rewards`, `is_action_valid`, `response_mask`,
+  `student_log_probs` and, when the step has them, `teacher_log_probs`,
+  `corrected_teacher_log_probs`, `base_log_probs`, `teacher_entropys`,
+  `student_entropys` ([B][L], 0 off the mask).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from opsd.config import RunConfig
+from opsd.types import CreditBatch, RolloutGroup, ScoredGroup
+
+_TOKEN_FIELDS = (
+    ("teacher_log_probs", "teacher_logprobs_ML"),
+    ("corrected_teacher_log_probs", "corrected_logprobs_ML"),
+    ("base_log_probs", "base_logprobs_ML"),
+    ("teacher_entropys", "teacher_entropy_ML"),
+    ("student_entropys", "student_entropy_ML"),
+)
+
+
+def _rows(a: np.ndarray) -> list:
+    return np.asarray(a, dtype=np.float64).tolist()
+
+
+def token_inputs(batch: CreditBatch) -> dict[str, Any]:
+    """The row-per-turn inputs of a CreditBatch (see module docstring); inverse of `opsd.credit.replay.batch_from_inputs`."""
+    out: dict[str, Any] = {
+        "uid": list(batch.task_id),
+        "traj_uid": list(batch.rollout_id),
+        "turn_step": [int(k) for k in batch.turn_id],
+        "data_source": list(batch.data_source),
+        "episode_rewards": _rows(batch.episode_reward),
+        "is_action_valid": [bool(v) for v in batch.is_action_valid],
+        "response_mask": _rows(batch.loss_mask_ML),
+        "student_log_probs": _rows(batch.student_logprobs_ML),
+    }
+    for name, attr in _TOKEN_FIELDS:
+        arr = getattr(batch, attr)
+        if arr is not None:
+            out[name] = _rows(arr)
+    return out
+
+
+def _wrap(text: str, tag: str) -> str:
+    return f"<{tag}>{text}</{tag}>" if text else ""
+
+
+def alignopsd_inputs(batch: CreditBatch, groups: list[RolloutGroup], scored: list[ScoredGroup]) -> dict[str, Any]:
+    """The AlignOPSD refvector inputs of a step (README "AlignOPSD"), rows = the batch's canonical rows.
+
+    Response texts are rebuilt from the texts the embedder embedded
+    (`<think>thinking</think><action>action</action>`), so the README's parsing
+    rules give back exactly what the pipeline matched on.
+    Raises ValueError when a scored group lacks the embeddings or cross log-probs
+    (a teacher that fell back to the identity view).
+    """
+    M, L = batch.loss_mask_ML.shape
+    where = {(t, r, k): m for m, (t, r, k) in enumerate(zip(batch.task_id, batch.rollout_id, batch.turn_id))}
+    need = ("student_thinking_emb_MD", "teacher_thinking_emb_MD", "student_action_emb_MD", "teacher_action_emb_MD", "cross_logprobs_M")
+    D = None
+    for sg in scored:
+        missing = [nm for nm in need if getattr(sg, nm, None) is None]
+        if missing:
+            raise ValueError(f"group {sg.group_id} has no {missing} (identity fallback?): cannot dump AlignOPSD inputs")
+        D = sg.student_thinking_emb_MD.shape[1]
+    s_text, t_text = [""] * M, [""] * M
+    emb = {nm: np.zeros((M, D or 1), dtype=np.float32) for nm in need[:4]}
+    cross = np.zeros((M, M, L), dtype=np.float32)
+    for grp, sg in zip(groups, scored):
+        order = grp.canonical_turns()
+        idx = [where[(grp.group_id, grp.trajectories[i].rollout_id, k)] for i, k in order]
+        for j, m in enumerate(idx):
+            s_text[m] = _wrap(sg.student_thinking_M[j], "think") + _wrap(sg.student_action_M[j], "action")
+            t_text[m] = _wrap(sg.teacher_thinking_M[j], "think") + _wrap(sg.teacher_action_M[j], "action")
+            for nm in emb:
+                emb[nm][m] = getattr(sg, nm)[j]
+            for kk, s in enumerate(sg.selected_sources_M[j]):
+                lp = sg.cross_logprobs_M[j][kk]
+                cross[idx[s], m, : lp.shape[0]] = lp[:L]
+    return {
+        "turns": [
+            {"task_id": t, "rollout_id": r, "turn_id": int(k), "data_source": d, "episode_reward": float(rw), "is_action_valid": bool(v)}
+            for t, r, k, d, rw, v in zip(batch.task_id, batch.rollout_id, batch.turn_id, batch.data_source,
+                                          batch.episode_reward, batch.is_action_valid)
+        ],
+        "student_response_text": s_text,
+        "teacher_response_text": t_text,
+        "student_thinking_embedding": _rows(emb["student_thinking_emb_MD"]),
+        "teacher_thinking_embedding": _rows(emb["teacher_thinking_emb_MD"]),
+        "student_action_embedding": _rows(emb["student_action_emb_MD"]),
+        "teacher_action_embedding": _rows(emb["teacher_action_emb_MD"]),
+        "policy_loss_mask": _rows(batch.loss_mask_ML),
+        "student_log_probs": _rows(batch.student_logprobs_ML),
+        "diagonal_teacher_log_probs": _rows(batch.teacher_logprobs_ML),
+        "cross_teacher_log_probs": _rows(cross),
+    }
+
+
+def credit_case(
+    cfg: RunConfig, batch: CreditBatch, advantages_ML: np.ndarray,
+    groups: list[RolloutGroup] | None = None, scored: list[ScoredGroup] | None = None, case: str = "step",
+) -> dict[str, Any]:
+    """The vector-file dict of one step (module docstring). `batch` must be in canonical order."""
+    method = cfg.run.method
+    if method == "alignopsd":
+        if groups is None or scored is None:
+            raise ValueError("an alignopsd dump needs the step's groups and scored groups")
+        inputs = alignopsd_inputs(batch, groups, scored)
+    else:
+        inputs = token_inputs(batch)
+    return {
+        "method": method,
+        "case": case,
+        "description": f"credit inputs of one training step of run {cfg.run.name} (opsd run --dump-credit)",
+        "source": "opsd run",
+        "reference_function": f"opsd.credit.compute_advantages({method!r})",
+        "config": {"opsd_credit": cfg.credit.model_dump(mode="json")},
+        "dtype": "float32",
+        "inputs": inputs,
+        "expected": {"advantages": _rows(advantages_ML)},
+    }
+
+
+def write_credit_dump(
+    path: Path, cfg: RunConfig, batch: CreditBatch, advantages_ML: np.ndarray,
+    groups: list[RolloutGroup] | None = None, scored: list[ScoredGroup] | None = None,
+) -> Path:
+    """Write `credit_case(...)` as JSON to `path` atomically (tmp file + rename); returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = credit_case(cfg, batch, advantages_ML, groups, scored, case=path.stem)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,69 @@
+"""One step's learning: credit assignment with the configured method, then the PPO update.
+
+`learn` is what the trainer's loop runs once all groups of a step have
+arrived; it is a function of its arguments so tests run every method through
+it without services.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opsd.config import RunConfig
+from opsd.credit import compute_advantages
+from opsd.types import CreditBatch, RolloutGroup, ScoredGroup
+from services.trainer.batch import build_credit_batch, scatter_advantages
+from services.trainer.dump import write_credit_dump
+from services.trainer.update import Sequence, ppo_update, sequence_logprobs
+
+
+@dataclass
+class StepResult:
+    batch: CreditBatch  # canonical rows
+    advantages_ML: np.ndarray  # float32 [M, L], what the update trained on
+    credit_metrics: dict[str, float]
+    update: dict[str, float]
+
+
+def learn(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: list[RolloutGroup],
+    scored: list[ScoredGroup] | None,
+    base_model: torch.nn.Module | None = None,
+    dump_path: Path | None = None,
+) -> StepResult:
+    """Advantages of `groups` with `cfg.run.method`, then `ppo_update` on them.
+
+    `scored` (one per group, same order) is required by every method but grpo.
+    `base_model` (the frozen initial policy) supplies ex_opd's base log-probs.
+    With `dump_path` the step's credit inputs are written there first
+    (services/trainer/dump.py). The SDAR term uses each trajectory's identity
+    teacher log-probs when `cfg.credit.sdar.coef > 0`.
+    Raises ValueError when the method needs data the step lacks.
+    """
+    keys = [(g, i) for g, grp in enumerate(groups) for i in range(len(grp.trajectories))]
+    trajs = {key: groups[key[0]].trajectories[key[1]] for key in keys}
+    base = None
+    if base_model is not None:
+        plain = [Sequence(t.token_ids_S, t.loss_mask_S, np.zeros(len(t.token_ids_S), np.float32), t.sampler_logprobs_S)
+                 for t in trajs.values()]
+        lps = sequence_logprobs(base_model, plain, cfg.model.dtype, cfg.rollout.temperature, cfg.trainer.micro_batch_size)
+        base = dict(zip(keys, lps))
+    batch, rows = build_credit_batch(groups, scored, base)
+    advantages_ML, credit_metrics = compute_advantages(cfg.run.method, batch, cfg.credit)
+    if dump_path is not None:
+        write_credit_dump(dump_path, cfg, batch, advantages_ML, groups, scored)
+    adv = scatter_advantages(groups, rows, advantages_ML)
+    seqs = [
+        Sequence(t.token_ids_S, t.loss_mask_S, adv[key], t.sampler_logprobs_S,
+                 scored[key[0]].teacher_logprobs_S[key[1]] if scored else None)
+        for key, t in trajs.items()
+    ]
+    update = ppo_update(model, optimizer, seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature, cfg.credit.sdar)
+    return StepResult(batch, advantages_ML, credit_metrics, update)

@@ -1,0 +1,125 @@
+"""`opsd credit check`: the replay tool on the handed refvectors, on broken files and on run dumps."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from opsd.cli import app
+from opsd.config import RunConfig
+from opsd.credit.replay import check_case, check_file
+from services.trainer.batch import build_credit_batch
+from services.trainer.dump import credit_case
+from opsd.credit import compute_advantages
+from tests.factories import make_scored_group, shared_dir
+
+
+REFVECTORS = shared_dir() / "refvectors"
+runner = CliRunner()
+
+
+def test_refvector_folder_is_present():
+    # The replay tests below must never pass vacuously on a machine without the vectors.
+    assert len(list(REFVECTORS.rglob("case_*.json"))) == 20, f"expected the 20 handed vector files under {REFVECTORS}"
+
+
+def test_cli_replays_every_handed_refvector():
+    res = runner.invoke(app, ["credit", "check", str(REFVECTORS)])
+    assert res.output.strip().splitlines()[-1] == "20 passed, 0 failed", res.output
+    assert res.exit_code == 0
+    assert "max|err|" in res.output
+
+
+def _load(rel: str) -> dict:
+    return json.loads((REFVECTORS / rel).read_text())
+
+
+def test_a_changed_expected_value_fails_and_names_the_field(tmp_path):
+    case = _load("gc_opd/case_1.json")
+    case["expected"]["gc_opd_residual"][3] += 1e-3
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(case))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_load("gc_opd/case_1.json")))
+    res = runner.invoke(app, ["credit", "check", str(tmp_path)])
+    assert res.exit_code == 1
+    assert "gc_opd_residual[3]" in res.output and res.output.strip().endswith("1 passed, 1 failed")
+
+
+def test_a_field_the_replay_cannot_compute_is_a_failure():
+    case = _load("agentopsd/case_1.json")
+    case["expected"]["belief_entropy"] = [0.0]
+    r = check_case(case)
+    assert not r.ok and [f.detail for f in r.fields if f.name == "belief_entropy"] == ["not computed"]
+
+
+def test_unknown_method_and_missing_path():
+    case = _load("gc_opd/case_3.json")
+    case["method"] = "no_such_method"
+    r = check_case(case)
+    assert not r.ok and "no replay" in r.error
+    res = runner.invoke(app, ["credit", "check", "/nonexistent/vectors"])
+    assert res.exit_code == 2
+
+
+def test_expected_error_case_passes_only_when_the_replay_raises(tmp_path):
+    case = _load("alignopsd/case_5.json")
+    # A turn without policy tokens: the reference raises ValueError (README, AlignOPSD case 8).
+    case["inputs"]["policy_loss_mask"][0] = [0.0] * len(case["inputs"]["policy_loss_mask"][0])
+    case["expected"] = {"error": "ValueError", "message": "turn without policy tokens"}
+    assert check_case(case).ok
+    ok_case = _load("alignopsd/case_5.json")
+    ok_case["expected"] = {"error": "ValueError", "message": "x"}
+    assert not check_case(ok_case).ok
+
+
+def test_tolerance_is_relative_to_magnitude():
+    case = _load("gc_opd_baselines/case_3.json")
+    exp = case["expected"]["poweropd_advantages"]
+    exp[1][1] += 5e-6  # |expected| < 1: within 1e-5
+    assert check_case(copy.deepcopy(case)).ok
+    exp[1][1] += 2e-5
+    assert not check_case(case).ok
+
+
+def _dump_for(method: str, tmp_path: Path) -> Path:
+    from dataclasses import replace
+
+    scored = []
+    for g in range(2):
+        sg = make_scored_group(G=3, turns=3, seed=g)
+        rng = np.random.default_rng(g)
+        trajs = [replace(t, sampler_entropy_S=np.where(t.loss_mask_S == 1, rng.uniform(0, 2, t.loss_mask_S.shape), 0).astype(np.float32))
+                 for t in sg.rollout.trajectories]
+        ent = [np.where(t.loss_mask_S == 1, rng.uniform(0, 2, t.loss_mask_S.shape), 0).astype(np.float32) for t in trajs]
+        scored.append(replace(sg, rollout=replace(sg.rollout, trajectories=trajs), teacher_entropy_S=ent))
+    groups = [s.rollout for s in scored]
+    cfg = RunConfig.model_validate({"run": {"method": method}})
+    batch, _ = build_credit_batch(groups, None if method == "grpo" else scored)
+    adv, _ = compute_advantages(method, batch, cfg.credit)
+    path = tmp_path / f"{method}.json"
+    path.write_text(json.dumps(credit_case(cfg, batch, adv, groups, scored)))
+    return path
+
+
+@pytest.mark.parametrize("method", ["grpo", "opd", "grpo_opd", "agentopsd", "gc_opd", "uni_opd", "power_opd", "ex_opd", "fire_opd"])
+def test_a_run_dump_replays_exactly_and_detects_a_change(method, tmp_path):
+    path = _dump_for(method, tmp_path)
+    r = check_file(path)
+    assert r.ok, (r.error, [(f.name, f.detail) for f in r.fields if not f.ok])
+    case = json.loads(path.read_text())
+    assert case["method"] == method and case["config"]["opsd_credit"]["grpo_scope"] == "turn"
+    # Change one trained token's student log-prob: the replayed advantages must move
+    # for every method (each reads the student log-prob or, for grpo, the reward).
+    if method == "grpo":
+        case["inputs"]["episode_rewards"] = [10.0 - r for r in case["inputs"]["episode_rewards"]]
+    else:
+        row = next(i for i, m in enumerate(case["inputs"]["response_mask"]) if m[0] == 1)
+        assert case["inputs"]["student_log_probs"][row][0] < -1e-3
+        case["inputs"]["student_log_probs"][row][0] = 0.0  # (PowerOPD is flat below ~ -0.05: use certainty)
+    assert not check_case(case).ok
