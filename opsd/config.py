@@ -96,19 +96,19 @@ class EmbedderSection(_Section):
 class AlignSection(_Section):
     """AlignOPSD hyper-parameters (spec 4.1-4.5); defaults = alfworld-3b profile."""
 
-    similarity_threshold: float = 0.65  # gamma_H
+    similarity_threshold: float = Field(0.65, ge=-1, lt=1)  # gamma_H (a cosine; (H - gamma)/(1 - gamma) needs < 1)
     top_k: int = Field(2, ge=1)
     source_rollout_cap: int = Field(1, ge=1)
     aggregation_temperature: float = Field(0.10, gt=0)
     aggregation_mode: Literal["probability_mixture", "log_mean"] = "probability_mixture"
     alpha_max: float = Field(0.8, ge=0, le=1)
     action_filter_enabled: bool = True
-    action_filter_threshold: float = 0.80
+    action_filter_threshold: float = Field(0.80, ge=-1, le=1)
     webshop_symbolic_checks: bool = False
     profile_temperature: float = Field(0.10, gt=0)
     segmentation_quantile: float = Field(0.80, ge=0, le=1)
-    segmentation_threshold_min: float = 0.01
-    segmentation_threshold_max: float = 0.10
+    segmentation_threshold_min: float = Field(0.01, ge=0, le=1)  # a JSD in [0, 1]
+    segmentation_threshold_max: float = Field(0.10, ge=0, le=1)
     min_segment_turns: int = Field(2, ge=1)
     max_segment_turns: int = Field(8, ge=1)
     credit_temperature: float = Field(0.5, gt=0)  # T
@@ -125,6 +125,8 @@ class AlignSection(_Section):
     def _spans(self) -> "AlignSection":
         if self.max_segment_turns < 2 * self.min_segment_turns - 1:
             raise ValueError("alignopsd: max_segment_turns must be >= 2*min_segment_turns - 1")
+        if self.segmentation_threshold_min > self.segmentation_threshold_max:
+            raise ValueError("alignopsd: segmentation_threshold_min must be <= segmentation_threshold_max")
         return self
 
 
@@ -141,7 +143,7 @@ class AgentOPSDSection(_Section):
     gamma: float | None = Field(None, gt=0, le=1)  # None: 0.95 (paper) / 1.0 (reference)
     mult_lambda: float = Field(0.5, ge=0, le=1)  # lambda
     mult_band: float = Field(0.2, ge=0, lt=1)  # b
-    eps: float = Field(1e-6, gt=0)
+    eps: float = Field(1e-6, gt=0, le=0.1)
 
     @property
     def resolved_gamma(self) -> float:
@@ -153,25 +155,25 @@ class AgentOPSDSection(_Section):
 class GCOPDSection(_Section):
     """GC-OPD group-calibrated residual + RACA (spec 3); a trajectory is one response."""
 
-    residual_beta: float = Field(0.10, ge=0)  # beta; 0 = vanilla OPD
+    residual_beta: float = Field(0.10, ge=0, le=100)  # beta; 0 = vanilla OPD
     credit_mode: Literal["raca", "uniform", "teacher_abs", "relative_teacher_support", "relative_opd_leverage"] = "raca"
-    credit_cap: float = Field(5.0, gt=0)  # c_max
+    credit_cap: float = Field(5.0, ge=1, le=1e6)  # c_max (>= 1: the neutral credit 1 must fit)
     min_group_std: float = Field(1e-6, ge=0)  # tau_G
     min_token_std: float = Field(1e-6, ge=0)  # tau_T
-    adv_clip: float = Field(10.0, ge=0)  # a_max; 0 disables clipping
+    adv_clip: float = Field(10.0, ge=0, le=1e6)  # a_max; 0 disables clipping
 
 
 class UniOPDSection(_Section):
-    margin_delta: float = Field(0.4, ge=0)  # delta
-    max_logprob_diff: float = Field(10.0, gt=0)  # tokens with |current - teacher| >= this get advantage 0
+    margin_delta: float = Field(0.4, ge=0, le=100)  # delta (nats)
+    max_logprob_diff: float = Field(10.0, gt=0, le=1e6)  # tokens with |current - teacher| >= this get advantage 0
 
 
 class PowerOPDSection(_Section):
-    alpha: float = Field(100.0, gt=0)
+    alpha: float = Field(100.0, ge=1e-3, le=1e4)
 
 
 class ExOPDSection(_Section):
-    lam: float = 1.25  # target = lam * teacher + (1 - lam) * base
+    lam: float = Field(1.25, ge=-10, le=10)  # target = lam * teacher + (1 - lam) * base
     base: Literal["initial", "old"] = "initial"  # base log-probs: the initial policy's, or pi_old's
 
 
@@ -184,8 +186,8 @@ class FiReOPDSection(_Section):
 class SDARSection(_Section):
     """SDAR auxiliary loss (ALFWorld-3B profile): coef * token-mean(sigmoid(beta (teacher - sg(student))) (teacher - log pi))."""
 
-    coef: float = Field(0.0, ge=0)  # 0 = off
-    beta: float = Field(5.0, gt=0)
+    coef: float = Field(0.0, ge=0, le=100)  # 0 = off
+    beta: float = Field(5.0, gt=0, le=1e4)
 
 
 # The released launchers (spec 4.5), applied under a config's own keys by `credit.profile`.
@@ -239,7 +241,7 @@ class CreditSection(_Section):
     profile: Literal["alfworld-3b", "alfworld-7b", "search-3b", "search-7b", "webshop-3b", "webshop-7b"] | None = None
     grpo_scope: Literal["trajectory", "turn"] = "turn"
     norm_adv_by_std: bool = True
-    opd_coef: float = 1.0  # grpo_opd: A = A_grpo + opd_coef * (teacher - student)
+    opd_coef: float = Field(1.0, ge=-100, le=100)  # grpo_opd: A = A_grpo + opd_coef * (teacher - student)
     use_invalid_action_penalty: bool = True
     invalid_action_penalty_coef: float = Field(0.1, ge=0)
     alignopsd: AlignSection = AlignSection()
@@ -254,7 +256,7 @@ class CreditSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_profile(cls, data):
-        if isinstance(data, dict) and data.get("profile") in ALIGNOPSD_PROFILES:
+        if isinstance(data, dict) and isinstance(data.get("profile"), str) and data["profile"] in ALIGNOPSD_PROFILES:
             return _under(ALIGNOPSD_PROFILES[data["profile"]], data)
         return data
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +124,62 @@ def test_a_run_dump_replays_exactly_and_detects_a_change(method, tmp_path):
         assert case["inputs"]["student_log_probs"][row][0] < -1e-3
         case["inputs"]["student_log_probs"][row][0] = 0.0  # (PowerOPD is flat below ~ -0.05: use certainty)
     assert not check_case(case).ok
+
+
+# ------------------------------------------------------------ hostile files (each is one FAIL line; the run goes on)
+
+
+def _write(tmp_path: Path, name: str, data) -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+def test_hostile_files_fail_one_by_one_and_the_good_one_still_passes(tmp_path):
+    good = _load("gc_opd/case_3.json")
+    bad_v0 = _load("agentopsd/case_1.json")
+    bad_v0["expected"]["v0_per_row"] = 0.5
+    bad_variants = _load("agentopsd/case_1.json")
+    bad_variants["expected_variants"] = ["x"]
+    no_inputs = {k: v for k, v in good.items() if k != "inputs"}
+    files = {
+        "a_v0.json": bad_v0, "b_variants.json": bad_variants, "c_no_inputs.json": no_inputs,
+        "d_deep.json": "[" * 100_000 + "]" * 100_000, "e_list.json": [1, 2], "f_broken.json": "{",
+        "z_good.json": good,
+    }
+    for name, data in files.items():
+        _write(tmp_path, name, data)
+    os.symlink(tmp_path / "missing.json", tmp_path / "g_dangling.json")
+    os.mkfifo(tmp_path / "h_fifo.json")  # reading it would block forever
+    res = runner.invoke(app, ["credit", "check", str(tmp_path)])
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines()[-1] == "1 passed, 8 failed", res.output
+    assert "Traceback" not in res.output
+
+
+def test_nan_never_matches_and_empty_expectations_never_pass():
+    case = _load("gc_opd/case_3.json")
+    case["config"]["gc_opd_residual_beta"] = 1e308  # replays to NaN advantages
+    case["expected"] = {"gc_opd_advantages": [[float("nan")] * len(r) for r in case["inputs"]["response_mask"]]}
+    assert not check_case(case).ok
+    for expected in ({"metrics": {}}, {"gc_opd_residual": []}):
+        case = _load("gc_opd/case_3.json")
+        case["expected"] = expected
+        assert not check_case(case).ok, expected
+    case = _load("agentopsd/case_1.json")
+    case["expected_variants"]["made_up_variant"] = {}
+    r = check_case(case)
+    assert not r.ok and any(f.name == "made_up_variant/" for f in r.fields if not f.ok)
+
+
+def test_replays_run_the_trainers_input_checks():
+    case = _load("gc_opd_baselines/case_3.json")
+    case["inputs"]["response_mask"][0][0] = 7.0  # not a 0/1 mask
+    r = check_case(case)
+    assert not r.ok and "0/1" in r.error
+    case = _load("agentopsd/case_1.json")
+    case["inputs"]["student_log_probs"].append([-99.0] * 5)  # one row more than the mask
+    assert not check_case(case).ok
+    case = _load("agentopsd/case_1.json")
+    case["config"]["belief_gate"] = "false"  # a string is not a JSON boolean
+    assert "boolean" in check_case(case).error

@@ -137,7 +137,7 @@ def test_sdar_loss_value_gate_and_gradient():
     loss, m = sdar_loss(logp, teacher, mask, total_loss_tokens=4, coef=0.01, beta=5.0)
     gaps = np.array([0.5, -0.5, 0.0])
     gates = 1 / (1 + np.exp(-5.0 * gaps))
-    assert float(loss) == pytest.approx(0.01 * float((gates * gaps).sum()) / 4, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(0.01 * float((gates * gaps).sum()) / 4, rel=1e-6)
     assert m["sdar/gate_mean"] == pytest.approx(gates.mean(), rel=1e-6)
     loss.backward()
     # d loss / d logp = -coef * gate / N on loss tokens (the gate is stop-gradient), 0 (not NaN) off the mask.

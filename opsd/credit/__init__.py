@@ -12,6 +12,7 @@ no estimator can depend on the order rows arrived in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
@@ -49,7 +50,13 @@ def get_estimator(name: str) -> Estimator:
         raise ValueError(f"unknown credit method {name!r}; registered: {', '.join(registered())}") from None
 
 
-def _check_batch(batch: CreditBatch, uses_pairs: bool = True) -> None:
+def check_batch(batch: CreditBatch, uses_pairs: bool = True) -> None:
+    """Validate a CreditBatch (the checks `compute_advantages` runs; replays of vector files run them too).
+
+    Shapes ([M] per row, [M, L] tokens, [M, M] pairs), a 0/1 loss mask, finite
+    rewards and finite log-probs/entropies on loss tokens (padding off the mask
+    may hold anything); `uses_pairs` also scans similarity_MM. Raises ValueError.
+    """
     M = batch.num_rows
     for nm in ("rollout_id", "turn_id", "data_source"):
         if len(getattr(batch, nm)) != M:
@@ -127,7 +134,7 @@ def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection) -> t
       turns) or a field the method needs that is None.
     """
     estimator = get_estimator(method)
-    _check_batch(batch, uses_pairs=method.startswith("alignopsd"))
+    check_batch(batch, uses_pairs=method.startswith("alignopsd"))
     from opsd.credit.grpo import canonical_permutation  # grpo imports `register` from here
 
     perm = canonical_permutation(batch.task_id, batch.rollout_id, batch.turn_id)
@@ -142,10 +149,16 @@ def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection) -> t
     adv_ML = adv_ML * mask_ML  # the contract, whatever an estimator did off the mask
     if not np.isfinite(adv_ML).all():
         raise ValueError(f"credit method {method!r} produced a non-finite advantage")
-    return adv_ML, {k: float(v) for k, v in metrics.items()}
+    out = {k: float(v) for k, v in metrics.items()}
+    # Metrics are diagnostics: an overflowing one (extreme inputs) is dropped and counted, never exported as inf/NaN.
+    bad = [k for k, v in out.items() if not math.isfinite(v)]
+    for k in bad:
+        del out[k]
+    out["credit/nonfinite_metrics_dropped"] = float(len(bad))
+    return adv_ML, out
 
 
 # Importing the estimator modules registers them.
 from opsd.credit import agentopsd, alignopsd, gc_opd, grpo, opd, opd_baselines  # noqa: E402,F401
 
-__all__ = ["register", "registered", "get_estimator", "compute_advantages", "permute_batch"]
+__all__ = ["register", "registered", "get_estimator", "compute_advantages", "check_batch", "permute_batch"]

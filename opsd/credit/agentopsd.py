@@ -54,7 +54,7 @@ import numpy as np
 from scipy.signal import lfilter
 
 from opsd.config import AgentOPSDSection, CreditSection
-from opsd.credit import permute_batch, register
+from opsd.credit import check_batch, permute_batch, register
 from opsd.credit.grpo import (
     Singleton,
     apply_invalid_action_penalty,
@@ -536,12 +536,15 @@ def credit_section_from_agentopsd_config(config: Mapping[str, Any], success_rate
     Raises: ValueError for launcher flags off the spec's route (e.g.
     tether_seq, group norm, unsigned multiplier).
     """
+    for k in [*_REQUIRED_FLAGS, "norm_adv_by_std_in_grpo"]:
+        if k in config and not isinstance(config[k], bool):
+            raise ValueError(f"AgentOPSD config {k} must be a JSON boolean, got {config[k]!r}")
     for k, want in _REQUIRED_FLAGS.items():
-        if k in config and bool(config[k]) != want:
+        if k in config and config[k] != want:
             raise ValueError(f"AgentOPSD config {k}={config[k]!r} is not implemented (only {k}={want})")
     return CreditSection(
         grpo_scope="turn",
-        norm_adv_by_std=bool(config.get("norm_adv_by_std_in_grpo", True)),
+        norm_adv_by_std=config.get("norm_adv_by_std_in_grpo", True),
         use_invalid_action_penalty=False,  # the files' token_level_rewards already carry it
         agentopsd=AgentOPSDSection(
             variant="paper" if success_rate_prior else "reference",
@@ -594,6 +597,7 @@ def run_agentopsd_case(inputs: Mapping[str, Any], cfg: CreditSection) -> dict[st
         student_logprobs_ML=np.asarray(inputs["student_log_probs"], dtype=np.float32),
         teacher_logprobs_ML=np.asarray(inputs["teacher_log_probs"], dtype=np.float32),
     )
+    check_batch(batch, uses_pairs=False)  # the trainer's input checks, for a file too
     perm = canonical_permutation(task_id, rollout_id, turn_id)
 
     res = agentopsd_advantages(permute_batch(batch, perm), cfg, rewards_M=rewards[perm],

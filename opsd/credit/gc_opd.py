@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from opsd.config import CreditSection, GCOPDSection
-from opsd.credit import register
+from opsd.credit import check_batch, register
 from opsd.types import CreditBatch
 
 CREDIT_MODES = ("raca", "uniform", "teacher_abs", "relative_teacher_support", "relative_opd_leverage")
@@ -559,7 +559,7 @@ def reference_batch(
         v = inputs.get(key)
         return None if v is None else np.asarray(v, dtype=np.float32)
 
-    return CreditBatch(
+    batch = CreditBatch(
         task_id=[str(g) for g in group_labels],
         rollout_id=[f"{i:09d}" for i in range(B)],
         turn_id=[0] * B,
@@ -573,6 +573,8 @@ def reference_batch(
         teacher_entropy_ML=opt("ref_entropys"),
         student_entropy_ML=opt("student_entropys"),
     )
+    check_batch(batch, uses_pairs=False)  # the trainer's input checks, for a file too
+    return batch
 
 
 def gc_opd_section_from_reference_config(config: Mapping[str, Any]) -> GCOPDSection:

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from opsd.config import AlignSection, CreditSection
+from opsd.credit import check_batch
 from opsd.credit.alignopsd import EmptyTurns, alignopsd_credit, rectify, select_sources, similarity_matrix, structural_mask
 from opsd.credit.grpo import Singleton
 from opsd.types import CreditBatch
@@ -90,6 +91,13 @@ def credit_section_from_reference_config(config: Mapping[str, Any]) -> CreditSec
         invalid_action_penalty_coef=config.get("invalid_action_penalty_coef", 0.1),
         alignopsd=AlignSection(**align),
     )
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A JSON boolean (0/1 accepted); "false", null or 2 are errors, not truthy values."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{name} must be a boolean, got {value!r}")
 
 
 def _f(x: np.ndarray) -> list:
@@ -183,8 +191,11 @@ def _run_case(
     sel = select_sources(H, E, acfg, A, [a for _, a in ps], [a for _, a in pt], rollout_id=roll)
 
     diag = np.asarray(inputs["diagonal_teacher_log_probs"], dtype=np.float32)
-    cross = inputs["cross_teacher_log_probs"]
-    L = diag.shape[1]
+    L = diag.shape[1] if diag.ndim == 2 else -1
+    cross = np.asarray(inputs["cross_teacher_log_probs"], dtype=np.float32)
+    if diag.shape != (M, L) or cross.shape != (M, M, L):
+        raise ValueError(f"diagonal_teacher_log_probs must be [M, L] and cross_teacher_log_probs [M, M, L] "
+                         f"for M = {M} turns; got {diag.shape} and {cross.shape}")
     agg = np.empty((M, L), np.float32)
     corr = np.empty((M, L), np.float32)
     for t in range(M):
@@ -197,7 +208,7 @@ def _run_case(
         turn_id=tid,
         data_source=src,
         episode_reward=np.asarray([t["episode_reward"] for t in turns], dtype=np.float32),
-        is_action_valid=np.asarray([bool(t["is_action_valid"]) for t in turns]),
+        is_action_valid=np.asarray([_flag(t["is_action_valid"], "is_action_valid") for t in turns]),
         loss_mask_ML=np.asarray(inputs["policy_loss_mask"], dtype=np.float32),
         student_logprobs_ML=np.asarray(inputs["student_log_probs"], dtype=np.float32),
         teacher_logprobs_ML=diag,
@@ -205,6 +216,7 @@ def _run_case(
         similarity_MM=H,
         eligible_MM=E,
     )
+    check_batch(batch)  # the trainer's input checks, for a file too
     out = alignopsd_credit(batch, cfg, singleton=singleton, empty_turns=empty_turns, reference_ablations=reference_ablations)
     return {
         "parsed_student": [{"thinking": th, "action": a} for th, a in ps],

@@ -136,6 +136,8 @@ def _compare(got: Any, exp: Any, tol: float, where: str) -> tuple[bool, float | 
     if isinstance(exp, dict):
         if not isinstance(got, Mapping):
             return False, None, f"{where}: expected an object, got {type(got).__name__}"
+        if not exp:  # an empty object would pass without comparing anything
+            return False, None, f"{where}: empty expected object (nothing to compare)"
         ok, worst, msg = True, None, ""
         for k, v in exp.items():
             if k not in got:
@@ -168,9 +170,8 @@ def _compare(got: Any, exp: Any, tol: float, where: str) -> tuple[bool, float | 
         if got is None or isinstance(got, (bool, str, list, dict)):
             return False, None, f"{where}: expected a number, got {got!r}"
         g, e = float(got), float(exp)
-        if math.isnan(e) or math.isnan(g):
-            ok = math.isnan(e) and math.isnan(g)
-            return ok, 0.0 if ok else math.inf, "" if ok else f"{where}: expected {e}, got {g}"
+        if math.isnan(e) or math.isnan(g):  # no credit value may be NaN: never a match
+            return False, math.inf, f"{where}: NaN (expected {e}, got {g})"
         if math.isinf(e) or math.isinf(g):
             ok = e == g
             return ok, 0.0 if ok else math.inf, "" if ok else f"{where}: expected {e}, got {g}"
@@ -183,65 +184,105 @@ def _compare(got: Any, exp: Any, tol: float, where: str) -> tuple[bool, float | 
 def tolerance_for(case: Mapping[str, Any]) -> float:
     """1e-5, or 5e-4 for an AgentOPSD case whose prior B_0 saturates at 1 - 1e-4 (README exception)."""
     if case.get("method") == "agentopsd":
-        v0 = case.get("expected", {}).get("v0_per_row") or []
-        if any(isinstance(v, (int, float)) and v >= 1 - 1e-4 - 1e-7 for v in v0):
+        v0 = case.get("expected", {}).get("v0_per_row")
+        if isinstance(v0, list) and any(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 - 1e-4 - 1e-7 for v in v0
+        ):
             return SATURATED_AGENTOPSD_TOL
     return DEFAULT_TOL
 
 
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing field {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def check_case(case: Mapping[str, Any], path: str = "<case>") -> FileResult:
-    """Replay one parsed vector file and compare every expected field (see module docstring)."""
-    method = str(case.get("method", ""))
-    result = FileResult(path=path, method=method, case=str(case.get("case", "")))
+    """Replay one parsed vector file and compare every expected field (see module docstring).
+
+    Never raises: a malformed file, a replay error or a comparison it cannot
+    make is this file's failure, and the caller goes on with the next file.
+    """
+    result = FileResult(path=path, method=str(case.get("method", "")), case=str(case.get("case", "")))
+    try:
+        with np.errstate(all="ignore"):  # a hostile file must not flood the report with warnings
+            _check_into(case, result)
+    except Exception as exc:  # noqa: BLE001 - reported per file, the run goes on
+        result.error = result.error or _describe(exc)
+    return result
+
+
+def _check_into(case: Mapping[str, Any], result: FileResult) -> None:
     expected = case.get("expected")
     if not isinstance(expected, Mapping) or not expected:
         result.error = "file has no `expected` object"
-        return result
+        return
+    for key in ("inputs", "config"):
+        if not isinstance(case.get(key), Mapping):
+            result.error = f"file has no `{key}` object"
+            return
+    variants = case.get("expected_variants") or {}
+    if not isinstance(variants, Mapping) or not all(isinstance(v, Mapping) for v in variants.values()):
+        result.error = "`expected_variants` must be an object of objects"
+        return
     tol = tolerance_for(case)
     try:
-        fn = replayer(method, case.get("config") if isinstance(case.get("config"), Mapping) else None)
+        fn = replayer(result.method, case["config"])
     except ValueError as exc:
         result.error = str(exc)
-        return result
+        return
     if "error" in expected:  # the reference rejects these inputs
         want = str(expected["error"])
         try:
             fn(case)
         except Exception as exc:  # noqa: BLE001 - the expected type is compared by name
+            # Only the exception type is compared: the authors' message text is not ours.
             ok = type(exc).__name__ == want
-            result.fields.append(FieldResult("error", ok, None, "" if ok else f"raised {type(exc).__name__}: {exc}"))
+            result.fields.append(FieldResult("error", ok, None, f"raised {type(exc).__name__}: {exc}"))
         else:
             result.fields.append(FieldResult("error", False, None, f"expected {want}, the replay raised nothing"))
-        return result
+        return
     try:
         got = fn(case)
     except Exception as exc:  # noqa: BLE001 - reported per file, the run goes on
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
+        result.error = _describe(exc)
+        return
+    got_variants = got.get("expected_variants") or {}
     sections = [("", expected, got.get("expected", {}))]
-    for name, variant in (case.get("expected_variants") or {}).items():
-        sections.append((f"{name}/", variant, (got.get("expected_variants") or {}).get(name, {})))
+    for name, variant in variants.items():
+        if name not in got_variants:
+            result.fields.append(FieldResult(f"{name}/", False, None, "variant not computed"))
+            continue
+        sections.append((f"{name}/", variant, got_variants[name]))
     for prefix, exp_fields, got_fields in sections:
+        compared = 0
         for name, exp in exp_fields.items():
             if prefix and name in ("config_override", "note"):
                 continue  # descriptions of the variant, not outputs
+            compared += 1
             if name not in got_fields:
                 result.fields.append(FieldResult(prefix + name, False, None, "not computed"))
                 continue
             ok, err, msg = _compare(got_fields[name], exp, tol, prefix + name)
             result.fields.append(FieldResult(prefix + name, ok, err, msg))
-    return result
+        if not compared:
+            result.fields.append(FieldResult(prefix or "expected", False, None, "no expected field to compare"))
 
 
 def check_file(path: str | Path) -> FileResult:
-    """Load one JSON vector file and `check_case` it; an unreadable file is a failed result."""
+    """Load one JSON vector file and `check_case` it; an unreadable file (or not a regular
+    file: a FIFO would block, a dangling link cannot be read) is a failed result."""
     p = Path(path)
+    fail = lambda msg: FileResult(path=str(p), method="?", case="?", error=msg)  # noqa: E731
+    if not p.is_file():
+        return fail("not a regular file (dangling link, link loop, FIFO or folder)")
     try:
         case = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        return FileResult(path=str(p), method="?", case="?", error=f"cannot read: {exc}")
+    except (OSError, ValueError, RecursionError) as exc:
+        return fail(f"cannot read: {type(exc).__name__}: {exc}")
     if not isinstance(case, Mapping):
-        return FileResult(path=str(p), method="?", case="?", error="not a JSON object")
+        return fail("not a JSON object")
     return check_case(case, str(p))
 
 
@@ -252,8 +293,9 @@ def vector_files(paths: Iterable[str | Path]) -> list[Path]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            out.extend(sorted(q for q in p.rglob("*.json") if q.is_file()))
-        elif p.is_file():
+            # Every *.json entry, files or not: check_file reports what it cannot read.
+            out.extend(sorted(q for q in p.rglob("*.json") if not q.is_dir()))
+        elif p.exists() or p.is_symlink():
             out.append(p)
         else:
             raise FileNotFoundError(f"no such file or folder: {p}")
