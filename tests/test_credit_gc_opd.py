@@ -13,8 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import opsd.credit.gc_opd  # noqa: F401  (registers gc_opd)
-import opsd.credit.opd_baselines  # noqa: F401  (registers uni_opd, power_opd, ex_opd, fire_opd)
 from opsd.config import CreditSection
 from opsd.credit import compute_advantages, permute_batch
 from opsd.credit.gc_opd import CREDIT_MODES, gc_opd_credit, replay_case
