@@ -194,17 +194,26 @@ def decode(tokenizer, ids: Sequence[int]) -> str:
 
     Multi-byte characters split over several tokens decode correctly because
     the ids are decoded together (case 14). A response cut by the token limit
-    in the middle of a character would end in U+FFFD: that incomplete tail
-    (at most 3 trailing tokens) is dropped. A U+FFFD elsewhere is kept.
+    inside a character ends in an incomplete UTF-8 sequence, which decodes to
+    U+FFFD; the tokens that hold it can also hold whole characters before it
+    (SmolLM2's " \\xf0\\x9f" is a space plus half an emoji). So the shortest
+    tail of at most 3 tokens (an incomplete character has at most 3 bytes)
+    after which the text no longer ends in U+FFFD is found, and only the
+    trailing U+FFFD of that tail is dropped: the space stays. A U+FFFD the
+    model sampled at the very end is dropped too (it carries no text); one
+    elsewhere is kept. Returns str.
     """
-    ids = list(ids)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    ids = [int(i) for i in ids]
+    while ids and ids[-1] in special:  # skipped anyway; they must not use up the 3-token tail
+        ids.pop()
     text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     if not text.endswith("\ufffd"):
         return text
     for drop in range(1, min(3, len(ids)) + 1):
         shorter = tokenizer.decode(ids[:-drop], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if text.startswith(shorter) and set(text[len(shorter) :]) == {"\ufffd"} and not shorter.endswith("\ufffd"):
-            return shorter
+        if not shorter.endswith("\ufffd") and text.startswith(shorter):
+            return shorter + text[len(shorter) :].rstrip("\ufffd")
     return text
 
 

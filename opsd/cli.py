@@ -6,24 +6,36 @@ progress bar with one metrics line per step, and leaves a run directory:
 
     <output_dir>/<name>-<timestamp>/
       config.yaml      the resolved config        metrics.jsonl  one line a step
-      metrics.png      the curves                 checkpoint/    final weights + tokenizer
-      logs/            one log per service (+ redis)
+      metrics.png      the curves                 checkpoint/    weights + tokenizer (resume point)
+      logs/            one log per service (+ redis, supervisor)
       scrapes/         each service's last /metrics and /health answer
-      run_summary.json wall time, which services answered
+      run_summary.json wall time, which services answered, restarts per role
+      redis/           the embedded Redis's append-only file (redis.appendonly)
       weights/ ports/ DONE   working files of the run (policy versions, service ports)
+
+`opsd run --resume RUN_DIR [--steps N]` continues a run in its own directory:
+same config (with --steps applied), same stream prefix, the embedded Redis
+reloaded from RUN_DIR/redis/, and the trainer restarting from RUN_DIR/checkpoint.
+
+A role process that dies during the run is started again (same command), at
+most run.max_restarts times per role; past that the run fails with the role's
+log tail. Each role gets the run's API token in OPSD_API_TOKEN (a fresh one a
+run, unless OPSD_API_TOKEN is already set).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 import pydantic
@@ -117,38 +129,76 @@ def prepare(cfg: RunConfig) -> None:
 
 
 class Services:
-    """The role processes of one run: start, watch, scrape, stop."""
+    """The role processes of one run: start, supervise (restart the dead), scrape, stop.
 
-    def __init__(self, run_dir: Path, config_path: Path, redis_url: str):
+    Every role gets REDIS_URL, OPSD_API_TOKEN and OPSD_PARENT_PID (it stops
+    when this process dies) in its environment; `command`
+    maps a role to its command line (default `python -m services.<role>
+    --config C --run-dir D`); a role that exits is started again by
+    `supervise`, at most `max_restarts` times.
+    """
+
+    def __init__(self, run_dir: Path, config_path: Path, redis_url: str, api_token: str, max_restarts: int = 0,
+                 command: Callable[[str], list[str]] | None = None):
         self.run_dir = run_dir
         self.config_path = config_path
-        self.env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+        # OPSD_PARENT_PID: a role stops when this process dies, even by SIGKILL (opsd.service.die_with_parent).
+        self.env = {**os.environ, "REDIS_URL": redis_url, "OPSD_API_TOKEN": api_token, "PYTHONUNBUFFERED": "1",
+                    "OPSD_PARENT_PID": str(os.getpid())}
+        self.max_restarts = max_restarts
+        self.command = command or self.role_command
         self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+
+    def role_command(self, role: str) -> list[str]:
+        return [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
 
     def start(self, role: str) -> None:
-        log = open(self.run_dir / "logs" / f"{role}.log", "ab")
-        cmd = [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
-        # Own process group: Ctrl-C reaches only the CLI, which then stops each role in order.
-        self.procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        with open(self.run_dir / "logs" / f"{role}.log", "ab") as log:
+            # Own process group: Ctrl-C reaches only the CLI, which then stops each role in order.
+            self.procs[role] = subprocess.Popen(self.command(role), stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                                start_new_session=True)
+        self.restarts.setdefault(role, 0)
 
-    def failed(self) -> tuple[str, int] | None:
-        for role, p in self.procs.items():
-            if p.poll() is not None:
-                return role, p.returncode
-        return None
+    def supervise(self) -> list[str]:
+        """Start again every role that exited; returns one message per restart (also logged).
+
+        Each restart is appended to logs/supervisor.log and to the role's own
+        log. Raises RuntimeError (with the last lines of the role's log) for a
+        role that exited after its `max_restarts` restarts were used.
+        """
+        messages = []
+        for role, p in list(self.procs.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            log = self.run_dir / "logs" / f"{role}.log"
+            if self.restarts[role] >= self.max_restarts:
+                raise RuntimeError(f"{role} exited with code {rc} after {self.restarts[role]} restart(s) "
+                                   f"(run.max_restarts={self.max_restarts}); last lines of its log:\n{tail(log)}")
+            self.restarts[role] += 1
+            msg = f"{role} exited with code {rc}; restarting it ({self.restarts[role]}/{self.max_restarts})"
+            stamp = datetime.now().isoformat(timespec="seconds")
+            for path in (self.run_dir / "logs" / "supervisor.log", log):
+                with open(path, "a") as f:
+                    f.write(f"{stamp} opsd run: {msg}\n")
+            self.start(role)
+            messages.append(msg)
+        return messages
 
     def scrape(self) -> dict[str, bool]:
         """GET every role's /metrics and /health; save the answers under scrapes/; returns which answered."""
         out = {}
         (self.run_dir / "scrapes").mkdir(exist_ok=True)
+        headers = {"Authorization": f"Bearer {self.env['OPSD_API_TOKEN']}"}
         for role in self.procs:
             info = read_port(self.run_dir, role)
             ok = False
             if info:
                 host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
                 try:
-                    m = httpx.get(f"http://{host}:{info['port']}/metrics", timeout=10)
-                    h = httpx.get(f"http://{host}:{info['port']}/health", timeout=10)
+                    m = httpx.get(f"http://{host}:{info['port']}/metrics", timeout=10, headers=headers)
+                    h = httpx.get(f"http://{host}:{info['port']}/health", timeout=10, headers=headers)
                     ok = m.status_code == 200 and h.status_code == 200
                     (self.run_dir / "scrapes" / f"{role}.prom").write_text(m.text)
                     (self.run_dir / "scrapes" / f"{role}.health.json").write_text(h.text)
@@ -190,9 +240,26 @@ def tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
+def finished_steps(run_dir: Path) -> int | None:
+    """Steps a finished run trained: the checkpoint's `step` when DONE exists, else None (not finished)."""
+    if not (run_dir / "DONE").exists():
+        return None
+    try:
+        return int(json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _usage_error(message: str) -> None:
+    console.print(f"[red]error:[/red] {escape(message)}")
+    raise typer.Exit(2)
+
+
 @app.command()
 def run(
-    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="run config (YAML)"),
+    config: Optional[Path] = typer.Argument(None, exists=True, dir_okay=False, help="run config (YAML); or use --resume"),
+    resume: Optional[Path] = typer.Option(None, "--resume", exists=True, file_okay=False,
+                                          help="continue the run in this run directory (its config.yaml, Redis data, checkpoint)"),
     steps: Optional[int] = typer.Option(None, help="override run.steps"),
     output_dir: Optional[Path] = typer.Option(None, help="override run.output_dir"),
     dump_credit: bool = typer.Option(False, "--dump-credit", help="write each step's credit inputs to <run>/credit/ (replay: opsd credit check)"),
@@ -200,38 +267,72 @@ def run(
     """Train: start Redis (if needed) and the four roles, run the configured steps, write the run directory."""
     from opsd.redis_server import resolve_redis_url
 
-    cfg = load_config(config, steps=steps, output_dir=None if output_dir is None else str(output_dir))
+    if (config is None) == (resume is None):
+        _usage_error("give exactly one of CONFIG and --resume RUN_DIR")
+    if resume is not None:
+        if output_dir is not None:
+            _usage_error("--output-dir cannot be used with --resume: a resumed run keeps its directory")
+        run_dir = resume.resolve()
+        resolved = run_dir / "config.yaml"
+        if not resolved.is_file():
+            _usage_error(f"{run_dir} is not a run directory: it has no config.yaml")
+        cfg = load_config(resolved, steps=steps)
+        done = finished_steps(run_dir)
+        if done is not None and done >= cfg.run.steps:
+            console.print(f"run {run_dir} already finished: {done} steps (run.steps {cfg.run.steps}); nothing to do")
+            return
+        # The old run's DONE and port files would make this run look finished, or point at dead services.
+        (run_dir / "DONE").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "ports", ignore_errors=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+    else:
+        cfg = load_config(config, steps=steps, output_dir=None if output_dir is None else str(output_dir))
+        run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
+        resolved = run_dir / "config.yaml"
     if dump_credit:
         cfg.trainer.dump_credit = True
-    run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
-    run_id = run_dir.name
-    cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_id}"
-    resolved = run_dir / "config.yaml"
-    cfg.dump(resolved)
-    console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} steps -> {run_dir}")
+    cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_dir.name}"
+    tmp = run_dir / ".config.yaml.tmp"  # replaced in one step: a resumable run never has half a config
+    cfg.dump(tmp)
+    tmp.replace(resolved)
+    done_before = len(complete_lines(run_dir / "metrics.jsonl"))
+    verb = f"resuming after {done_before} logged steps" if resume is not None else "->"
+    console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} steps {verb} {run_dir}")
 
+    if os.environ.get("OPSD_API_TOKEN"):  # a user's own token: refuse a weak one here, not in every role
+        from opsd.auth import api_token
+
+        try:
+            api_token()
+        except RuntimeError as e:
+            console.print(f"[red]error:[/red] {escape(str(e))}")
+            raise typer.Exit(2)
     prepare(cfg)
-    redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log")
+    redis_dir = run_dir / "redis" if cfg.redis.appendonly else None
+    redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log", redis_dir, cfg.redis.appendonly)
     # Ctrl-C (SIGINT, even if a parent shell ignored it) and SIGTERM (docker/k8s stop) both stop the run cleanly.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    services = Services(run_dir, resolved, redis_url)
+    token = os.environ.get("OPSD_API_TOKEN") or secrets.token_urlsafe(32)
+    services = Services(run_dir, resolved, redis_url, token, cfg.run.max_restarts)
     roles = (["embedder"] if cfg.run.method == "alignopsd" else []) + ["rollout"] + (["teacher"] if cfg.needs_teacher else []) + ["trainer"]
     t0 = time.perf_counter()
     ok = False
+    answered: dict[str, bool] = {}
     try:
         for role in roles:
             services.start(role)
-        seen = 0
+        seen = done_before
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TimeElapsedColumn(), console=console) as progress:
-            bar = progress.add_task("training", total=cfg.run.steps)
+            bar = progress.add_task("training", total=cfg.run.steps, completed=min(seen, cfg.run.steps))
             while True:
-                failed = services.failed()
-                if failed:
-                    role, rc = failed
-                    raise RuntimeError(f"{role} exited with code {rc}; last lines of its log:\n{tail(run_dir / 'logs' / f'{role}.log')}")
+                for msg in services.supervise():
+                    progress.console.print(f"[yellow]{escape(msg)}[/yellow]")
                 lines = complete_lines(run_dir / "metrics.jsonl")
+                if len(lines) < seen:  # a resumed trainer rewrote the steps after its checkpoint
+                    seen = len(lines)
+                    progress.update(bar, completed=min(seen, cfg.run.steps))
                 for line in lines[seen:]:
                     progress.console.print(format_step(json.loads(line)))
                     progress.advance(bar)
@@ -242,9 +343,7 @@ def run(
                 time.sleep(1.0)
         answered = services.scrape()
         ok = True
-        wall = time.perf_counter() - t0
-        (run_dir / "run_summary.json").write_text(json.dumps({"wall_seconds": wall, "metrics_answered": answered, "roles": roles}))
-        console.print(f"[green]done[/green] in {wall:.0f}s; /metrics answered: {answered}")
+        console.print(f"[green]done[/green] in {time.perf_counter() - t0:.0f}s; /metrics answered: {answered}")
         console.print(f"outputs: {run_dir}/metrics.jsonl, metrics.png, checkpoint/, logs/")
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping services[/yellow]")
@@ -254,6 +353,10 @@ def run(
         services.stop()
         if local_redis is not None:
             local_redis.stop()
+        (run_dir / "run_summary.json").write_text(json.dumps({
+            "ok": ok, "wall_seconds": time.perf_counter() - t0, "metrics_answered": answered, "roles": roles,
+            "restarts": services.restarts, "resumed": resume is not None,
+        }))
     if not ok:
         raise typer.Exit(1)
 

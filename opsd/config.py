@@ -27,6 +27,11 @@ class RunSection(_Section):
     output_dir: str = "runs"  # the run directory is output_dir/<name>-<timestamp>
     method: str = "alignopsd"  # a registered credit estimator (opsd.credit.registered()), checked on load
     step_timeout_s: float = Field(1800.0, gt=0)  # a step waiting longer than this fails the run
+    # 0 = synchronous (step n+1's tasks are issued after step n's update); k >= 1 = k-step-off:
+    # tasks of steps n+1..n+k are in flight (sampled with older policies) while step n trains,
+    # and a group more than k policy versions older than the trainer is dropped and counted.
+    max_staleness: int = Field(0, ge=0, le=16)
+    max_restarts: int = Field(3, ge=0)  # `opsd run` restarts a role that died at most this many times (per role)
 
 
 class RedisSection(_Section):
@@ -36,6 +41,12 @@ class RedisSection(_Section):
     block_ms: int = Field(2000, ge=1)
     reclaim_idle_ms: int = Field(600_000, ge=1)  # pending entries idle this long are re-claimed
     max_deliveries: int = Field(3, ge=1)  # then an entry goes to the dead-letter stream
+    # Backpressure: a producer waits while the stream it writes to holds more than this many
+    # entries not yet delivered to their consumer group (work streams are never trimmed).
+    max_stream_lag: int = Field(64, ge=1)
+    # The embedded redis-server (no url) keeps an append-only file under <run_dir>/redis/
+    # (fsync always): a restarted server, or `opsd run --resume`, loses no acknowledged work.
+    appendonly: bool = True
 
 
 class ModelSection(_Section):
@@ -80,17 +91,21 @@ class TeacherSection(_Section):
     source: Literal["self"] = "self"  # the same policy with privileged context
     thinking_max_new_tokens: int = Field(24, ge=1)
     score_batch_size: int = Field(8, ge=1)
-    embedder_timeout_s: float = Field(30.0, gt=0)
-    embedder_retries: int = Field(3, ge=0)
+    embedder_timeout_s: float = Field(30.0, gt=0)  # one /correspond attempt
+    # Connection errors, timeouts and 5xx from the embedder are retried with exponential backoff
+    # (no count cap) until this many seconds have passed; then the group is scored with identity
+    # views only (counted in opsd_embedder_fallbacks_total). A 4xx is not retried.
+    embedder_deadline_s: float = Field(120.0, gt=0)
     metrics_port: int = 0
 
 
 class EmbedderSection(_Section):
     encoder: str = "all-MiniLM-L6-v2"  # a packaged encoder or a local sentence-transformers dir
-    host: str = "127.0.0.1"
+    # The bind address of every role is OPSD_BIND_HOST (loopback unless set, e.g. 0.0.0.0 in a container).
     port: int = 0
     max_texts: int = Field(4096, ge=1)  # per request
     max_text_chars: int = Field(8192, ge=1)
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # larger bodies get 413
 
 
 class AlignSection(_Section):
@@ -272,6 +287,11 @@ class TrainerSection(_Section):
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(2, ge=1)  # trajectories per forward/backward
     threads: int = Field(0, ge=0)  # torch threads for the trainer (0 = model.threads): it computes alone
+    # Truncated importance sampling against the sampler (spec 5): each token's policy-gradient
+    # term is weighted by min(exp(clip(old - sampler, -20, 20)), tis_cap).
+    truncated_is: bool = False
+    tis_cap: float = Field(5.0, gt=0)
+    checkpoint_every: int = Field(1, ge=1)  # steps between checkpoints (resume point; the last step always saves)
     dump_credit: bool = False  # write each step's credit inputs to <run_dir>/credit/ (replay: opsd credit check)
     metrics_port: int = 0
 

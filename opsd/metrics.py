@@ -26,3 +26,15 @@ MEAN_SPAN_LENGTH = Gauge("opsd_mean_span_length_turns", "Mean AlignOPSD span len
 CREDIT_EVENTS = Counter("opsd_credit_events_total", "Edge cases the credit code handled (e.g. turns without loss tokens)", ["role", "event"])
 EMBEDDER_FALLBACKS = Counter("opsd_embedder_fallbacks_total", "Groups scored with identity views because the embedder failed", ["role"])
 NONFINITE_LOGPROBS = Counter("opsd_nonfinite_logprobs_total", "Log-probs that came out NaN/inf and were masked", ["role"])
+GROUPS_DROPPED = Counter(
+    "opsd_groups_dropped_total", "Groups the trainer did not train on: too stale, or already applied (a redelivery)", ["role", "reason"]
+)
+GROUP_STALENESS = Gauge("opsd_group_staleness_versions", "Largest policy-version lag of the groups in the last step", ["role"])
+BACKPRESSURE_SECONDS = Counter(
+    "opsd_backpressure_seconds_total", "Seconds a producer waited because its output stream's lag was over the bound", ["role", "stream"]
+)
+REDIS_RECONNECTS = Counter("opsd_redis_reconnects_total", "Redis connection losses a role rode out (retried with backoff)", ["role"])
+SAMPLER_MISMATCH_KL = Gauge(
+    "opsd_sampler_mismatch_kl", "KL(sampler || trainer) estimate on the last step's loss tokens (k3, nats/token)", ["role"]
+)
+HTTP_REJECTED = Counter("opsd_http_rejected_total", "HTTP requests refused before the handler (auth, size)", ["role", "status"])

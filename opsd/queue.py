@@ -12,18 +12,27 @@ re-claimed by another consumer yields one output, not two.
 Bad entries (undecodable, oversized, delivered too often) go to the
 dead-letter stream with the error and the raw bytes, and are acknowledged:
 they never crash or stall a worker.
+
+Work streams are never trimmed: an entry leaves its stream only once
+acknowledged (or dead-lettered); only the dead-letter stream has a MAXLEN.
+Producers keep streams bounded by waiting instead (`wait_for_room`:
+backpressure). Every output written by `produce_then_ack` also increments the
+field `produced:<stream>` of the run's counts hash (`StreamNames.counts`) in
+the same atomic step, so totals can be checked against what was consumed.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from opsd import wire
-from opsd.metrics import MESSAGES_RECLAIMED, MESSAGES_REJECTED, QUEUE_DEPTH, QUEUE_PENDING
+from opsd.metrics import BACKPRESSURE_SECONDS, MESSAGES_RECLAIMED, MESSAGES_REJECTED, QUEUE_DEPTH, QUEUE_PENDING
 
 DEAD_MAXLEN = 1000  # dead letters kept (approximately); they hold whole raw messages
 RECLAIM_SCAN_ROUNDS = 100  # XAUTOCLAIM calls per reclaim(): bounds one scan of a long pending list
@@ -32,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StreamNames:
-    """The stream keys of one run: `<prefix>:tasks|rollouts|scored|dead`."""
+    """The keys of one run: streams `<prefix>:tasks|rollouts|scored|dead`, hash `<prefix>:counts`."""
 
     prefix: str
 
@@ -52,6 +61,11 @@ class StreamNames:
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 
+    @property
+    def counts(self) -> str:
+        """Hash of counters: field `produced:<stream>` = outputs written to that stream by produce_then_ack."""
+        return f"{self.prefix}:counts"
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -59,26 +73,45 @@ class Delivery:
 
     entry_id: the stream entry id ("<ms>-<seq>"), to pass to ack/produce_then_ack;
     msg: the decoded, validated message; deliveries: how many times the entry
-    has been delivered, this time included (1 = first time).
+    has been delivered, this time included (1 = first time); raw: the entry's
+    bytes as stored (for `dead_letter`, which keeps them).
     """
 
     entry_id: str
     msg: Any
     deliveries: int
+    raw: bytes = field(default=b"", repr=False)
 
 
-# Acknowledge KEYS[1]'s entry ARGV[3] for group ARGV[1], and if ARGV[5] is given
-# append it as `data` to KEYS[2], all only while consumer ARGV[2] still owns the
-# entry. A Lua script runs atomically like MULTI/EXEC, and can also make the
-# write conditional: a slow consumer whose entry was re-claimed (or already
-# acknowledged by an earlier attempt) writes nothing, so no output is doubled.
-# XADD runs before XACK because a failing script is not rolled back: a failed
-# write must leave the input pending.
+# Acknowledge KEYS[1]'s entry ARGV[3] for group ARGV[1] (and delete it if
+# ARGV[4] == '1'); if fields follow (ARGV[6..], name/value pairs) first append
+# them to KEYS[2] (trimmed to about ARGV[5] entries unless ARGV[5] is ''), and
+# with KEYS[3] count the output in that hash; all only while consumer ARGV[2]
+# still owns the entry. A Lua script runs atomically like MULTI/EXEC, and can
+# also make the write conditional: a slow consumer whose entry was re-claimed
+# (or already acknowledged by an earlier attempt whose reply was lost) writes
+# and counts nothing, so no output is doubled. A failing script is not rolled
+# back, so every check comes before the first write and XADD (which fails on a
+# wrong key type) before the counter and XACK: a failed write leaves the input
+# pending and nothing counted.
 _FINISH = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return {0, ''} end
 local out = ''
-if ARGV[5] then out = redis.call('XADD', KEYS[2], '*', 'data', ARGV[5]) end
+if #ARGV > 5 then
+  if KEYS[3] then
+    local t = redis.call('TYPE', KEYS[3])['ok']
+    if t ~= 'none' and t ~= 'hash' then
+      return redis.error_reply('WRONGTYPE counts key ' .. KEYS[3] .. ' holds a ' .. t .. ', not a hash')
+    end
+  end
+  if ARGV[5] == '' then
+    out = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
+  else
+    out = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 6))
+  end
+  if KEYS[3] then redis.call('HINCRBY', KEYS[3], 'produced:' .. KEYS[2], 1) end
+end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[4] == '1' then redis.call('XDEL', KEYS[1], ARGV[3]) end
 return {1, out}
@@ -138,7 +171,9 @@ class StreamQueue:
     (entries can be MBs); turn off only if a second group reads the stream;
     vocab_size: when given, messages holding a token id >= vocab_size are
     dead-lettered (passed to the message's `validate`), so a consumer never
-    indexes an embedding out of range.
+    indexes an embedding out of range; counts_key: the run's counts hash
+    (`StreamNames.counts`), where `produce_then_ack` counts its outputs
+    (None: not counted).
 
     A consumer group that disappeared (Redis restarted without persistence,
     or the group was destroyed) is re-created on the next call instead of
@@ -159,6 +194,7 @@ class StreamQueue:
         max_deliveries: int = 3,
         delete_on_ack: bool = True,
         vocab_size: int | None = None,
+        counts_key: str | None = None,
     ):
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
@@ -175,6 +211,7 @@ class StreamQueue:
         self.max_deliveries = max_deliveries
         self.delete_on_ack = delete_on_ack
         self.vocab_size = vocab_size
+        self.counts_key = counts_key
         self._finish = client.register_script(_FINISH)
         self._lag = client.register_script(_LAG)
         self._touch = client.register_script(_TOUCH)
@@ -280,7 +317,7 @@ class StreamQueue:
             entry_id = _s(entry_id)
             deliveries = int(info[0]["times_delivered"])
             if deliveries > self.max_deliveries:
-                self._dead_letter(
+                self.dead_letter(
                     entry_id, fields.get(b"data", b""), f"too many deliveries ({deliveries} > {self.max_deliveries})",
                     "too_many_deliveries",
                 )
@@ -304,32 +341,42 @@ class StreamQueue:
         raw = fields.get(b"data")
         if raw is None:
             names = sorted(_s(k) for k in fields)
-            self._dead_letter(entry_id, b"", f"entry has no 'data' field (fields: {names})", "malformed")
+            self.dead_letter(entry_id, b"", f"entry has no 'data' field (fields: {names})", "malformed")
             return None
         try:
             msg = wire.decode(raw, self.cls, self.max_bytes, vocab_size=self.vocab_size)
         except wire.WireError as e:
-            self._dead_letter(entry_id, raw, str(e), e.reason)
+            self.dead_letter(entry_id, raw, str(e), e.reason)
             return None
-        return Delivery(entry_id, msg, deliveries)
+        return Delivery(entry_id, msg, deliveries, raw)
 
-    def _dead_letter(self, entry_id: str, raw: bytes, error: str, reason: str) -> None:
-        # XADD and XACK in one transaction: the entry is either still pending
-        # (and will be re-claimed) or safely in the dead-letter stream.
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(
-            self.dead_stream,
-            {
-                "source_stream": self.stream, "entry_id": entry_id, "error": error[:2000], "reason": reason,
-                "role": self.role, "group": self.group, "consumer": self.consumer, "data": raw,
-            },
-            maxlen=DEAD_MAXLEN, approximate=True,
-        )
-        pipe.xack(self.stream, self.group, entry_id)
-        if self.delete_on_ack:
-            pipe.xdel(self.stream, entry_id)
-        pipe.execute()
-        MESSAGES_REJECTED.labels(role=self.role, stream=self.stream, reason=reason).inc()
+    def dead_letter(self, entry_id: str, raw: bytes, error: str, reason: str) -> bool:
+        """Move entry `entry_id`, held by this consumer, to the dead-letter stream and acknowledge it.
+
+        The dead-letter entry keeps `raw` (the original bytes), `error`
+        (first 2000 characters), `reason` (a short label, also the
+        MESSAGES_REJECTED label), and where it came from (source_stream,
+        entry_id, role, group, consumer). Both happen in one server-side step
+        and only while this consumer owns the entry, so a retry after a lost
+        reply adds no second dead letter. Returns False, changing nothing, if
+        the entry is not pending for this consumer. Raises redis.RedisError.
+        """
+        fields = {
+            "source_stream": self.stream, "entry_id": entry_id, "error": error[:2000], "reason": reason,
+            "role": self.role, "group": self.group, "consumer": self.consumer, "data": raw,
+        }
+        args = [self.group, self.consumer, entry_id, int(self.delete_on_ack), DEAD_MAXLEN]
+        for name, value in fields.items():
+            args += [name, value]
+        try:
+            done, _ = self._finish(keys=[self.stream, self.dead_stream], args=args)
+        except redis.ResponseError as e:
+            if self._lost_group(e):
+                return False
+            raise
+        if done:
+            MESSAGES_REJECTED.labels(role=self.role, stream=self.stream, reason=reason).inc()
+        return bool(done)
 
     # ------------------------------------------------------------ finishing
 
@@ -356,13 +403,16 @@ class StreamQueue:
         owns the input: returns the output entry id, or None if nothing was
         written (the input was re-claimed by another consumer, or already
         acknowledged, e.g. by an earlier attempt of this call that lost its
-        reply; either way its output exists or will). Raises WireError
-        (invalid/oversized `msg`, nothing written) or redis.RedisError.
+        reply; either way its output exists or will). With a counts key, the
+        same step adds 1 to its field `produced:<out_stream>`. Work streams
+        are never trimmed here. Raises WireError (invalid/oversized `msg`,
+        nothing written) or redis.RedisError (nothing written or counted).
         """
         data = wire.encode(msg, self.max_bytes)
+        keys = [self.stream, out_stream] + ([self.counts_key] if self.counts_key else [])
         try:
             done, out_id = self._finish(
-                keys=[self.stream, out_stream], args=[self.group, self.consumer, entry_id, int(self.delete_on_ack), data]
+                keys=keys, args=[self.group, self.consumer, entry_id, int(self.delete_on_ack), "", "data", data]
             )
         except redis.ResponseError as e:
             if self._lost_group(e):
@@ -410,13 +460,58 @@ class StreamQueue:
             self.ensure_group()
             groups = self.client.xinfo_groups(self.stream)
             info = next(g for g in groups if _s(g["name"]) == self.group)
-        lag = info.get("lag")
-        if lag is None:  # Redis < 7, or a lag Redis 7 cannot compute (deletions after the group's position)
-            lag = self._lag(keys=[self.stream], args=[_s(info["last-delivered-id"])])
-        lag, pending = int(lag), int(info["pending"])
+        lag, pending = self._group_lag(self.stream, info), int(info["pending"])
         QUEUE_DEPTH.labels(stream=self.stream).set(lag)
         QUEUE_PENDING.labels(stream=self.stream).set(pending)
         return lag, pending
+
+    def _group_lag(self, stream: str, info: dict) -> int:
+        lag = info.get("lag")
+        if lag is None:  # Redis < 7, or a lag Redis 7 cannot compute (deletions after the group's position)
+            lag = self._lag(keys=[stream], args=[_s(info["last-delivered-id"])])
+        return int(lag)
+
+    def stream_lag(self, stream: str, group: str) -> int:
+        """Entries of `stream` not yet delivered to consumer group `group` (any stream, e.g. this role's output).
+
+        0 if the stream does not exist; its length if the group does not
+        exist yet (its reader has not started: everything is undelivered).
+        Creates nothing. Raises redis.RedisError.
+        """
+        try:
+            groups = self.client.xinfo_groups(stream)
+        except redis.ResponseError as e:
+            if "no such key" in str(e).lower():
+                return 0
+            raise
+        info = next((g for g in groups if _s(g["name"]) == group), None)
+        if info is None:
+            return int(self.client.xlen(stream))
+        return self._group_lag(stream, info)
+
+    def wait_for_room(
+        self, stream: str, group: str, max_lag: int, stop: threading.Event, poll_s: float = 0.2
+    ) -> bool:
+        """Backpressure: wait while `stream_lag(stream, group)` exceeds `max_lag` entries.
+
+        Call it before taking work whose output goes to `stream`, so a fast
+        producer waits for its slower reader instead of growing the stream
+        without bound (streams are never trimmed). Polls every `poll_s`
+        seconds; the seconds waited are added to
+        BACKPRESSURE_SECONDS{role, stream} as they pass. Returns True when
+        there is room, False if `stop` was set while waiting. Raises
+        ValueError for max_lag < 1 or poll_s <= 0, redis.RedisError if Redis fails.
+        """
+        if max_lag < 1 or poll_s <= 0:
+            raise ValueError(f"need max_lag >= 1 and poll_s > 0, got {max_lag}, {poll_s}")
+        waited = BACKPRESSURE_SECONDS.labels(role=self.role, stream=stream)
+        while self.stream_lag(stream, group) > max_lag:
+            t0 = time.monotonic()
+            stopped = stop.wait(poll_s)
+            waited.inc(time.monotonic() - t0)
+            if stopped:
+                return False
+        return True
 
 
 def _entries(reply: Any) -> list[tuple[bytes, dict]]:

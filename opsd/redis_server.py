@@ -2,8 +2,13 @@
 
 `resolve_redis_url` picks the server: $REDIS_URL, else the config's url, else
 a private `LocalRedis` (a real redis-server child process on a free loopback
-port, password protected, no persistence). `connect` builds a client whose
-timeouts suit blocking stream reads.
+port, password protected; with a data dir and `appendonly`, persistent across
+restarts). `connect` builds a client whose timeouts suit blocking stream reads
+and refuses a server without a password.
+
+Only sync redis-py clients are used (tests/test_delivery.py fails on any
+`redis.asyncio` import): a cancelled asyncio command can leave its reply
+unread on a pooled connection, and the next command then reads the wrong reply.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from pathlib import Path
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
 SOCKET_TIMEOUT_MARGIN_S = 5.0  # a blocking read's reply may arrive a little after block_ms
 CONNECT_TIMEOUT_S = 5.0
 HEALTH_CHECK_INTERVAL_S = 30  # PING a connection idle this long before reusing it
 RETRIES = 5  # backoff 0.05, 0.1, 0.2, 0.4, 0.8 s: rides out a short server restart
+ALLOW_NO_AUTH_ENV = "OPSD_REDIS_ALLOW_NO_AUTH"  # =1: connect() accepts a URL without a password
 _NO_RETRY = Retry(NoBackoff(), 0)
 
 
@@ -82,25 +89,39 @@ if sys.platform.startswith("linux"):
 class LocalRedis:
     """A private redis-server child process on 127.0.0.1 with a random password.
 
-    No persistence (no RDB, no AOF); data dir and config (with the password,
-    mode 0600, never on the command line) in a temp dir removed at stop;
-    stdout/stderr appended to `log_path` (default: inside that temp dir).
+    Without `data_dir`: no persistence, data in a temp dir removed at stop.
+    With `data_dir` (created if missing, never deleted): the server's data
+    lives there, and with `appendonly` every write goes to an append-only file
+    fsynced before the reply (appendfsync always), so a restarted server, or a
+    new LocalRedis on the same dir, reloads every stream, group and pending
+    entry. No RDB snapshots either way. The config (with the password) is a
+    0600 file in a temp dir removed at stop, never on the command line.
+    stdout/stderr are appended to `log_path` (default: inside the temp dir).
     `binary` overrides `find_redis_server()`. Stopped by `stop()`, by leaving the
     `with` block, at interpreter exit (atexit), and by the kernel if this
     process is killed (Linux parent-death signal; note this signal follows the
-    *thread* that started the server, so start it from the main thread).
+    *thread* that started the server, so start and restart it from the main thread).
 
     Usage: `with LocalRedis(log) as server: client = connect(server.url, block_ms)`.
     """
 
-    def __init__(self, log_path: str | Path | None = None, binary: str | None = None, startup_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        log_path: str | Path | None = None,
+        binary: str | None = None,
+        startup_timeout_s: float = 10.0,
+        data_dir: str | Path | None = None,
+        appendonly: bool = False,
+    ):
         self.log_path = Path(log_path) if log_path is not None else None
         self.binary = binary
         self.startup_timeout_s = startup_timeout_s
+        self.data_dir = Path(data_dir).resolve() if data_dir is not None else None  # redis-server chdirs into it
+        self.appendonly = appendonly
         self.port: int | None = None
         self.password: str | None = None
         self.process: subprocess.Popen | None = None
-        self._dir: str | None = None
+        self._dir: str | None = None  # temp dir: redis.conf, and the data when there is no data_dir
 
     @property
     def url(self) -> str:
@@ -114,46 +135,81 @@ class LocalRedis:
 
         Retries twice on a port taken between choosing and binding it.
         Raises FileNotFoundError (no binary) or RuntimeError with the log tail
-        (server died or never answered).
+        (server died or never answered, e.g. a corrupt append-only file).
         """
         if self.process is not None:
             return self
-        binary = self.binary or find_redis_server()
+        self.binary = self.binary or find_redis_server()
         self._dir = tempfile.mkdtemp(prefix="opsd-redis-")
         if self.log_path is None:
             self.log_path = Path(self._dir) / "redis.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
         self.password = secrets.token_urlsafe(24)
         last_error: Exception | None = None
         for _ in range(3):
             self.port = _free_port()
-            # The password goes in a 0600 config file, not on the command line,
-            # where any local user could read it from /proc/<pid>/cmdline.
-            conf = Path(self._dir) / "redis.conf"
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(
-                    f"port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\n"
-                    f'save ""\nappendonly no\ndir "{self._dir}"\ndaemonize no\nlogfile ""\n'
-                )
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(
-                    [binary, str(conf)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent if _PRCTL is not None else None,
-                )
-            atexit.register(self.stop)
             try:
-                self._wait_ready()
-                return self
+                return self._launch()
             except RuntimeError as e:
                 last_error = e
-                in_use = "Address already in use" in str(e)
-                self._kill()
-                if not in_use:
+                if "Address already in use" not in str(e):
                     break
         self._cleanup_dir()
         assert last_error is not None
         raise last_error
+
+    def restart(self, down_s: float = 0.0) -> "LocalRedis":
+        """Stop the server (SHUTDOWN: the append-only file is flushed) and start it again after `down_s` s.
+
+        Same port, password, data dir and log, so clients reconnect by
+        themselves; with `appendonly` every stream, consumer group and pending
+        entry is back, without it the server comes back empty. `down_s`
+        keeps it down longer than a client's own retries (fault tests).
+        Retries for `startup_timeout_s` s while the port is still held. Call
+        it from the thread that started the server (parent-death signal).
+        Raises RuntimeError if it was not started, or with the log tail if the
+        server does not come back.
+        """
+        if self.process is None:
+            raise RuntimeError("LocalRedis is not started")
+        self._shutdown()
+        self._kill()
+        time.sleep(down_s)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                return self._launch()
+            except RuntimeError as e:
+                if "Address already in use" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _launch(self) -> "LocalRedis":
+        # The password goes in a 0600 config file, not on the command line,
+        # where any local user could read it from /proc/<pid>/cmdline.
+        conf = Path(self._dir) / "redis.conf"
+        data = self.data_dir if self.data_dir is not None else Path(self._dir)
+        aof = "appendonly yes\nappendfsync always\n" if self.appendonly else "appendonly no\n"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(
+                f"port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\n"
+                f'save ""\n{aof}dir "{data}"\ndaemonize no\nlogfile ""\n'
+            )
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [self.binary, str(conf)], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if _PRCTL is not None else None,
+            )
+        atexit.register(self.stop)
+        try:
+            self._wait_ready()
+        except RuntimeError:
+            self._kill()
+            raise
+        return self
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -169,7 +225,7 @@ class LocalRedis:
                     if client.ping():
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-                    pass  # not listening yet, or still loading
+                    pass  # not listening yet, or still loading the append-only file
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"redis-server did not answer PING within {self.startup_timeout_s} s:\n{self._log_tail()}"
@@ -185,18 +241,27 @@ class LocalRedis:
             return f"(no log: {e})"
 
     def stop(self) -> None:
-        """Stop the server (SHUTDOWN NOSAVE, then SIGTERM, then SIGKILL) and delete its data dir. Idempotent."""
-        if self.process is not None and self.process.poll() is None:
-            try:
-                client = redis.Redis(
-                    host="127.0.0.1", port=self.port, password=self.password,
-                    socket_timeout=2.0, socket_connect_timeout=1.0, retry=_NO_RETRY,
-                )
-                client.shutdown(nosave=True)
-            except redis.RedisError:
-                pass  # already going down, or unreachable: fall through to signals
+        """Stop the server (SHUTDOWN, then SIGTERM, then SIGKILL) and delete the temp dir. Idempotent.
+
+        A given `data_dir` is kept (with its append-only file flushed).
+        """
+        self._shutdown()
         self._kill()
         self._cleanup_dir()
+
+    def _shutdown(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            client = redis.Redis(
+                host="127.0.0.1", port=self.port, password=self.password,
+                socket_timeout=5.0, socket_connect_timeout=1.0, retry=_NO_RETRY,
+            )
+            # No save points are configured, so this writes no RDB; it does flush
+            # and fsync the append-only file when there is one.
+            client.shutdown()
+        except redis.RedisError:
+            pass  # already going down, or unreachable: fall through to signals
 
     def _kill(self) -> None:
         proc, self.process = self.process, None
@@ -224,33 +289,48 @@ class LocalRedis:
         self.stop()
 
 
-def resolve_redis_url(cfg_url: str | None, log_path: str | Path | None = None) -> tuple[str, LocalRedis | None]:
+def resolve_redis_url(
+    cfg_url: str | None, log_path: str | Path | None = None, data_dir: str | Path | None = None, appendonly: bool = False
+) -> tuple[str, LocalRedis | None]:
     """The Redis URL to use and the LocalRedis started for it (None if none was started).
 
     Order: $REDIS_URL if set and non-empty, else `cfg_url`, else a new
-    LocalRedis logging to `log_path`. The caller owns the returned server
-    (call `.stop()`; it also stops at exit).
+    LocalRedis logging to `log_path`, keeping its data in `data_dir` (None: a
+    temp dir) with an append-only file if `appendonly`. The caller owns the
+    returned server (call `.stop()`; it also stops at exit).
     """
     env = os.environ.get("REDIS_URL")
     if env:
         return env, None
     if cfg_url:
         return cfg_url, None
-    server = LocalRedis(log_path).start()
+    server = LocalRedis(log_path, data_dir=data_dir, appendonly=appendonly).start()
     return server.url, server
 
 
 def connect(url: str, block_ms: int) -> redis.Redis:
     """A sync client for `url` fit for blocking reads of up to `block_ms` ms.
 
-    socket_timeout = block_ms/1000 + SOCKET_TIMEOUT_MARGIN_S s, so a blocking
-    XREADGROUP never times out on the socket (a timed-out read leaves the
-    connection out of sync). Connection and timeout errors are retried
-    RETRIES times with exponential backoff. Replies are bytes (RESP2).
-    Does not contact the server; errors surface on the first command.
+    socket_timeout = block_ms/1000 + SOCKET_TIMEOUT_MARGIN_S s, always above
+    the blocking read's own timeout, so a blocking XREADGROUP never times out
+    on the socket. A command that does time out (a stalled server) has its
+    connection closed by redis-py, so its late reply can never be read as the
+    answer to the next command (tests/test_delivery.py checks this).
+    Connection and timeout errors are retried RETRIES times with exponential
+    backoff. Replies are bytes (RESP2). Does not contact the server; errors
+    surface on the first command.
+
+    Raises ValueError for block_ms < 0, and for a URL without a password
+    (a Redis reachable by others must not run open) unless
+    OPSD_REDIS_ALLOW_NO_AUTH=1 is set.
     """
     if block_ms < 0:
         raise ValueError(f"block_ms must be >= 0, got {block_ms}")
+    if not parse_url(url).get("password") and os.environ.get(ALLOW_NO_AUTH_ENV) != "1":
+        raise ValueError(
+            "the Redis URL has no password: use redis://:PASSWORD@host:port/db (and `requirepass` on the server), "
+            f"or set {ALLOW_NO_AUTH_ENV}=1 to accept an unauthenticated server"
+        )
     return redis.Redis.from_url(
         url,
         protocol=2,  # stable reply shapes across redis-py versions (RESP3 reshapes stream replies)

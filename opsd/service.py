@@ -13,20 +13,29 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import redis
 import uvicorn
 from fastapi import FastAPI, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from opsd.config import RunConfig
+from opsd.metrics import REDIS_RECONNECTS
+from opsd.weights import StalePolicyError
+from opsd.wire import WireError
 
 DEPTH_EVERY_S = 10.0  # how often a worker exports its stream's lag/pending gauges
+REDIS_RETRY_FIRST_S = 0.5  # after the client's own ~1.5 s of retries: a restarting server is back in ~1 s
+REDIS_RETRY_MAX_S = 10.0
 BIND_HOST_ENV = "OPSD_BIND_HOST"  # 0.0.0.0 inside containers; loopback by default
+PARENT_PID_ENV = "OPSD_PARENT_PID"  # set by `opsd run`: its roles stop when it dies (see `die_with_parent`)
 
 
 def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, Any]]) -> None:
@@ -36,7 +45,7 @@ def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, An
     def _health() -> dict[str, Any]:
         return {"role": role, "status": "ok", "pid": os.getpid(), **health()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, and so documented
     def _metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -116,30 +125,37 @@ class RoleProcess:
 
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
+        die_with_parent(proc.stop)
         return proc
 
-    def open_queue(self, stream: str, cls: type, vocab_size: int | None = None):
+    def open_queue(self, stream: str, cls: type, vocab_size: int | None = None, max_deliveries: int | None = None):
         """A consumer-group reader of `stream` for this role (group = role name, one consumer per process).
 
+        `max_deliveries` overrides redis.max_deliveries (deliveries before an entry is dead-lettered).
+
         Connects to REDIS_URL (set by `opsd run`, or by the deployment) and
-        creates the group if missing. Raises KeyError without REDIS_URL.
+        creates the group if missing; outputs are counted in the run's counts
+        hash. Raises KeyError without REDIS_URL, ValueError for a URL without
+        a password (see `connect`).
         """
         from opsd.queue import StreamNames, StreamQueue
         from opsd.redis_server import connect
 
         r = self.cfg.redis
         client = connect(os.environ["REDIS_URL"], r.block_ms)
+        names = StreamNames(r.stream_prefix)
         queue = StreamQueue(
             client, stream, group=self.role, consumer=f"{self.role}-{socket.gethostname()}-{os.getpid()}", cls=cls,
-            role=self.role, max_bytes=r.max_message_bytes, dead_stream=StreamNames(r.stream_prefix).dead,
-            max_deliveries=r.max_deliveries, vocab_size=vocab_size,
+            role=self.role, max_bytes=r.max_message_bytes, dead_stream=names.dead,
+            max_deliveries=max_deliveries or r.max_deliveries, vocab_size=vocab_size, counts_key=names.counts,
         )
         queue.ensure_group()
         return queue
 
     def serve(self, app: FastAPI | None = None, port: int = 0) -> int:
         """Serve `app` (or a bare one) with /health and /metrics added; returns the bound port."""
-        app = app or FastAPI(title=f"opsd {self.role}")
+        # A metrics-only app has no API to document: no /docs or /openapi.json to leave unauthenticated.
+        app = app or FastAPI(title=f"opsd {self.role}", docs_url=None, redoc_url=None, openapi_url=None)
         add_observability(app, self.role, lambda: dict(self.status))
         host = os.environ.get(BIND_HOST_ENV, "127.0.0.1")
         sock = bind_socket(host, port)
@@ -149,9 +165,44 @@ class RoleProcess:
         return bound
 
 
-def consume_forever(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], Any], reclaim_idle_ms: int, block_ms: int) -> None:
+def die_with_parent(stop: threading.Event) -> bool:
+    """Under `opsd run` (OPSD_PARENT_PID set, Linux): get SIGTERM when the CLI dies, even by SIGKILL.
+
+    Each role runs in a session of its own (Ctrl-C reaches only the CLI), so
+    without this a killed CLI left its roles running as orphans, retrying a
+    Redis that died with it. SIGTERM is the usual graceful stop; if the CLI
+    is already gone, `stop` is set instead. Returns True if armed.
+    """
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # it died before prctl: no signal will come
+        stop.set()
+    return True
+
+
+def consume_forever(
+    proc: RoleProcess,
+    queue,
+    out_stream: str,
+    handle: Callable[[Any], Any],
+    reclaim_idle_ms: int,
+    block_ms: int,
+    out_group: str | None = None,
+) -> None:
     """The rollout/teacher job loop: take a message, `handle` it, write the output, then ack.
 
+    queue: the role's StreamQueue on its input stream; out_stream/out_group:
+    where outputs go and the consumer group that reads them (tasks ->
+    "rollout", rollouts -> "teacher", or "trainer" for grpo, scored ->
+    "trainer"); None disables backpressure. Returns when `proc.stop` is set.
+
+    Backpressure: before taking the next job the loop waits while
+    `out_stream` holds more than `redis.max_stream_lag` entries not yet
+    delivered to `out_group` (`queue.wait_for_room`).
     The input entry is acknowledged in the same server-side step that writes
     the output (`queue.produce_then_ack`), so a crash before that replays the
     job (re-claimed from the pending list after `reclaim_idle_ms`) and never
@@ -159,47 +210,100 @@ def consume_forever(proc: RoleProcess, queue, out_stream: str, handle: Callable[
     workers do not re-claim it. A job whose handler raises, or whose output is
     invalid, stays pending: it is retried after `reclaim_idle_ms`, and after
     `max_deliveries` attempts the queue moves it to the dead-letter stream.
+    A handler raising StalePolicyError (its policy version is gone) sends the
+    job to the dead-letter stream at once (reason "stale_policy_version").
+    A lost Redis connection (reading, acking, writing) is retried with backoff
+    until it comes back (REDIS_RECONNECTS{role} counts each outage); a
+    computed output is never dropped because Redis blinked: writing it is
+    retried until it succeeds or the process is told to stop, and then the
+    input stays pending and is replayed.
     """
-    from opsd.wire import WireError
-
-    import redis
-
     log = logging.getLogger(proc.role)
+    max_lag = proc.cfg.redis.max_stream_lag
     last_depth = 0.0
-    backoff = 1.0
+
+    def take() -> list:
+        nonlocal last_depth
+        if out_group is not None and not queue.wait_for_room(out_stream, out_group, max_lag, proc.stop):
+            return []
+        if time.monotonic() - last_depth > DEPTH_EVERY_S:  # lag can cost a scan on old servers: not every loop
+            queue.depth()
+            last_depth = time.monotonic()
+        return queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
+
     while not proc.stop.is_set():
-        try:
-            if time.monotonic() - last_depth > DEPTH_EVERY_S:  # lag can cost a scan on old servers: not every loop
-                queue.depth()
-                last_depth = time.monotonic()
-            deliveries = queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
-            backoff = 1.0
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            # Redis restarting or unreachable: wait and retry; pending jobs are kept by the server.
-            log.warning("redis unavailable (%s); retrying in %.0fs", e, backoff)
-            proc.stop.wait(backoff)
-            backoff = min(backoff * 2, 30.0)
-            continue
+        ok, deliveries = retry_redis(proc, "reading jobs", take)
+        if not ok:
+            return
         for d in deliveries:
             if proc.stop.is_set():
                 return
-            proc.status["busy"] = True
-            done = threading.Event()
-            beat = threading.Thread(target=_heartbeat, args=(queue, d.entry_id, done, reclaim_idle_ms / 3000), daemon=True)
-            beat.start()
-            try:
-                out = handle(d.msg)
-                if queue.produce_then_ack(out_stream, out, d.entry_id) is None:
-                    log.warning("job %s was re-claimed by another worker; its output is theirs", d.entry_id)
-                proc.status["jobs_done"] = proc.status.get("jobs_done", 0) + 1
-            except WireError as e:
-                log.error("job %s produced an invalid output (%s); left pending for retry", d.entry_id, e)
-            except Exception:  # one bad job must not kill the worker; it will be retried, then dead-lettered
-                log.exception("job %s failed (delivery %d); left pending for retry", d.entry_id, d.deliveries)
-            finally:
-                done.set()
-                beat.join()
-                proc.status["busy"] = False
+            _run_job(proc, queue, out_stream, handle, d, reclaim_idle_ms, log)
+
+
+def _run_job(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], Any], d, reclaim_idle_ms: int, log) -> None:
+    proc.status["busy"] = True
+    done = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(queue, d.entry_id, done, reclaim_idle_ms / 3000), daemon=True)
+    beat.start()
+    try:
+        try:
+            out = handle(d.msg)
+        except StalePolicyError as e:
+            error = str(e)
+            log.warning("job %s needs a policy version that is gone (%s); dead-lettering it", d.entry_id, error)
+            retry_redis(proc, f"dead-lettering job {d.entry_id}",
+                        lambda: queue.dead_letter(d.entry_id, d.raw, error, "stale_policy_version"))
+            return
+        except Exception:  # one bad job must not kill the worker; it will be retried, then dead-lettered
+            log.exception("job %s failed (delivery %d); left pending for retry", d.entry_id, d.deliveries)
+            return
+        try:
+            ok, out_id = retry_redis(proc, f"writing job {d.entry_id}'s output",
+                                     lambda: queue.produce_then_ack(out_stream, out, d.entry_id))
+        except WireError as e:
+            log.error("job %s produced an invalid output (%s); left pending for retry", d.entry_id, e)
+            return
+        except Exception:
+            log.exception("job %s: writing its output failed; left pending for retry", d.entry_id)
+            return
+        if not ok:
+            log.warning("stopped before job %s's output was written; it stays pending and will be replayed", d.entry_id)
+            return
+        if out_id is None:
+            log.warning("job %s was re-claimed by another worker, or finished by a retry whose reply was lost; "
+                        "its output exists once", d.entry_id)
+        proc.status["jobs_done"] = proc.status.get("jobs_done", 0) + 1
+    finally:
+        done.set()
+        beat.join()
+        proc.status["busy"] = False
+
+
+def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """Call `fn()` until it gets through a Redis connection loss; returns (True, its result).
+
+    On redis.ConnectionError/TimeoutError (after the client's own short
+    retries) waits REDIS_RETRY_FIRST_S, doubling up to REDIS_RETRY_MAX_S, and
+    calls `fn` again; REDIS_RECONNECTS{role} counts one per outage, not per
+    attempt. Returns (False, None) if `proc.stop` is set while waiting. Any
+    other exception propagates. `fn` must be safe to repeat (its effect may
+    have happened with only the reply lost).
+    """
+    log = logging.getLogger(proc.role)
+    delay = REDIS_RETRY_FIRST_S
+    first = True
+    while True:
+        try:
+            return True, fn()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            if first:
+                REDIS_RECONNECTS.labels(role=proc.role).inc()
+                first = False
+            log.warning("redis unavailable while %s (%s); retrying in %.1fs", what, e, delay)
+            if proc.stop.wait(delay):
+                return False, None
+            delay = min(delay * 2, REDIS_RETRY_MAX_S)
 
 
 def _heartbeat(queue, entry_id: str, done: threading.Event, period_s: float) -> None:

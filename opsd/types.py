@@ -114,6 +114,16 @@ class TurnRecord:
     finish_reason: str  # "stop" (end of turn token sampled) or "length" (token cap)
     observation: str  # the environment's reply to this turn ("" after the last turn)
 
+    @property
+    def truncated(self) -> bool:
+        """Cut by the token cap: from the sampler's finish reason, never from the last id (case 16)."""
+        return self.finish_reason == "length"
+
+    @property
+    def format_error(self) -> bool:
+        """Invalid format in a reply the model ended itself; a truncated reply is not one (case 16)."""
+        return not self.format_valid and not self.truncated
+
 
 @dataclass
 class Trajectory:

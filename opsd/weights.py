@@ -2,36 +2,82 @@
 
 Version v lives at `<run_dir>/weights/policy-v<v>.safetensors` (written to a
 temp file, then renamed, so a reader never sees half a file). Version 0 is the
-initial model from the model cache and has no file. The latest published
-version is also stored under the Redis key `<prefix>:policy_version`.
+initial model from the model cache; the trainer also publishes it as a file
+when `run.max_staleness >= 1`, because a worker that already loaded v1 may then
+get a task of version 0 (k-step-off). The trainer keeps the newest
+`max_staleness + 2` files: every version a task still in flight can carry.
+The latest published version is also stored under the Redis key
+`<prefix>:policy_version`.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+_NAME = re.compile(r"policy-v(\d+)\.safetensors")
+
+
+class StalePolicyError(RuntimeError):
+    """A job asks for a policy version whose weights the trainer has already deleted.
+
+    The trainer keeps only the versions a job within `run.max_staleness` can
+    need, so the job is too old to be trained on: workers dead-letter it at
+    once (reason "stale_policy_version") instead of retrying it.
+    """
 
 
 def weights_path(run_dir: Path, version: int) -> Path:
-    """Where policy version `version` (>= 1) is stored."""
-    if version < 1:
-        raise ValueError(f"policy version {version} has no weights file (version 0 is the initial model)")
+    """Where policy version `version` (>= 0) is stored. Raises ValueError for a negative version."""
+    if version < 0:
+        raise ValueError(f"policy version must be >= 0, got {version}")
     return Path(run_dir) / "weights" / f"policy-v{version:05d}.safetensors"
+
+
+def published_versions(run_dir: Path) -> list[int]:
+    """The versions whose weight files exist now, ascending (temp files of a write in progress excluded)."""
+    folder = Path(run_dir) / "weights"
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name)))
+
+
+def prune_versions(run_dir: Path, newest: int, keep: int) -> list[int]:
+    """Delete the weight files of versions below `newest - keep + 1`; returns the versions deleted.
+
+    Files of versions above `newest` (left by a trainer that ran further
+    before it was resumed from an older checkpoint) are kept: tasks it issued
+    may still carry them. Raises ValueError for keep < 1.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    gone = [v for v in published_versions(run_dir) if v <= newest - keep]
+    for v in gone:
+        weights_path(run_dir, v).unlink(missing_ok=True)
+    return gone
 
 
 def ensure_version(backend, run_dir: Path, version: int) -> bool:
     """Load policy `version` into `backend` unless it already holds it; returns True if it loaded.
 
-    Raises FileNotFoundError when the trainer has not published that version,
-    and ValueError for version 0 after another version was loaded (the
-    initial weights are only held from start-up; a job for version 0 after
-    v >= 1 is stale and must not mix versions).
+    Raises StalePolicyError when the version's file is gone and a newer
+    version exists (the backend holds one, or its file is published): the
+    trainer deleted it because a job of that version is too stale to train
+    on (version 0 without a file counts as deleted once the backend moved
+    on). Raises FileNotFoundError when the version is not published yet.
+    On any error the backend keeps the weights it held.
     """
     if backend.policy_version == version:
         return False
-    if version == 0:
-        raise ValueError(f"stale job: policy version 0 requested while holding {backend.policy_version}")
     path = weights_path(run_dir, version)
-    if not path.exists():
-        raise FileNotFoundError(f"policy version {version} not published: {path} is missing")
-    backend.load_weights(path, version)
-    return True
+    try:
+        backend.load_weights(path, version)
+        return True
+    except FileNotFoundError:
+        pass  # deleted between publishing and now, or never published: tell which
+    newest = max(published_versions(run_dir) + [backend.policy_version])
+    if newest > version:
+        raise StalePolicyError(
+            f"policy version {version} was deleted ({path} is gone; newest is {newest}): the job is too stale to train on"
+        )
+    raise FileNotFoundError(f"policy version {version} not published yet: {path} is missing")

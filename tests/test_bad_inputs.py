@@ -4,13 +4,99 @@ silently produced a wrong number before (see shared/cases/bad-inputs.md for case
 Fast (< 60 s): no LLM is loaded. The tokenizer comes from the model cache, the sentence
 encoder is the small packaged one, the PPO update runs on a tiny random Llama, and the queue
 tests use a real redis-server (the `redis_url` fixture or a private LocalRedis).
+
+Each case of shared/cases/bad-inputs.md -> the tests asserting its right value or its clear
+error through the real code path (a blank case number continues the case above). A new case
+without a row, or a row naming a test that does not exist, fails
+test_every_bad_input_case_has_a_test.
+
+case | tests
+-----|---------------------------------------------------------------------------------------
+1    | tests/test_credit_grpo.py::test_seven_identical_fp32_rewards_have_std_exactly_zero
+     | tests/test_credit_grpo.py::test_case1_group_095_and_seven_035
+     | tests/test_credit_grpo.py::test_case1_identical_rewards_have_std_exactly_zero_in_every_size_and_scope
+     | tests/test_credit_grpo.py::test_case1_naive_variance_would_have_blown_these_groups_up
+     | tests/test_credit_grpo.py::test_case1_one_high_and_seven_equal_rewards
+     | tests/test_credit_grpo.py::test_case1_near_equal_groups_stay_bounded
+     | tests/test_bad_inputs.py::test_case1_through_the_trainer_path
+2    | tests/test_credit_grpo.py::test_group_of_one_row_gives_zero_never_nan
+     | tests/test_credit_grpo.py::test_one_surviving_rollout_trajectory_scope_gives_zero
+     | tests/test_credit_grpo.py::test_groups_by_explicit_id_not_stride
+     | tests/test_bad_inputs.py::test_case2_lone_survivor_next_to_full_groups_through_the_trainer_path
+     | tests/test_bad_inputs.py::test_every_method_on_edge_groups_through_the_trainer_path
+3    | tests/test_policy_loss.py::test_case3_all_zero_mask_gives_zero_loss_and_gradient
+     | tests/test_trainer.py::test_ppo_update_all_zero_mask_is_zero_loss_and_no_nan
+     | tests/test_bad_inputs.py::test_case3_all_masked_micro_batch_changes_nothing
+     | tests/test_bad_inputs.py::test_all_masked_step_never_moves_the_weights
+     | tests/test_bad_inputs.py::test_zero_turn_groups_flow_through_every_trainer_piece
+4    | tests/test_policy_loss.py::test_case4_token_mean_uses_the_minibatch_denominator
+     | tests/test_bad_inputs.py::test_case4_token_mean_loss_through_ppo_update
+     | tests/test_trainer.py::test_micro_batching_does_not_change_the_update
+5    | tests/test_wire.py::test_encode_rejects_nan_logprob
+     | tests/test_wire.py::test_decode_rejects_nan_logprob_in_array_bytes
+     | tests/test_wire.py::test_case5_non_finite_value_in_any_float_array_is_rejected
+     | tests/test_queue.py::test_nan_on_the_wire_is_dead_lettered
+     | tests/test_episodes.py::test_nan_logprob_length_finish_and_win
+     | tests/test_episodes.py::test_scripted_entropies_kept_and_bad_ones_masked
+     | tests/test_episodes.py::test_nonfinite_logits_row_ends_as_error
+     | tests/test_model.py::test_nonfinite_logprobs_are_never_silent
+     | tests/test_bad_inputs.py::test_positive_sampler_logprob_is_masked_and_empty_generation_is_harmless
+     | tests/test_bad_inputs.py::test_case5_json_never_holds_nan_and_null_never_reaches_an_array
+6    | tests/test_model.py::test_case6_temperature_logprob_arithmetic
+     | tests/test_model.py::test_case6_logprob_convention_for_every_temperature_and_dtype
+     | tests/test_model.py::test_case6_sampler_and_trainer_agree_and_the_metric_exports_it
+     | tests/test_model.py::test_generate_logprobs_equal_score
+     | tests/test_policy_loss.py::test_case6_logprob_uses_temperature_scaled_softmax
+     | tests/test_trainer.py::test_ppo_update_changes_weights_and_first_ratio_is_one
+7    | tests/test_teacher.py::test_identity_and_matched_views
+     | tests/test_bad_inputs.py::test_case7_distillation_methods_need_one_temperature_convention
+8    | tests/test_chat.py::test_case8_ids_never_reencoded_and_prompts_are_prefixes
+     | tests/test_episodes.py::test_case8_sampled_ids_are_kept_even_when_text_would_reencode_otherwise
+     | tests/test_episodes.py::test_real_group_token_in_token_out
+     | tests/test_model.py::test_score_exact_ids_and_batch_padding
+9    | tests/test_chat.py::test_case9_continuation_equals_full_template
+     | tests/test_chat.py::test_case9_every_observation_and_format_equals_the_template
+     | tests/test_episodes.py::test_real_group_token_in_token_out
+10   | tests/test_chat.py::test_case10_prefilled_think_only_closing_tag
+     | tests/test_episodes.py::test_case10_think_closing_tag_only_through_an_episode
+11   | tests/test_chat.py::test_case11_action_inside_thinking_ignored
+     | tests/test_chat.py::test_case11_action_only_inside_thinking_is_no_action
+     | tests/test_credit_alignopsd.py::test_parse_response_ignores_actions_inside_thinking
+12   | tests/test_chat.py::test_case12_unclosed_tag_is_invalid
+13   | tests/test_chat.py::test_case13_duplicate_tags_invalid
+     | tests/test_chat.py::test_case13_single_tags_stay_valid
+14   | tests/test_chat.py::test_case14_multibyte_decode
+     | tests/test_chat.py::test_case14_every_cut_of_a_multibyte_char_decodes_without_fffd
+     | tests/test_chat.py::test_case14_a_token_holding_a_space_and_half_an_emoji_keeps_the_space
+     | tests/test_chat.py::test_case14_observations_with_multibyte_chars_round_trip
+     | tests/test_episodes.py::test_case14_reply_cut_inside_a_multibyte_char_has_no_fffd
+     | tests/test_wire.py::test_round_trip_keeps_dtypes_emoji_and_gives_writable_copies
+     | tests/test_bad_inputs.py::test_embedder_repairs_invalid_unicode_instead_of_500
+15   | tests/test_episodes.py::test_truncation_before_sampling
+     | tests/test_episodes.py::test_case15_no_budget_no_request_for_every_context_limit
+     | tests/test_model.py::test_too_long_prompt_raises
+16   | tests/test_model.py::test_finish_reason_comes_from_the_sampler
+     | tests/test_episodes.py::test_case16_cut_inside_think_is_truncated_not_a_format_error
+     | tests/test_episodes.py::test_nan_logprob_length_finish_and_win
+17   | tests/test_bad_inputs.py::test_case17_sigkilled_worker_job_is_redelivered_and_counted_once
+     | tests/test_queue.py::test_unacked_entry_is_reclaimed_by_another_consumer
+     | tests/test_controller.py::test_collector_drops_duplicates_and_stale_groups_and_buffers_future_steps
+     | tests/test_delivery.py::test_output_is_counted_once_when_the_reply_is_lost_and_the_call_retried
+18   | tests/test_embedder.py::test_faiss_similarity_equals_numpy_and_drops_missing_ids
+     | tests/test_bad_inputs.py::test_case18_faiss_minus_one_ids_are_dropped
+19   | tests/test_embedder.py::test_embed_unit_vectors_and_zero_for_empty
+     | tests/test_credit_alignopsd.py::test_similarity_of_zero_vector_is_zero_not_nan
+     | tests/test_bad_inputs.py::test_case19_empty_thinking_gives_cosine_zero_and_nan_vectors_never_count
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
+import json
 import math
+import re
 import os
 import signal
 import subprocess
@@ -34,7 +120,9 @@ from opsd.types import MessageError, RolloutGroup, ScoredGroup, TaskGroup
 from opsd.wire import WireError, decode, encode
 from services.trainer.batch import build_credit_batch, scatter_advantages
 from services.trainer.update import Sequence, ppo_update
-from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, make_task, ppo_sequences, tiny_llama
+from tests.factories import (
+    VOCAB_SIZE, make_rollout_group, make_scored_group, make_task, ppo_sequences, shared_dir, tiny_llama,
+)
 
 LIMIT = 1 << 22
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +238,34 @@ def test_msgpack_bombs_only_raise_wire_error():
         assert time.monotonic() - t0 < 1.0
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"JSON holds {name}")
+
+
+def test_case5_json_never_holds_nan_and_null_never_reaches_an_array(tmp_path):
+    # Every JSON the project writes or reads for numbers: the trainer's metrics.jsonl (non-finite
+    # values become null, never the invalid literal NaN) and the embedder's answer (a null or a NaN
+    # in any numeric field is refused before np.asarray could build an object or NaN array).
+    from opsd.embedding_api import CorrespondResponse
+    from services.trainer.report import append_metrics, read_metrics
+
+    append_metrics(tmp_path, {"step": 0, "loss": float("nan"), "kl": float("inf"), "gap": float("-inf"), "ok": 0.5})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=_refuse_constant) == {"step": 0, "loss": None, "kl": None, "gap": None, "ok": 0.5}
+    assert read_metrics(tmp_path) == [{"step": 0, "loss": None, "kl": None, "gap": None, "ok": 0.5}]
+
+    good = {"similarity": [[0.0, 0.5], [0.5, 0.0]], "eligible": [[False, True], [True, False]],
+            "selected_sources": [[1], [0]], "source_weights": [[1.0], [1.0]], "rho": [0.5, 0.5], "alpha": [0.5, 0.5]}
+    CorrespondResponse.model_validate(good).check(2)
+    for field, row in (("similarity", 0), ("source_weights", 1), ("rho", None), ("alpha", None)):
+        for value in (None, float("nan"), float("inf")):
+            bad = copy.deepcopy(good)
+            target = bad[field] if row is None else bad[field][row]
+            target[0] = value
+            with pytest.raises((pydantic.ValidationError, ValueError)):
+                CorrespondResponse.model_validate(json.loads(json.dumps(bad))).check(2)
+
+
 # ================================================================ credit assignment
 
 
@@ -250,6 +366,45 @@ def test_case1_through_the_trainer_path():
         np.testing.assert_allclose(per_row[~first], lo, rtol=1e-5)
 
 
+def test_case2_lone_survivor_next_to_full_groups_through_the_trainer_path():
+    # Three of a group's four rollouts failed: its lone survivor sits between two full groups.
+    # Grouping by stride (G = 4 rows) would mix it with a neighbour; by id it gets 0 and the
+    # full groups get exactly what they get alone.
+    full_a = make_rollout_group(G=4, turns=2, seed=31, rewards=[1.0, 0.0, 0.0, 1.0])
+    lone = make_rollout_group(G=1, turns=3, seed=32, rewards=[1.0])
+    lone.task.group_size = 4
+    full_b = make_rollout_group(G=4, turns=1, seed=33, rewards=[0.0, 1.0, 1.0, 1.0])
+    decode(encode(lone), RolloutGroup, LIMIT)  # a legal message: fewer trajectories than group_size
+    groups = [full_a, lone, full_b]
+    batch, rows = build_credit_batch(groups, None)
+    for scope in ("turn", "trajectory"):
+        for norm in (True, False):
+            cfg = CreditSection(grpo_scope=scope, norm_adv_by_std=norm, use_invalid_action_penalty=False)
+            adv, metrics = compute_advantages("grpo", batch, cfg)
+            assert np.isfinite(adv).all() and metrics["grpo/single_trajectory_tasks"] == 1.0
+            by_row = scatter_advantages(groups, rows, adv)
+            assert not by_row[(1, 0)].any()  # the survivor: advantage 0, never NaN
+            for g, grp in ((0, full_a), (2, full_b)):
+                alone_batch, alone_rows = build_credit_batch([grp], None)
+                alone = scatter_advantages([grp], alone_rows, compute_advantages("grpo", alone_batch, cfg)[0])
+                for i in range(4):
+                    np.testing.assert_array_equal(by_row[(g, i)], alone[(0, i)])
+                assert any(by_row[(g, i)].any() for i in range(4))  # mixed rewards: real advantages
+
+
+@pytest.mark.parametrize("method", registered())
+def test_case7_distillation_methods_need_one_temperature_convention(method):
+    # The teacher scores at T = 1 and the gap subtracts the sampler's log-probs: a method that
+    # distills must sample at T = 1 too, or every gap mixes two conventions. A clear config error.
+    RunConfig.model_validate({"run": {"method": method}, "rollout": {"temperature": 1.0}})
+    bad = {"run": {"method": method}, "rollout": {"temperature": 0.7}}
+    if method == "grpo":  # no teacher: any sampling temperature (the trainer recomputes at it)
+        assert RunConfig.model_validate(bad).rollout.temperature == 0.7
+    else:
+        with pytest.raises(pydantic.ValidationError, match="it must be 1.0 \\(got 0.7\\)"):
+            RunConfig.model_validate(bad)
+
+
 def test_tiny_temperatures_give_the_limit_not_nan():
     # Temperatures only had to be > 0: 1e-320 made H/T overflow and softmax(inf - inf) = NaN,
     # so source weights, rho and alpha came out NaN (sent as JSON null), and a tiny
@@ -305,6 +460,49 @@ def test_all_masked_step_never_moves_the_weights():
     m = ppo_update(model, opt, ppo_sequences(mask_on=False), TrainerSection())
     assert _same(before, model.state_dict())
     assert m["loss"] == 0.0 and m["loss_tokens"] == 0.0 and all(math.isfinite(v) for v in m.values())
+
+
+def _seq(n: int, loss_tokens: int, adv: float, seed: int) -> Sequence:
+    """A vocab-64 sequence of n ids whose last `loss_tokens` are loss tokens with advantage `adv`."""
+    ids = np.random.default_rng(seed).integers(0, 64, n).astype(np.int32)
+    mask = np.zeros(n, np.uint8)
+    mask[n - loss_tokens :] = 1
+    return Sequence(ids, mask, np.where(mask == 1, adv, 0).astype(np.float32), np.zeros(n, np.float32))
+
+
+@pytest.mark.parametrize("micro", [1, 2, 3])
+def test_case3_all_masked_micro_batch_changes_nothing(micro):
+    # A sequence whose every turn was cut (no loss token) inside a step, alone in its micro-batch
+    # (micro 1) or beside others: the update, the loss and every metric are as if it were absent.
+    masked = _seq(12, 0, 0.0, seed=5)
+    masked.sampler_logprobs_S[:] = -np.inf  # off the loss mask anything may sit there
+    results = []
+    for seqs in (ppo_sequences(0.7), ppo_sequences(0.7)[:1] + [masked] + ppo_sequences(0.7)[1:]):
+        model = _tiny_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        m = ppo_update(model, opt, seqs, TrainerSection(micro_batch_size=micro, entropy_coef=0.01, ppo_epochs=2))
+        results.append((_state(model), m))
+    (ref, m_ref), (got, m_got) = results
+    assert _same(ref, got) and m_got == m_ref and m_got["loss_tokens"] == 5 + 7 + 4
+    assert all(math.isfinite(v) for v in m_got.values())
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("order", ["AB", "BA"])
+def test_case4_token_mean_loss_through_ppo_update(micro, order):
+    # A: 2 loss tokens with loss 1.0 (advantage -1 at ratio 1), B: 6 with loss 0.0. The first epoch's
+    # ratio is exactly 1, so the reported loss is the token mean over the mini-batch: 2/8 = 0.25.
+    a, b = _seq(6, 2, -1.0, seed=1), _seq(10, 6, 0.0, seed=2)
+    seqs = [a, b] if order == "AB" else [b, a]
+    cfg = TrainerSection(micro_batch_size=micro, entropy_coef=0.0, ppo_epochs=1)
+    model = _tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the loss only: the weights stay for the next call
+    m = ppo_update(model, opt, seqs, cfg)
+    assert m["loss"] == pytest.approx(0.25, abs=1e-6) and m["loss_tokens"] == 8.0 and m["ratio_dev_max"] == 0.0
+    # The kind: any lengths and advantages, one denominator (2*1 + 6*0 + 3*(-0.5)) / 11.
+    c = _seq(7, 3, 0.5, seed=3)
+    m = ppo_update(model, opt, seqs + [c], cfg)
+    assert m["loss"] == pytest.approx(0.5 / 11, abs=1e-6) and m["loss_tokens"] == 11.0
 
 
 def test_out_of_vocab_ids_are_dropped_not_a_trainer_crash():
@@ -420,14 +618,24 @@ def test_positive_sampler_logprob_is_masked_and_empty_generation_is_harmless(tok
 # ================================================================ embedder (real small encoder)
 
 
+TOKEN = "bad-inputs-token-0123456789"
+
+
 @pytest.fixture(scope="module")
-def embedder_client():
+def encoder():
+    from services.embedder.app import Encoder
+
+    return Encoder("all-MiniLM-L6-v2")
+
+
+@pytest.fixture(scope="module")
+def embedder_client(encoder):
     from fastapi.testclient import TestClient
 
-    from services.embedder.app import Encoder, build_app
+    from services.embedder.app import build_app
 
-    app = build_app(EmbedderSection(max_texts=64, max_text_chars=500), Encoder("all-MiniLM-L6-v2"))
-    return TestClient(app, raise_server_exceptions=False)
+    app = build_app(EmbedderSection(max_texts=64, max_text_chars=500), encoder, TOKEN)
+    return TestClient(app, raise_server_exceptions=False, headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 def _turn(rid: str, text: str = "go north", **kw) -> dict:
@@ -464,6 +672,65 @@ def test_embedder_limits_cover_the_action_texts_and_cosines_stay_in_range(embedd
     assert r.status_code == 200
     H = np.asarray(r.json()["similarity"])
     assert np.abs(H).max() <= 1.0  # identical texts gave 1.0000001 out of FAISS
+
+
+@pytest.mark.parametrize("Q", [2, 30])  # FAISS searches in its own loop below 20 queries, with BLAS above
+def test_case18_faiss_minus_one_ids_are_dropped(Q):
+    import faiss
+
+    from services.embedder.app import cosine_matrix_faiss
+
+    rng = np.random.default_rng(Q)
+    base = rng.normal(size=(3, 8)).astype(np.float32)
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    query = rng.normal(size=(Q, 8)).astype(np.float32)
+    query /= np.linalg.norm(query, axis=1, keepdims=True)
+    # The library fact behind the case: k larger than the index pads with id -1 (and -3.4e38),
+    # and items[-1] would silently pick the last vector.
+    index = faiss.IndexFlatIP(8)
+    index.add(base)
+    _, ids = index.search(query, 5)
+    assert (ids[:, 3:] == -1).all() and (ids[:, :3] >= 0).all()
+    # A vector FAISS cannot rank (NaN) also comes back as -1 even with k = N: that column must be
+    # 0 (never the last column's score, never NaN), every other pair the exact inner product.
+    bad_base = base.copy()
+    bad_base[1] = np.nan
+    H = cosine_matrix_faiss(query, bad_base)
+    assert H.shape == (Q, 3) and np.isfinite(H).all() and not H[:, 1].any()
+    np.testing.assert_allclose(H[:, [0, 2]], query @ base[[0, 2]].T, atol=1e-6)
+
+
+def test_case19_empty_thinking_gives_cosine_zero_and_nan_vectors_never_count(embedder_client, encoder):
+    from services.embedder.app import cosine_matrix_faiss
+
+    # An empty <think></think> (and whitespace-only thinking) embeds to the zero vector: its
+    # cosine with anything is 0, never NaN, on the student side and on the teacher side.
+    turns = [_turn("a", "go north"), _turn("b", "go north", student_text="", teacher_text=" \n "),
+             _turn("c", "open the door"), _turn("d", "go north", teacher_text="")]
+    r = embedder_client.post("/correspond", json={"task_id": "t", "turns": turns,
+                                                   "align": {"action_filter_enabled": False, "similarity_threshold": 0.0}})
+    assert r.status_code == 200, r.text
+    H = np.asarray(r.json()["similarity"], np.float64)  # [source (teacher text)][target (student text)]
+    assert np.isfinite(H).all() and np.isfinite(r.json()["rho"]).all() and np.isfinite(r.json()["alpha"]).all()
+    assert not H[:, 1].any() and not H[1, :].any() and not H[3, :].any()
+    assert H[0, 2] > 0.0 and H[2, 0] > 0.0  # the real texts still compare
+    # A NaN embedding (a NaN weight in the encoder) becomes the zero vector before any index sees it.
+    weight = encoder.model[0].auto_model.embeddings.word_embeddings.weight
+    door = encoder.model.tokenizer.convert_tokens_to_ids("door")
+    saved = weight[door].detach().clone()
+    try:
+        with torch.no_grad():
+            weight[door] = float("nan")
+        vecs = encoder.embed(["open the door", "go north"])
+    finally:
+        with torch.no_grad():
+            weight[door] = saved
+    assert not vecs[0].any() and np.linalg.norm(vecs[1]) == pytest.approx(1.0, abs=1e-5)
+    # And a NaN query row gives a zero row of cosines, never NaN.
+    query = vecs.copy()
+    query[0] = np.nan
+    H = cosine_matrix_faiss(query, vecs[1:])
+    assert np.isfinite(H).all() and not H[0].any() and H[1, 0] == pytest.approx(1.0, abs=1e-5)
 
 
 # ================================================================ queues on a real redis-server
@@ -589,3 +856,39 @@ def test_cli_progress_reader_skips_a_half_written_metrics_line(tmp_path):
     path.write_text('{"step": 0, "loss": 0.1}\n{"step": 1, "loss": 0.2}\n')
     assert len(complete_lines(path)) == 2
     assert complete_lines(tmp_path / "missing.jsonl") == []
+
+
+# ================================================================ the case map above covers every case
+
+
+def _case_map() -> dict[int, list[str]]:
+    """Case number -> test node ids, from the table in this module's docstring."""
+    table: dict[int, list[str]] = {}
+    case = None
+    for line in __doc__.splitlines():
+        m = re.match(r"^(\d+)?\s*\|\s*(tests/\S+\.py::\w+)\s*$", line)
+        if not m:
+            continue
+        case = int(m.group(1)) if m.group(1) else case
+        assert case is not None, f"a table row before any case number: {line!r}"
+        table.setdefault(case, []).append(m.group(2))
+    return table
+
+
+def test_every_bad_input_case_has_a_test():
+    path = shared_dir() / "cases" / "bad-inputs.md"
+    assert path.is_file(), f"{path} is missing: set OPSD_SHARED to the shared folder"
+    cases = [int(n) for n in re.findall(r"^(\d+)\. ", path.read_text(), re.MULTILINE)]
+    assert cases == list(range(1, len(cases) + 1)) and len(cases) >= 19, cases
+    table = _case_map()
+    assert sorted(table) == cases, f"cases without a row in the map: {sorted(set(cases) - set(table))}"
+    defined: dict[str, set[str]] = {}
+    for node_ids in table.values():
+        for node in node_ids:
+            file, name = node.split("::")
+            if file not in defined:
+                src = ROOT / file
+                assert src.is_file(), f"{node}: no file {file}"
+                tree = ast.parse(src.read_text())
+                defined[file] = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+            assert name in defined[file], f"{node} is in the map but {file} defines no such test"

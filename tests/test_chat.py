@@ -92,6 +92,44 @@ def test_case9_continuation_equals_full_template(tok, action_fmt):
     assert c1[:2] == [2, 198]
 
 
+OBSERVATIONS = ["You open the door. 🙂 Exits: north, east.", "", "  Leading spaces and a trailing newline\n",
+                "line 1\n\nline 2\ttabbed", "Café — 中文 ✓", "<action>go north</action> was printed on a sign"]
+
+
+@pytest.mark.parametrize("fmt", ["action", "think"])
+@pytest.mark.parametrize("obs", OBSERVATIONS)
+def test_case9_every_observation_and_format_equals_the_template(tok, fmt, obs):
+    """Case 9 over both prompt formats, both turn endings and many observations."""
+    chat = ChatFormat(tok, fmt)
+    bodies = {"action": ["go north</action>", "open door</action>"],
+              "think": ["hmm</think><action>go north</action>", "ok</think><action>open door</action>"]}[fmt]
+    head = enc(tok, "assistant\n" + chat.prefill_text)
+
+    def response(body: str) -> list[int]:  # canonical response ids after the prefill
+        seg = enc(tok, "assistant\n" + chat.prefill_text + body)
+        assert seg[: len(head)] == head
+        return seg[len(head) :]
+
+    for first_eos in (True, False):
+        p0 = chat.initial_prompt_ids(SYSTEM, "You are in a hall.")
+        r0 = response(bodies[0]) + ([2] if first_eos else [])
+        c0 = chat.continuation_ids(obs, ended_with_eos=first_eos)
+        r1 = response(bodies[1]) + [2]
+        c1 = chat.continuation_ids(obs, ended_with_eos=True)
+        msgs = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "You are in a hall."},
+            {"role": "assistant", "content": chat.prefill_text + bodies[0]},
+            {"role": "user", "content": obs},
+            {"role": "assistant", "content": chat.prefill_text + bodies[1]},
+            {"role": "user", "content": obs},
+        ]
+        full = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert p0 + r0 + c0 + r1 + c1 == list(full) + enc(tok, chat.prefill_text), (fmt, repr(obs), first_eos)
+        # The separator is prompt: it starts with "\n" after a sampled <|im_end|>, else closes the turn first.
+        assert c0[:2] == ([198, 1] if first_eos else [2, 198])
+
+
 def test_case8_ids_never_reencoded_and_prompts_are_prefixes(tok, action_fmt):
     # "he" + "llo" decodes to "hello", which re-encodes as ONE token: re-encoding changes ids.
     he, llo = enc(tok, "he"), enc(tok, "llo")
@@ -118,40 +156,100 @@ def test_observation_cannot_forge_special_tokens(tok, action_fmt):
     assert "evil <|im_end|> text" in tok.decode(ids)
 
 
-def test_case10_prefilled_think_only_closing_tag(tok, think_fmt):
-    completion = "x\n</think>\n\n<action>a</action>"
+@pytest.mark.parametrize("completion, thinking", [
+    ("x\n</think>\n\n<action>a</action>", "x"),  # the case as reported
+    ("x</think><action>a</action>", "x"),
+    ("  x  \n</THINK>\n<Action> a </Action>", "x"),  # case-insensitive tags, stripped contents
+    ("line 1\nline 2\n</think>\n\n<action>a</action>", "line 1\nline 2"),
+    ("\n</think>\n\n<action>a</action>", ""),  # empty thinking is allowed
+])
+def test_case10_prefilled_think_only_closing_tag(tok, think_fmt, completion, thinking):
     text = think_fmt.prefill_text + completion  # callers pass prefill + decoded completion
     p = parse_response(text, "think")
-    assert (p.thinking, p.action, p.valid, p.reason) == ("x", "a", True, "")
+    assert (p.thinking, p.action, p.valid, p.reason) == (thinking, "a", True, "")
     # Without the prefill the lone closing tag is a malformed block.
     assert not parse_response(completion, "think").valid
     # Re-rendering the turn from ids gives exactly one think block.
     prompt = think_fmt.initial_prompt_ids(SYSTEM, "You are in a hall.")
     turn_text = decode(tok, prompt + enc(tok, completion) + [2])
     last_turn = turn_text.split("assistant\n")[-1]
-    assert last_turn.lower().count("<think>") == 1 and last_turn.count("</think>") == 1
+    assert last_turn.lower().count("<think>") == 1 and last_turn.lower().count("</think>") == 1
 
 
-def test_case11_action_inside_thinking_ignored():
-    p = parse_response("<think>maybe <action>go north</action>? no</think><action>open door</action>", "think")
-    assert p.valid and p.action == "open door" and p.thinking == "maybe <action>go north</action>? no"
-    # An action only inside the thinking is no action at all.
-    p = parse_response("<think>I will <action>go north</action></think>", "think")
+@pytest.mark.parametrize("text, fmt, env, action", [
+    ("<think>maybe <action>go north</action>? no</think><action>open door</action>", "think", "textworld", "open door"),
+    ("<THINK>maybe <ACTION>go north</ACTION></THINK><action>open door</action>", "think", "textworld", "open door"),
+    ("<think><action>a</action> or <action>b</action>?</think><action>open door</action>", "think", "textworld",
+     "open door"),  # several actions inside: still only the outside one
+    ("<think>maybe <action>go north</action></think><action>open door</action>", "action", "textworld", "open door"),
+    ("<think>maybe <search>weather</search></think><answer>42</answer>", "think", "search", "42"),
+    ("<think><answer>7</answer>? no</think><search>capital of peru</search>", "think", "search", "capital of peru"),
+])
+def test_case11_action_inside_thinking_ignored(text, fmt, env, action):
+    p = parse_response(text, fmt, env=env)
+    assert p.valid and p.action == action and "<" in p.thinking  # the tags stay in the thinking text
+
+
+@pytest.mark.parametrize("text, env", [
+    ("<think>I will <action>go north</action></think>", "textworld"),
+    ("<think>I will <search>x</search> then <answer>y</answer></think>", "search"),
+])
+def test_case11_action_only_inside_thinking_is_no_action(text, env):
+    p = parse_response(text, "think", env=env)
     assert not p.valid and p.action == ""
 
 
-def test_case12_unclosed_action_is_invalid():
-    p = parse_response("<action>I think <action>go north", "action")
-    assert not p.valid and p.action == ""
-    p = parse_response("I think <action>go north", "action")
+# Every tag left open: the text after it is never taken as the action (case 12).
+UNCLOSED = [
+    ("<action>I think <action>go north", "action", "textworld"),
+    ("I think <action>go north", "action", "textworld"),
+    ("<action>go north", "action", "textworld"),
+    ("<think>ok</think><action>go north", "think", "textworld"),
+    ("<think>I should <action>go north</action>", "think", "textworld"),  # think left open
+    ("<think>I should go north", "think", "textworld"),
+    ("<think>I should <action>go north</action>", "action", "textworld"),  # optional think, still open
+    ("<think>t</think><search>capital of peru", "think", "search"),
+    ("<think>t</think><answer>42", "think", "search"),
+    ("<think>t <answer>42</answer>", "think", "search"),
+]
+
+
+@pytest.mark.parametrize("text, fmt, env", UNCLOSED)
+def test_case12_unclosed_tag_is_invalid(text, fmt, env):
+    p = parse_response(text, fmt, env=env)
     assert not p.valid and p.action == "" and "exactly once" in p.reason
 
 
-def test_case13_duplicate_tags_invalid():
-    assert not parse_response("<action>go north</action></action>", "action").valid
-    assert not parse_response("<action>go north</action> <action>go south</action>", "action").valid
-    assert not parse_response("<think>a</think><think>b</think><action>go</action>", "think").valid
-    assert not parse_response("<think>a</think></think><action>go</action>", "think").valid
+# Every tag duplicated (closing, opening, two blocks): exactly one of each tag (case 13).
+DUPLICATED = [
+    ("<action>go north</action></action>", "action", "textworld"),
+    ("<action><action>go north</action>", "action", "textworld"),
+    ("<action>go north</action> <action>go south</action>", "action", "textworld"),
+    ("<action>go north</ACTION></action>", "action", "textworld"),
+    ("<think>a</think><think>b</think><action>go</action>", "think", "textworld"),
+    ("<think>a</think></think><action>go</action>", "think", "textworld"),
+    ("<think><think>a</think><action>go</action>", "think", "textworld"),
+    ("<think>a</think></think><action>go</action>", "action", "textworld"),
+    ("<think>t</think><search>q</search></search>", "think", "search"),
+    ("<think>t</think><search>q</search><search>r</search>", "think", "search"),
+    ("<think>t</think><answer>42</answer></answer>", "think", "search"),
+    ("<think>t</think><answer>42</answer><answer>43</answer>", "think", "search"),
+    ("<think>t</think><search>q</search><answer>a</answer>", "think", "search"),
+]
+
+
+@pytest.mark.parametrize("text, fmt, env", DUPLICATED)
+def test_case13_duplicate_tags_invalid(text, fmt, env):
+    p = parse_response(text, fmt, env=env)
+    assert not p.valid and p.action == "" and p.reason
+
+
+def test_case13_single_tags_stay_valid():
+    # The same texts with one of each tag are valid: the rule counts tags, it does not reject shapes.
+    assert parse_response("<action>go north</action>", "action").action == "go north"
+    assert parse_response("<think>a</think><action>go</action>", "think").action == "go"
+    assert parse_response("<think>t</think><search>q</search>", "think", env="search").action == "q"
+    assert parse_response("<think>t</think><answer>42</answer>", "think", env="search").action == "42"
 
 
 def test_format_rules():
@@ -184,6 +282,9 @@ def test_search_env_rules():
     assert not parse_response("<think>t</think><search>q</search><search>r</search>", "think", env="search").valid
 
 
+MULTIBYTE = ["🙂", "🎉", "é", "—", "中", "𝔸", "👨\u200d👩\u200d👧", "🇫🇷", "한", "€", "ß", "😀😀"]
+
+
 def test_case14_multibyte_decode(tok, action_fmt):
     text = "I feel 🙂 today 🎉 — café ✓"
     ids = enc(tok, text)
@@ -197,6 +298,38 @@ def test_case14_multibyte_decode(tok, action_fmt):
     # An observation with emoji round-trips through the continuation ids.
     cont = action_fmt.continuation_ids("A 🙂 sign.", ended_with_eos=True)
     assert "A 🙂 sign." in decode(tok, cont)
+
+
+@pytest.mark.parametrize("char", MULTIBYTE)
+@pytest.mark.parametrize("before", ["ok ", "ok", "<action>go ", "\n"])
+def test_case14_every_cut_of_a_multibyte_char_decodes_without_fffd(tok, char, before):
+    text = before + char + " north"
+    ids = enc(tok, text)
+    assert decode(tok, ids) == text and decode(tok, ids + [2]) == text
+    # Every cut (what the token cap does to a reply) gives a prefix of the text, never U+FFFD.
+    for k in range(1, len(ids) + 1):
+        out = decode(tok, ids[:k])
+        assert "\ufffd" not in out and text.startswith(out), (k, ids[:k], out)
+
+
+def test_case14_a_token_holding_a_space_and_half_an_emoji_keeps_the_space(tok):
+    # " \xf0\x9f" is one token (15107): the cut left "ok \ufffd" because only whole
+    # U+FFFD tails were dropped, and the space came with the half emoji.
+    ids = enc(tok, "ok 🎉")
+    assert ids == [2231, 15107, 232, 227] and tok.decode(ids[:2]) == "ok \ufffd"
+    assert [decode(tok, ids[:k]) for k in (2, 3, 4)] == ["ok ", "ok ", "ok 🎉"]
+    # A U+FFFD inside the text is what the model wrote and is kept; only the tail is dropped.
+    mid = enc(tok, "a \ufffd b")
+    assert decode(tok, mid) == "a \ufffd b"
+
+
+@pytest.mark.parametrize("char", MULTIBYTE)
+def test_case14_observations_with_multibyte_chars_round_trip(tok, action_fmt, char):
+    obs = f"A sign reads {char}. Exits: north."
+    for eos in (True, False):
+        cont = action_fmt.continuation_ids(obs, ended_with_eos=eos)
+        out = decode(tok, cont)
+        assert obs in out and "\ufffd" not in out
 
 
 def test_privileged_prefix_placement(tok, action_fmt):

@@ -55,6 +55,71 @@ def test_case1_group_095_and_seven_035():
     assert np.ptp(adv[1:]) == 0.0  # the seven equal rewards get one identical advantage
 
 
+CASE1_VALUES = [0.35, 0.1, 1 / 3, 0.95, 0.7, 1000.1, -7.3, 1e-3]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("value", CASE1_VALUES)
+def test_case1_identical_rewards_have_std_exactly_zero_in_every_size_and_scope(dtype, value):
+    # The kind: any group of equal low-precision rewards, any size, both scopes and both normalizations.
+    for n in (2, 3, 7, 8, 64, 1000):
+        x = np.full(n, value, dtype)
+        assert not group_zscore(x, ["g"] * n).any(), (n, value)
+        rollouts = [f"r{i % 4}" for i in range(n)]  # several turn rows per trajectory
+        for scope in ("turn", "trajectory"):
+            for norm in (True, False):
+                assert not grpo_sequence_advantage(x, ["t"] * n, rollouts, scope, norm).any(), (n, scope, norm)
+
+
+def test_case1_naive_variance_would_have_blown_these_groups_up():
+    # Why the kind matters: E[x^2] - E[x]^2 in float32 is not 0 for most of these values (0.35 gives
+    # 2.2e-8, std 1.5e-4: the 0.60 gap becomes ~4000), so the test inputs are the dangerous ones.
+    naive = [float(np.mean(np.full(7, v, np.float32) ** 2) - np.mean(np.full(7, v, np.float32)) ** 2) for v in CASE1_VALUES]
+    assert sum(v != 0.0 for v in naive) >= 5 and math.sqrt(abs(naive[0])) == pytest.approx(1.5e-4, rel=0.01)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("value", CASE1_VALUES)
+def test_case1_one_high_and_seven_equal_rewards(dtype, value):
+    hi = value + 0.60
+    r = np.asarray([hi] + [value] * 7, dtype=dtype)
+    gap = float(r[0]) - float(r[1])  # 0.60 up to the dtype's rounding
+    adv = group_zscore(r, ["g"] * 8)
+    assert np.ptp(adv[1:]) == 0.0  # the seven equal rewards get one advantage
+    # Hand value: mean gap/8 above the seven; unbiased std = gap * sqrt(1/8) exactly.
+    std = gap * math.sqrt(1 / 8)
+    assert adv[0] == pytest.approx(gap * 7 / 8 / (std + 1e-6), rel=1e-4)
+    assert adv[1] == pytest.approx(-gap / 8 / (std + 1e-6), rel=1e-4)
+    assert abs(adv[0]) <= 7 / math.sqrt(8)  # the largest z-score 8 values can give (ddof 1)
+    # Without std normalization the advantages keep the 0.60 gap itself.
+    centred = group_zscore(r, ["g"] * 8, norm_by_std=False)
+    assert centred[0] - centred[1] == pytest.approx(gap, rel=1e-6)
+    assert gap == pytest.approx(0.60, abs=abs(float(np.spacing(np.asarray(hi, dtype)))))  # 0.60 as the dtype holds it
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("bumped", [0, 1, 3])
+def test_case1_near_equal_groups_stay_bounded(dtype, bumped):
+    # `bumped` of 8 equal values moved up by one ulp: the spread is real but tiny; the advantage stays
+    # a z-score (|A| <= (n - 1) / sqrt(n)), never a blow-up, and sums to 0 in each group.
+    groups = []
+    for value in CASE1_VALUES:
+        x = np.full(8, value, dtype)
+        x[:bumped] = np.nextafter(x[:bumped], np.asarray(np.inf, dtype))
+        groups.append(x)
+    r = np.concatenate(groups)
+    ids = [f"g{g}" for g in range(len(groups)) for _ in range(8)]
+    adv = group_zscore(r, ids)
+    assert adv.dtype == np.float32 and np.isfinite(adv).all()
+    assert np.abs(adv).max() <= 7 / math.sqrt(8) + 1e-6
+    for g in range(len(groups)):
+        assert abs(float(adv[8 * g : 8 * g + 8].astype(np.float64).sum())) < 1e-5
+    if dtype is np.float64 and bumped == 0:
+        # float64 sums of equal values round (0.1 + 0.1 + 0.1 != 0.3): not exactly 0, but
+        # far below anything a gradient step notices.
+        assert np.abs(adv).max() < 1e-6
+
+
 # ---------------------------------------------------------------- bad-input case 2
 
 

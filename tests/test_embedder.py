@@ -18,9 +18,13 @@ def encoder():
     return Encoder("all-MiniLM-L6-v2")
 
 
+TOKEN = "test-token-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
 def client(encoder):
-    return TestClient(build_app(EmbedderSection(max_texts=64, max_text_chars=500), encoder))
+    app = build_app(EmbedderSection(max_texts=64, max_text_chars=500), encoder, TOKEN)
+    return TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 def test_embed_unit_vectors_and_zero_for_empty(client):
@@ -70,11 +74,23 @@ def test_correspond_matches_siblings_only(client):
 
 
 def test_bad_requests_are_rejected_clearly(client):
-    assert client.post("/embed", json={"texts": ["x"] * 65}).status_code == 413
-    assert client.post("/embed", json={"texts": ["x" * 501]}).status_code == 413
-    assert client.post("/embed", json={"texts": "not a list"}).status_code == 422
-    assert client.post("/embed", json={"texts": ["a"], "extra": 1}).status_code == 422
-    assert client.post("/correspond", json={"task_id": "g", "turns": []}).status_code == 422
+    r = client.post("/embed", json={"texts": ["x"] * 65})
+    assert r.status_code == 413 and "65 texts exceed the limit of 64" in r.json()["detail"]
+    r = client.post("/embed", json={"texts": ["x" * 501]})
+    assert r.status_code == 413 and "exceed 500 characters" in r.json()["detail"]
+    r = client.post("/embed", json={"texts": "not a list"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "texts"]
+    r = client.post("/embed", json={"texts": ["a"], "extra": 1})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "extra_forbidden"
+    r = client.post("/correspond", json={"task_id": "g", "turns": []})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "turns"]
+    r = client.post("/embed", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
+
+
+def test_the_app_is_never_built_without_a_token(encoder):
+    with pytest.raises(ValueError, match="non-empty API token"):
+        build_app(EmbedderSection(), encoder, "")
 
 
 def test_correspond_returns_the_compared_embeddings_on_request(client, encoder):

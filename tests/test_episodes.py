@@ -276,3 +276,133 @@ def test_nonfinite_logits_row_ends_as_error(game, backend, chat):
     r0, r1 = group.trajectories
     assert r0.ending == "error" and r0.turns == [] and r1.ending == "max_turns" and len(r1.turns) == 2
     assert stats.nonfinite_logprobs == 1
+
+
+# ---------------------------------------------------------------------------
+# Bad-input cases through run_group with exact scripted ids (real tokenizer)
+
+
+class IdsBackend:
+    """Replies with exact ids: reply(call_index, row) -> (ids, finish); every log-prob -0.5."""
+
+    def __init__(self, tokenizer, eos_token_id, reply):
+        self.tokenizer, self.eos_token_id, self.reply = tokenizer, eos_token_id, reply
+        self.vocab_size, self.policy_version, self.max_model_len = len(tokenizer), 0, 2048
+        self.calls = 0
+
+    def generate(self, prompts_, max_new_tokens, temperature, top_p=1.0, seed=None):
+        out = []
+        for row in range(len(prompts_)):
+            ids, finish = self.reply(self.calls, row)
+            assert len(ids) <= max_new_tokens
+            out.append(FakeGen(list(ids), [-0.5] * len(ids), finish))
+        self.calls += 1
+        return out
+
+
+def _enc(backend, text):
+    return backend.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_case8_sampled_ids_are_kept_even_when_text_would_reencode_otherwise(game, backend, chat):
+    he_llo = [255, 31394] + _enc(backend, "</action>") + [2]  # "hello" re-encodes as ONE token
+    a_nl = [81, 1116] * 4  # "a" + "\n\n", 4 times: 8 sampled ids (a 512-token reply grows the same way)
+    assert len(_enc(backend, backend.tokenizer.decode(a_nl))) == 11  # re-encoded: more than the 8-token cap
+    replies = [(he_llo, "stop"), (a_nl, "length")]
+    rec = Recorder(IdsBackend(backend.tokenizer, backend.eos_token_id, lambda c, r: replies[c]), 2048)
+    group, _ = run_group(make_task(game, 1, 2), rec, chat, ENV, RolloutSection(group_size=1, max_new_tokens=8), 2048, seed=0)
+    group.validate(backend.vocab_size)
+    (traj,) = group.trajectories
+    ids = traj.token_ids_S.tolist()
+    t0, t1 = traj.turns
+    assert ids[t0.response_start : t0.response_end] == he_llo and t0.action == "hello"
+    assert ids[t1.response_start : t1.response_end] == a_nl and t1.response_end - t1.response_start == 8
+    # Each request's prompt is exactly the trajectory so far: turn k's prompt + response prefix turn k+1's.
+    (p0,), (p1,) = (prompts_ for prompts_, _ in rec.calls)
+    assert p0 == ids[: t0.response_start] and p1 == ids[: t1.response_start] and p1[: len(p0) + len(he_llo)] == p0 + he_llo
+    assert traj.loss_mask_S.sum() == len(he_llo) + 8
+
+
+def test_case10_think_closing_tag_only_through_an_episode(game, backend):
+    chat = ChatFormat(backend.tokenizer, "think")
+    env = ENV.model_copy(update={"prompt_format": "think"})
+    reply = _enc(backend, "x\n</think>\n\n<action>a</action>") + [backend.eos_token_id]
+    fake = IdsBackend(backend.tokenizer, backend.eos_token_id, lambda c, r: (reply, "stop"))
+    group, stats = run_group(make_task(game, 1, 1), fake, chat, env, RolloutSection(group_size=1, max_new_tokens=16), 2048, seed=0)
+    (t0,) = group.trajectories[0].turns
+    assert (t0.thinking, t0.action, t0.format_valid) == ("x", "a", True) and stats.format_errors == 0
+    turn_text = backend.tokenizer.decode(group.trajectories[0].token_ids_S[: t0.response_end].tolist())
+    last_turn = turn_text.split("<|im_start|>assistant\n")[-1]
+    assert last_turn.count("<think>") == 1 and last_turn.count("</think>") == 1
+
+
+@pytest.mark.parametrize("char", ["🙂", "🎉", "𝔸", "👨\u200d👩\u200d👧", "한", "日本", "🇫🇷", "ß"])
+def test_case14_reply_cut_inside_a_multibyte_char_has_no_fffd(game, backend, chat, char):
+    full = _enc(backend, f"go {char}{char}</action>")
+    cuts = [k for k in range(1, len(full)) if "\ufffd" in backend.tokenizer.decode(full[:k])]
+    assert cuts, "the char must split over tokens for this test to mean anything"
+    for k in cuts:
+        fake = IdsBackend(backend.tokenizer, backend.eos_token_id, lambda c, r: (full[:k], "length"))
+        group, _ = run_group(make_task(game, 1, 1), fake, chat, ENV, RolloutSection(group_size=1, max_new_tokens=k), 2048, seed=0)
+        (t0,) = group.trajectories[0].turns
+        assert "\ufffd" not in t0.text and (chat.prefill_text + f"go {char}{char}").startswith(t0.text), (k, t0.text)
+
+
+def test_case15_no_budget_no_request_for_every_context_limit(game, backend, chat):
+    """Sweep the context limit through every boundary: a request is sent only with room for the full
+    max_new_tokens, earlier turns stay trainable, and the episode ends "truncated" once it cannot go on."""
+    max_new = 6
+    with TextWorldEnv(game) as env:
+        n0 = len(initial_prompt_ids(chat, ENV, env.reset()))
+    look = _enc(backend, "look</action>") + [backend.eos_token_id]
+    seen = set()
+    for limit in range(n0 - 1, n0 + 3 * (max_new + 120), 7):
+        rec = Recorder(IdsBackend(backend.tokenizer, backend.eos_token_id, lambda c, r: (look, "stop")), limit)
+        group, stats = run_group(make_task(game, 1, 3), rec, chat, ENV, RolloutSection(group_size=1, max_new_tokens=max_new),
+                                 limit, seed=0)
+        (traj,) = group.trajectories
+        assert len(rec.calls) == len(traj.turns) == stats.turns  # Recorder asserted each request's budget
+        for t in traj.turns:
+            assert traj.loss_mask_S[t.response_start : t.response_end].sum() == len(look)
+            assert t.response_start + max_new <= limit
+        if len(traj.turns) < 3:
+            assert traj.ending == "truncated" and stats.truncated_episodes == 1
+        else:
+            assert traj.ending == "max_turns"
+        if traj.turns:  # ends on its last response, inside the budget
+            assert traj.turns[-1].response_end == len(traj.token_ids_S) <= limit
+        else:  # the first prompt alone left no room: kept as is, nothing sampled, nothing to train
+            assert len(traj.token_ids_S) == n0 and n0 + max_new > limit and not traj.loss_mask_S.any()
+        seen.add(len(traj.turns))
+    assert seen == {0, 1, 2, 3}  # the sweep crossed every boundary
+
+
+def test_case16_cut_inside_think_is_truncated_not_a_format_error(game, backend):
+    chat = ChatFormat(backend.tokenizer, "think")
+    env = ENV.model_copy(update={"prompt_format": "think"})
+    tok, eos = backend.tokenizer, backend.eos_token_id
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    text = "I should go north because the key is there and the door is open, so"
+    replies = [
+        (_enc(backend, text)[:16], "length"),  # cut by the cap inside <think>
+        (_enc(backend, text)[:15] + [eos], "length"),  # the last id is eos, yet the sampler says "length"
+        (_enc(backend, "hmm, maybe north") + [eos], "stop"),  # ended by the model without </think>
+        (_enc(backend, "ok</think><action>look</action>") + [endoftext], "stop"),  # another stop id, not eos
+    ]
+    fake = IdsBackend(tok, eos, lambda c, r: replies[c])
+    group, stats = run_group(make_task(game, 1, 4), fake, chat, env, RolloutSection(group_size=1, max_new_tokens=16), 2048, seed=0)
+    (traj,) = group.trajectories
+    t0, t1, t2, t3 = traj.turns
+    assert [t.finish_reason for t in traj.turns] == ["length", "length", "stop", "stop"]
+    assert (t0.truncated, t0.format_error, t0.format_valid) == (True, False, False)
+    assert (t1.truncated, t1.format_error, t1.format_valid) == (True, False, False)
+    assert (t2.truncated, t2.format_error) == (False, True)
+    assert (t3.truncated, t3.format_error, t3.format_valid, t3.action) == (False, False, True, "look")
+    assert stats.length_finishes == 2 and stats.format_errors == 1 and stats.valid_turns == 1
+    ids = traj.token_ids_S.tolist()
+    # The continuation closes a turn exactly when its ids lack <|im_end|>: never two, never none.
+    assert ids[t0.response_end - 1 : t0.response_end + 2] == [replies[0][0][-1], eos, 198]  # closed by the continuation
+    assert ids[t1.response_end - 1 : t1.response_end + 2] == [eos, 198, 1]  # its own <|im_end|>, only "\n" added
+    assert ids[t2.response_end - 1 : t2.response_end + 2] == [eos, 198, 1]
+    assert ids[t3.response_end - 1 :] == [endoftext]  # the last turn: nothing appended after it
+    assert all(ids[k : k + 2] != [eos, eos] for k in range(len(ids)))

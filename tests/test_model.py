@@ -52,6 +52,51 @@ def test_case6_temperature_logprob_arithmetic():
         token_logprobs(logits, torch.tensor(0), 0.0)
 
 
+@pytest.mark.parametrize("T", [0.25, 0.5, 0.7, 1.0, 1.5, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_case6_logprob_convention_for_every_temperature_and_dtype(T, dtype):
+    # The kind: log softmax(z / T)[y] in float32, whatever T and whatever dtype the logits come in.
+    g = torch.Generator().manual_seed(int(T * 100))
+    logits = (torch.randn(4, 7, 50, generator=g) * 3).to(dtype)
+    ids = torch.randint(0, 50, (4, 7), generator=g)
+    lp = token_logprobs(logits, ids, T)
+    z = logits.double() / T
+    want = (z.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(z, -1)).float()
+    assert lp.dtype == torch.float32 and torch.allclose(lp, want, atol=2e-6, rtol=1e-6)
+    if T != 1.0:  # the two wrong conventions of case 6 are really different numbers
+        plain = torch.log_softmax(logits.double(), -1).gather(-1, ids[..., None])[..., 0].float()
+        assert (lp - plain).abs().max() > 1e-2 and (lp - plain / T).abs().max() > 1e-2
+
+
+def test_case6_sampler_and_trainer_agree_and_the_metric_exports_it(backend, prompts):
+    """The sampler's log-probs at T are what the trainer recomputes at T: the first epoch's ratio is 1
+    and `sampler_logprob_mismatch` is ~0; the trainer at another T shows up in that metric."""
+    from opsd.config import TrainerSection
+    from services.trainer.update import Sequence, ppo_update
+
+    T = 0.5
+    gens = backend.generate(prompts, max_new_tokens=8, temperature=T, seed=3)
+    seqs = []
+    for p, g in zip(prompts, gens):
+        n = len(p) + len(g.token_ids)
+        mask = np.zeros(n, np.uint8)
+        mask[len(p) :] = 1
+        sampler = np.zeros(n, np.float32)
+        sampler[len(p) :] = g.logprobs
+        seqs.append(Sequence(np.asarray(p + g.token_ids, np.int32), mask, mask.astype(np.float32), sampler))
+    before = backend.model.model.norm.weight.detach().clone()
+    opt = torch.optim.SGD(backend.model.parameters(), lr=0.0)  # the metrics only: the shared weights stay
+    cfg = TrainerSection(ppo_epochs=1, micro_batch_size=2, entropy_coef=0.0)
+    try:
+        same = ppo_update(backend.model, opt, seqs, cfg, temperature=T)
+        other = ppo_update(backend.model, opt, seqs, cfg, temperature=1.0)
+    finally:
+        backend.model.zero_grad(set_to_none=True)
+    assert torch.equal(before, backend.model.model.norm.weight)
+    assert same["ratio_dev_max"] == 0.0 and same["sampler_logprob_mismatch"] < 1e-4
+    assert other["sampler_logprob_mismatch"] > 0.05
+
+
 def test_backend_attributes(backend):
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     assert backend.eos_token_id == backend.tokenizer.convert_tokens_to_ids("<|im_end|>") == 2

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from opsd.credit.policy_loss import entropy_from_logits, ppo_loss, token_logprobs, truncated_is_weight
+from opsd.credit.policy_loss import entropy_from_logits, ppo_loss, sampler_mismatch_k3, token_logprobs, truncated_is_weight
 
 
 def test_case6_logprob_uses_temperature_scaled_softmax():
@@ -125,6 +125,48 @@ def test_entropy_bonus_and_kl_terms():
 def test_truncated_is_weight():
     w = truncated_is_weight(torch.tensor([0.0, -1.0, 100.0]), torch.tensor([-3.0, 0.0, 0.0]))
     assert w.tolist() == pytest.approx([5.0, math.exp(-1.0), 5.0])
+
+
+def test_truncated_is_weight_exact_values():
+    """min(exp(clip(old - rollout, +-20)), cap) (spec §5) at d = 0, ln 10, 30, -30."""
+    d = torch.tensor([[0.0, math.log(10.0), 30.0, -30.0]])
+    rollout = torch.full_like(d, -2.0)
+    w = truncated_is_weight(rollout + d, rollout, cap=5.0)
+    assert w.dtype == torch.float32 and not w.requires_grad
+    assert w[0, 0].item() == 1.0
+    assert w[0, 1].item() == 5.0  # 10 capped at 5
+    assert w[0, 2].item() == 5.0
+    assert w[0, 3].item() == pytest.approx(math.exp(-20.0), rel=1e-5)  # clipped at -20, not exp(-30)
+    big = truncated_is_weight(rollout + d, rollout, cap=1e12)
+    assert big[0, 1].item() == pytest.approx(10.0, rel=1e-6)
+    assert big[0, 2].item() == pytest.approx(math.exp(20.0), rel=1e-5)  # clipped at +20, not exp(30)
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weight(d, d, cap=0.0)
+
+
+def test_is_weight_scales_each_tokens_gradient_by_exactly_its_weight():
+    lp = torch.tensor([[-0.5, -1.0, -2.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 0.5]])
+    weight = truncated_is_weight(torch.tensor([[0.0, math.log(3.0), -1.0]]), torch.zeros(1, 3))  # [1, 3, e^-1]
+    plain, _ = ppo_loss(lp, lp.detach().clone(), adv, torch.ones(1, 3), total_loss_tokens=3)
+    (g_plain,) = torch.autograd.grad(plain, lp)
+    weighted, _ = ppo_loss(lp, lp.detach().clone(), adv, torch.ones(1, 3), total_loss_tokens=3, is_weight_BT=weight)
+    (g_weighted,) = torch.autograd.grad(weighted, lp)
+    assert g_weighted.tolist()[0] == pytest.approx([-1 / 3, 3 * 2 / 3, -math.exp(-1) * 0.5 / 3], rel=1e-6)
+    assert torch.allclose(g_weighted, g_plain * weight, rtol=1e-6, atol=0)
+    assert weighted.item() == pytest.approx(-(1.0 - 3 * 2.0 + math.exp(-1) * 0.5) / 3, rel=1e-6)
+    with pytest.raises(ValueError, match="is_weight_BT"):
+        ppo_loss(lp, lp.detach(), adv, torch.ones(1, 3), 3, is_weight_BT=torch.ones(1, 2))
+
+
+def test_sampler_mismatch_k3():
+    lp = torch.tensor([[-0.3, -1.2, -2.0, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.equal(sampler_mismatch_k3(lp, lp, mask), torch.zeros(1, 4))  # sampler == trainer: 0, NaN padding ignored
+    # d = old - sampler = ln 2 and -1: k3 = 2 - 1 - ln 2 and e^-1 - 1 + 1 = e^-1
+    k3 = sampler_mismatch_k3(torch.tensor([[math.log(2.0), -1.0, 0.0, 5.0]]), torch.zeros(1, 4), mask)
+    assert k3.tolist()[0] == pytest.approx([1.0 - math.log(2.0), math.exp(-1.0), 0.0, 0.0], rel=1e-6)
+    assert (k3 >= 0).all()
 
 
 def test_sdar_loss_value_gate_and_gradient():

@@ -44,6 +44,7 @@ def queue(client, names: StreamNames, consumer: str, cls=RolloutGroup, stream=No
 def test_stream_names():
     n = StreamNames("opsd:run1")
     assert (n.tasks, n.rollouts, n.scored, n.dead) == ("opsd:run1:tasks", "opsd:run1:rollouts", "opsd:run1:scored", "opsd:run1:dead")
+    assert n.counts == "opsd:run1:counts"
 
 
 def test_produce_consume_ack(redis_client, stream_prefix):

@@ -186,7 +186,9 @@ class AppEmbedder:
         from services.embedder.app import Encoder, build_app
 
         self.encoder = Encoder("all-MiniLM-L6-v2")
-        self.client = TestClient(build_app(EmbedderSection(), self.encoder))
+        token = "teacher-test-token-0123456789"
+        self.client = TestClient(build_app(EmbedderSection(), self.encoder, token),
+                                 headers={"Authorization": f"Bearer {token}"})
         self.payload = None
 
     def correspond(self, payload):

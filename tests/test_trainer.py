@@ -133,3 +133,45 @@ def test_every_registered_method_trains_by_name(method, tmp_path):
     if dump is not None:
         r = check_file(dump)
         assert r.ok, (r.error, [(f.name, f.detail) for f in r.fields if not f.ok])
+
+
+def _with_sampler(seqs, sampler_logprobs):
+    from dataclasses import replace
+
+    return [replace(s, sampler_logprobs_S=lp.astype(np.float32)) for s, lp in zip(seqs, sampler_logprobs)]
+
+
+def test_ppo_update_reports_sampler_mismatch_kl():
+    from services.trainer.update import sequence_logprobs
+
+    model = _tiny_model()
+    seqs = ppo_sequences(1.0, True)
+    trainer_lp = sequence_logprobs(model, seqs, micro_batch_size=2)
+    cfg = TrainerSection(micro_batch_size=2, entropy_coef=0.0)
+    same = ppo_update(_tiny_model(), torch.optim.SGD(_tiny_model().parameters(), lr=0.0), _with_sampler(seqs, trainer_lp), cfg)
+    assert same["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    # Sampler log-probs 0 (ppo_sequences): d = trainer log-prob, k3 = exp(d) - 1 - d, token-mean over loss tokens.
+    m = ppo_update(_tiny_model(), torch.optim.SGD(model.parameters(), lr=0.0), seqs, cfg)
+    d = np.concatenate([lp[s.loss_mask_S == 1] for s, lp in zip(seqs, trainer_lp)]).astype(np.float64)
+    assert m["mismatch_kl"] == pytest.approx(float(np.mean(np.expm1(d) - d)), rel=1e-5)
+    assert m["mismatch_kl"] > 0.1
+
+
+def test_truncated_is_scales_the_gradient_by_the_weight():
+    """Sampler log-probs ln 2 below the trainer's: every TIS weight is 2, so the step's gradient is exactly twice as large."""
+    from services.trainer.update import sequence_logprobs
+
+    seqs = ppo_sequences(0.7, True)
+    trainer_lp = sequence_logprobs(_tiny_model(), seqs, micro_batch_size=2)
+    lower = _with_sampler(seqs, [lp - np.log(2.0) * s.loss_mask_S for s, lp in zip(seqs, trainer_lp)])
+    grads = {}
+    for tis in (False, True):
+        model = _tiny_model()
+        cfg = TrainerSection(micro_batch_size=2, entropy_coef=0.0, grad_clip=1e9, truncated_is=tis, tis_cap=5.0)
+        m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), lower, cfg)
+        grads[tis] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert m["mismatch_kl"] == pytest.approx(1.0 - np.log(2.0), rel=1e-4)
+    assert grads[False] and any(g.abs().max() > 0 for g in grads[False].values())
+    for n, g in grads[False].items():
+        # float32 sums of many terms: compare against the tensor's scale, not element by element
+        assert (grads[True][n] - 2.0 * g).abs().max() <= 1e-5 * g.abs().max(), n

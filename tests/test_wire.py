@@ -161,6 +161,43 @@ def test_decode_rejects_nan_logprob_in_array_bytes():
         decode(tamper(rollout_bytes(), edit), RolloutGroup, LIMIT)
 
 
+def _float_arrays(node, path=""):
+    """(path, array envelope) of every float array inside a decoded msgpack body."""
+    if isinstance(node, dict) and {"dtype", "shape", "data"} <= node.keys():
+        if str(node["dtype"]).startswith("float") and np.prod(node["shape"]) > 0:
+            yield path, node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _float_arrays(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _float_arrays(v, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("cls, msg", [(RolloutGroup, make_rollout_group(G=2, turns=2, seed=5)),
+                                      (ScoredGroup, make_scored_group(G=2, turns=2, seed=5))],
+                         ids=["RolloutGroup", "ScoredGroup"])
+def test_case5_non_finite_value_in_any_float_array_is_rejected(cls, msg, value):
+    # Case 5 for the whole kind: a NaN/inf log-prob (or any other float: entropies, H, rho...)
+    # in ANY array of the message, on a loss token or off it, never gets past decode.
+    data = encode(msg)
+    paths = [p for p, _ in _float_arrays(msgpack.unpackb(data, raw=False)["body"])]
+    assert any("logprobs" in p for p in paths) and len(paths) >= 4
+    for target in paths:
+        for position in (0, -1):
+            def edit(env):
+                node = dict(_float_arrays(env["body"]))[target]
+                arr = np.frombuffer(node["data"], np.dtype(node["dtype"]).newbyteorder("<")).copy()
+                arr.reshape(-1)[position] = value
+                node["data"] = arr.tobytes()
+
+            with pytest.raises(WireError, match="NaN or inf"):
+                decode(tamper(data, edit), cls, LIMIT)
+    # The untouched message still decodes: the refusals are about the value.
+    assert_same(decode(data, cls, LIMIT), msg)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_decode_rejects_non_finite_plain_float(value):
     def edit(env):

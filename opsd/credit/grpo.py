@@ -101,6 +101,8 @@ def group_zscore(
         v = x[idx]
         if v.size == 1:
             mean, std = (0.0, 1.0) if singleton == "reference" else (v[0], 1.0)
+        elif v.min() == v.max():  # equal rewards: exactly 0 (a float64 mean of equal values can round off them)
+            mean, std = v[0], 1.0
         else:
             mean = v.mean()
             std = np.sqrt(((v - mean) ** 2).sum() / (v.size - 1))

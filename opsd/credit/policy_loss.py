@@ -50,14 +50,51 @@ def entropy_from_logits(logits_BTV: torch.Tensor, temperature: float = 1.0) -> t
 
 
 def truncated_is_weight(old_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, cap: float = 5.0) -> torch.Tensor:
-    """Truncated importance-sampling weight min(exp(clip(old - rollout, +-20)), cap) (spec §5).
+    """Truncated importance-sampling weight min(exp(clip(old - rollout, -20, 20)), cap) (spec §5).
 
-    Corrects for the sampler (rollout) and the trainer (old) computing slightly
-    different log-probs of the same tokens. Args: float [B, T] each (nats).
-    Returns: float32 [B, T], no gradient.
+    The sampler (rollout) and the trainer (old = the trainer's pi_old
+    recomputation) compute slightly different log-probs of the same tokens
+    (kernels, batching, dtype); the weight re-weights each token's
+    policy-gradient term towards the trainer's distribution, and the cap bounds
+    its variance. Examples (cap 5): old = rollout -> 1; old - rollout = ln 10 -> 5;
+    old - rollout = -30 -> exp(-20).
+
+    Args: old_logprobs_BT, rollout_logprobs_BT float [B, T] (nats); cap > 0.
+    Returns: float32 [B, T], detached (the weight carries no gradient).
+    Raises: ValueError on cap <= 0 or a shape mismatch.
     """
+    if cap <= 0:
+        raise ValueError(f"the truncated-IS cap must be > 0, got {cap}")
+    if old_logprobs_BT.shape != rollout_logprobs_BT.shape:
+        raise ValueError(f"old {tuple(old_logprobs_BT.shape)} and rollout {tuple(rollout_logprobs_BT.shape)} log-probs disagree")
     log_w = (old_logprobs_BT.detach().float() - rollout_logprobs_BT.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.exp(log_w).clamp(max=cap)
+
+
+def sampler_mismatch_k3(old_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(sampler || trainer): exp(d) - 1 - d with d = old - sampler (spec §5 check).
+
+    The tokens were drawn from the sampler, so for d = log pi_trainer - log
+    pi_sampler, E_sampler[exp(d) - 1 - d] = KL(sampler || trainer); each term
+    is >= 0 and 0 where the two agree. d is clipped to +-20 like the IS ratio.
+    The trainer reports the token-mean over the mini-batch's loss tokens as
+    `mismatch_kl` (nats/token).
+
+    Args: old_logprobs_BT (the trainer's pi_old), sampler_logprobs_BT float
+      [B, T] (nats); loss_mask_BT 0/1 [B, T].
+    Returns: float32 [B, T], 0 off the mask (padding may be inf/NaN), detached.
+    Raises: ValueError on a shape mismatch.
+    """
+    if not (old_logprobs_BT.shape == sampler_logprobs_BT.shape == loss_mask_BT.shape):
+        raise ValueError(
+            f"old {tuple(old_logprobs_BT.shape)}, sampler {tuple(sampler_logprobs_BT.shape)} and mask "
+            f"{tuple(loss_mask_BT.shape)} must have one shape"
+        )
+    mask = loss_mask_BT.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=old_logprobs_BT.device)
+    d = torch.where(mask, old_logprobs_BT.detach().float() - sampler_logprobs_BT.detach().float(), zero)
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(mask, torch.expm1(d) - d, zero)
 
 
 def ppo_loss(
@@ -82,7 +119,9 @@ def ppo_loss(
     pg = min(pg, -A clip_c) (dual clip: a huge ratio on a negative advantage
     cannot blow the loss up). Optional terms: - entropy_coef * entropy,
     + kl_coef * low-variance KL (k3) to ref_logprobs_BT, and a per-token
-    truncated-IS weight multiplying pg.
+    weight `is_weight_BT` multiplying pg (the truncated-IS weight of spec §5,
+    `truncated_is_weight`; detached, so each token's gradient scales by exactly
+    its weight).
 
     Aggregation: sum over this micro-batch's loss tokens divided by
     `total_loss_tokens`, the number of loss tokens of the WHOLE mini-batch
@@ -99,6 +138,7 @@ def ppo_loss(
         all zero (bad-input case 3: loss 0, zero gradient, metrics 0).
       clip_low, clip_high: epsilon (0.2 / 0.2); clip_c: dual-clip constant > 1 (3.0).
       entropy_BT: float [B, T] entropy (nats), needed when entropy_coef > 0.
+      is_weight_BT: float [B, T] per-token weight of the policy-gradient term, or None (weight 1).
     Returns: (loss scalar float32 with grad, metrics of this micro-batch's loss
       tokens: ppo/clip_frac, ppo/dual_clip_frac, ppo/ratio_mean,
       ppo/ratio_dev_max = max |ratio - 1|, ppo/loss_tokens, ppo/pg_loss_sum,
@@ -107,8 +147,10 @@ def ppo_loss(
       tensor for a non-zero coef, or total_loss_tokens smaller than the mask sum.
     """
     shape = logprobs_BT.shape
-    for nm, t in (("old_logprobs_BT", old_logprobs_BT), ("advantages_BT", advantages_BT), ("loss_mask_BT", loss_mask_BT)):
-        if t.shape != shape:
+    named = (("old_logprobs_BT", old_logprobs_BT), ("advantages_BT", advantages_BT), ("loss_mask_BT", loss_mask_BT),
+             ("is_weight_BT", is_weight_BT))
+    for nm, t in named:
+        if t is not None and t.shape != shape:
             raise ValueError(f"{nm} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
     if clip_c <= 1.0:
         raise ValueError(f"dual-clip constant must be > 1, got {clip_c}")
@@ -134,7 +176,8 @@ def ppo_loss(
     pg3 = -adv * clip_c
     pg = torch.where(adv < 0, torch.minimum(pg_clip, pg3), pg_clip)
     if is_weight_BT is not None:
-        pg = pg * is_weight_BT.detach().float()
+        # where: an off-mask weight may be inf/NaN padding.
+        pg = pg * torch.where(mask, is_weight_BT.detach().float(), zero)
     per_token = pg
     ent_sum = zero
     if entropy_BT is not None:

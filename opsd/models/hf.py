@@ -793,42 +793,14 @@ class HFBackend:
     # -- weights -----------------------------------------------------------
 
     def load_weights(self, path: Path, version: int) -> None:
-        """Load a full safetensors state dict (strict) and set policy_version = version.
+        """Load a full safetensors state dict (strict, see `load_state_strict`) and set policy_version = version.
 
-        The file must hold every parameter/buffer of the model with the same
-        shape and no other key; a tied tensor (LM head = embedding) may be
-        stored once under either name, or under both with equal values. All
-        checks run before any weight is touched, so on error (KeyError for
-        missing/unexpected keys, ValueError for shape or tie mismatch) the
-        model and policy_version are unchanged.
+        On error (KeyError for missing/unexpected keys, ValueError for shape or
+        tie mismatch) the model and policy_version are unchanged.
         """
         from safetensors.torch import load_file
 
-        loaded = load_file(str(path), device="cpu")
-        own = self.model.state_dict()
-        unexpected = sorted(set(loaded) - set(own))
-        # Names sharing storage in the live model (tied weights) form one group.
-        groups: dict[int, list[str]] = {}
-        for name, t in own.items():
-            groups.setdefault(t.data_ptr(), []).append(name)
-        full: dict[str, torch.Tensor] = {}
-        missing = []
-        for names in groups.values():
-            present = [n for n in names if n in loaded]
-            if not present:
-                missing.extend(names)
-                continue
-            for n in present[1:]:
-                if not torch.equal(loaded[n], loaded[present[0]]):
-                    raise ValueError(f"load_weights: tied tensors {present[0]} and {n} differ in {path}")
-            for n in names:
-                full[n] = loaded[present[0]]
-        if missing or unexpected:
-            raise KeyError(f"load_weights {path}: missing {missing}, unexpected {unexpected}")
-        bad = [n for n, t in full.items() if t.shape != own[n].shape]
-        if bad:
-            raise ValueError(f"load_weights {path}: shape mismatch for {bad}")
-        self.model.load_state_dict(full, strict=True)  # copies in place: ties survive
+        load_state_strict(self.model, load_file(str(path), device="cpu"), str(path))
         self.policy_version = int(version)
 
     def save_weights(self, path: Path) -> None:
@@ -865,3 +837,38 @@ class HFBackend:
         self.tokenizer.save_pretrained(tmp)
         shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
+
+
+def load_state_strict(model: torch.nn.Module, loaded: dict[str, torch.Tensor], source: str) -> None:
+    """Copy the tensors `loaded` into `model` in place, checking everything before touching a weight.
+
+    `loaded` must hold every parameter/buffer of the model with the same
+    shape and no other key; a tied tensor (LM head = embedding) may be stored
+    once under either name, or under both with equal values. Raises KeyError
+    (missing/unexpected keys) or ValueError (shape or tie mismatch), naming
+    `source`; the model is then unchanged.
+    """
+    own = model.state_dict()
+    unexpected = sorted(set(loaded) - set(own))
+    # Names sharing storage in the live model (tied weights) form one group.
+    groups: dict[int, list[str]] = {}
+    for name, t in own.items():
+        groups.setdefault(t.data_ptr(), []).append(name)
+    full: dict[str, torch.Tensor] = {}
+    missing = []
+    for names in groups.values():
+        present = [n for n in names if n in loaded]
+        if not present:
+            missing.extend(names)
+            continue
+        for n in present[1:]:
+            if not torch.equal(loaded[n], loaded[present[0]]):
+                raise ValueError(f"{source}: tied tensors {present[0]} and {n} differ")
+        for n in names:
+            full[n] = loaded[present[0]]
+    if missing or unexpected:
+        raise KeyError(f"{source}: missing {missing}, unexpected {unexpected}")
+    bad = [n for n, t in full.items() if t.shape != own[n].shape]
+    if bad:
+        raise ValueError(f"{source}: shape mismatch for {bad}")
+    model.load_state_dict(full, strict=True)  # copies in place: ties survive

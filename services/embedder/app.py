@@ -5,6 +5,9 @@ POST /correspond  one group's student and teacher texts -> H, eligibility and
                   the selected sources with weights omega, rho, alpha (spec 4.1);
                   with return_embeddings, also the embeddings it compared
 
+Both (and the OpenAPI schema and docs) need `Authorization: Bearer <OPSD_API_TOKEN>`
+(401 otherwise); bodies over embedder.max_request_bytes get 413 (opsd.auth.ApiGuard).
+
 Stateless: every request carries what it needs (including the AlignOPSD
 hyper-parameters), so any replica can answer it.
 """
@@ -26,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from opsd import metrics
+from opsd.auth import ApiGuard
 from opsd.config import EmbedderSection
 from opsd.embedding_api import CorrespondRequest, CorrespondResponse, EmbedRequest, EmbedResponse
 from opsd.credit import alignopsd
@@ -88,8 +92,10 @@ def cosine_matrix_faiss(query_QD: np.ndarray, base_ND: np.ndarray) -> np.ndarray
     out = np.zeros((Q, N), dtype=np.float32)
     if Q == 0 or N == 0:
         return out
+    base_ND = np.array(base_ND, dtype=np.float32, order="C")  # a copy: the caller's array stays as it was
+    base_ND[~np.isfinite(base_ND).all(axis=1)] = 0.0  # a NaN vector never enters an index (bad-input case 19)
     index = faiss.IndexFlatIP(base_ND.shape[1])
-    index.add(np.ascontiguousarray(base_ND, dtype=np.float32))
+    index.add(base_ND)
     scores, ids = index.search(np.ascontiguousarray(query_QD, dtype=np.float32), N)
     for q in range(Q):
         keep = ids[q] >= 0
@@ -160,9 +166,16 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def build_app(cfg: EmbedderSection, encoder: Encoder) -> FastAPI:
-    """The embedder's FastAPI app (requests validated by pydantic; limits from `cfg`)."""
+def build_app(cfg: EmbedderSection, encoder: Encoder, token: str) -> FastAPI:
+    """The embedder's FastAPI app (requests validated by pydantic; limits from `cfg`).
+
+    Every route but /health and /metrics needs `Authorization: Bearer <token>`;
+    raises ValueError for an empty token (the app is never served open).
+    """
+    if not token:  # the middleware is built at the first request: check here, at construction
+        raise ValueError("the embedder needs a non-empty API token")
     app = FastAPI(title="opsd embedder")
+    app.add_middleware(ApiGuard, role=ROLE, token=token, max_body_bytes=cfg.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -53,7 +53,8 @@ def main() -> None:
                  len(group.trajectories), stats.valid_turns, stats.turns, group.rollout_seconds)
         return group
 
-    consume_forever(proc, queue, streams.rollouts, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms)
+    consume_forever(proc, queue, streams.rollouts, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms,
+                    out_group="teacher" if cfg.needs_teacher else "trainer")
     log.info("stopped")
 
 

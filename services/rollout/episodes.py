@@ -39,6 +39,8 @@ class RolloutStats:
     """Counters of one group, for metrics and logs (not part of the wire message).
 
     turns / valid_turns: agent turns played / with a format-valid action;
+    format_errors: invalid turns the model ended itself (finish "stop"); a
+    reply cut by the token cap is counted in length_finishes, never here (case 16);
     wins: episodes won; generated_tokens: sampled tokens (all turns);
     nonfinite_logprobs: sampled tokens whose log-prob came back NaN/inf or
     clearly positive (masked),
@@ -51,6 +53,7 @@ class RolloutStats:
     episodes: int = 0
     turns: int = 0
     valid_turns: int = 0
+    format_errors: int = 0
     wins: int = 0
     generated_tokens: int = 0
     nonfinite_logprobs: int = 0
@@ -328,9 +331,9 @@ def _play_turn(
     stats.length_finishes += finish == "length"
 
     # Whether the ids already hold the end-of-turn token decides if the
-    # continuation must close the assistant turn itself. (Truncation is
-    # `finish`, from the sampler; this check is only about the ids.)
-    ended_with_eos = finish == "stop" and bool(ids) and ids[-1] == eos_id
+    # continuation must close the assistant turn itself: a question about the
+    # ids only. Truncation is `finish`, from the sampler, never this check (case 16).
+    ended_with_eos = bool(ids) and ids[-1] == eos_id
     body = ids[:-1] if ended_with_eos else ids
     text = prefill + decode(backend.tokenizer, body)
     parsed = parse_response(text, env_cfg.prompt_format, env="textworld")
@@ -382,3 +385,4 @@ def _play_turn(
             observation=observation,
         )
     )
+    stats.format_errors += ep.turns[-1].format_error

@@ -2,18 +2,23 @@
 
 Reads RolloutGroups from `<prefix>:rollouts`, scores them with the privileged
 teacher (same policy version as the group), writes ScoredGroups to
-`<prefix>:scored`. Finds the embedder through `<run_dir>/ports/embedder.json`
-or the OPSD_EMBEDDER_URL environment variable.
+`<prefix>:scored`. Finds the embedder (AlignOPSD) through the
+OPSD_EMBEDDER_URL environment variable or `<run_dir>/ports/embedder.json`,
+looked up again for every group: the teacher starts and keeps scoring
+(identity views only, counted in opsd_embedder_fallbacks_total) while the
+embedder is down, and uses it again once it is back. Calls it with the
+run's OPSD_API_TOKEN, without which it refuses to start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
+import sys
 from pathlib import Path
 
 from opsd import metrics
+from opsd.auth import api_token
 from opsd.chat import ChatFormat
 from opsd.models import load_backend
 from opsd.queue import StreamNames
@@ -25,32 +30,40 @@ from services.teacher.scoring import EmbedderClient, score_group
 ROLE = "teacher"
 
 
-def embedder_url(run_dir: Path, timeout_s: float = 300.0) -> str:
-    """The embedder's base URL: OPSD_EMBEDDER_URL, else the port file it writes (waits for it)."""
+def embedder_url(run_dir: Path) -> str | None:
+    """The embedder's base URL: OPSD_EMBEDDER_URL, else from the port file it writes; None while there is none."""
     if os.environ.get("OPSD_EMBEDDER_URL"):
         return os.environ["OPSD_EMBEDDER_URL"]
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
+    try:
         info = read_port(run_dir, "embedder")
-        if info:
-            host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
-            return f"http://{host}:{info['port']}"
-        time.sleep(0.5)
-    raise TimeoutError(f"embedder did not announce its port in {run_dir / 'ports'} within {timeout_s:.0f}s")
+        if not info:
+            return None
+        host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
+        return f"http://{host}:{int(info['port'])}"
+    except (OSError, ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        logging.getLogger(ROLE).warning("unreadable embedder port file (%s)", e)
+        return None
 
 
 def main() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg = proc.cfg
     log = logging.getLogger(ROLE)
+    token = None
+    if cfg.run.method == "alignopsd":
+        try:
+            token = api_token()
+        except RuntimeError as e:  # before loading the model: fail in a second, with the reason
+            sys.exit(f"teacher: {e}")
     proc.serve(port=cfg.teacher.metrics_port)
 
     backend = load_backend(cfg.model)
     chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     embedder = None
-    if cfg.run.method == "alignopsd":
-        embedder = EmbedderClient(embedder_url(proc.run_dir), cfg.teacher.embedder_timeout_s, cfg.teacher.embedder_retries)
+    if token:
+        embedder = EmbedderClient(lambda: embedder_url(proc.run_dir), token, cfg.teacher.embedder_timeout_s,
+                                  cfg.teacher.embedder_deadline_s)
     streams = StreamNames(cfg.redis.stream_prefix)
     queue = proc.open_queue(streams.rollouts, RolloutGroup, backend.vocab_size)
     proc.status.update(policy_version=backend.policy_version, ready=True)
@@ -66,13 +79,11 @@ def main() -> None:
         metrics.JOB_SECONDS.labels(ROLE).observe(scored.teacher_seconds)
         if stats.gap_tokens:
             metrics.TEACHER_STUDENT_GAP.labels(ROLE).set(stats.gap_sum / stats.gap_tokens)
-        if stats.embedder_fallback:
-            metrics.EMBEDDER_FALLBACKS.labels(ROLE).inc()
         log.info("group %s: %d sources matched (%d dropped), gap %.3f nats/token, %.1fs", group.group_id, stats.sources,
                  stats.dropped_sources, stats.gap_sum / max(stats.gap_tokens, 1), scored.teacher_seconds)
         return scored
 
-    consume_forever(proc, queue, streams.scored, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms)
+    consume_forever(proc, queue, streams.scored, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms, out_group="trainer")
     log.info("stopped")
 
 

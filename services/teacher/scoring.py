@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 import numpy as np
 
+from opsd import metrics
 from opsd.chat import ChatFormat, decode, parse_response
 from opsd.config import RunConfig
 from opsd.credit import alignopsd
@@ -46,31 +48,64 @@ class TeacherStats:
     dropped_sources: int = 0  # matched views past the context budget or of weight 0 (left out of selected_sources_M)
 
 
-class EmbedderClient:
-    """httpx client for the embedder's /correspond, with retries and exponential backoff."""
+class EmbedderUnavailable(RuntimeError):
+    """The embedder did not answer (connection errors, 5xx, no port announced) before the deadline."""
 
-    def __init__(self, base_url: str, timeout_s: float, retries: int):
-        self.client = httpx.Client(base_url=base_url, timeout=timeout_s)
-        self.retries = retries
+
+class EmbedderClient:
+    """The embedder's /correspond over HTTP, with the run's bearer token.
+
+    `locate()` gives the embedder's base URL, or None while it has not
+    announced one; it is asked before every attempt, so an embedder that
+    starts late, or restarts on another port, is picked up. Connection
+    errors, timeouts and 5xx are retried with exponential backoff (0.5 s,
+    doubling, at most `max_backoff_s`) until `deadline_s` seconds have
+    passed since the call began; 4xx is not retried (a bad request, or a
+    wrong token, stays one). Each attempt waits at most `timeout_s`.
+    """
+
+    def __init__(self, locate: Callable[[], str | None], token: str, timeout_s: float, deadline_s: float,
+                 max_backoff_s: float = 8.0):
+        self.locate = locate
+        self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
+        self.max_backoff_s = max_backoff_s
+        self.client = httpx.Client(headers={"Authorization": f"Bearer {token}"})
 
     def correspond(self, payload: dict) -> dict:
-        """POST /correspond; raises httpx.HTTPError after `retries` failed retries."""
+        """POST /correspond with `payload` (a CorrespondRequest as JSON); returns the decoded JSON answer.
+
+        Raises httpx.HTTPStatusError at once for a 4xx, EmbedderUnavailable
+        when the deadline passes without an answer, ValueError for a body
+        that is not JSON.
+        """
+        start = time.monotonic()
         delay = 0.5
-        for attempt in range(self.retries + 1):
+        attempts = 0
+        while True:
+            attempts += 1
+            left = self.deadline_s - (time.monotonic() - start)
+            url = self.locate()
             try:
-                r = self.client.post("/correspond", json=payload)
+                if url is None:
+                    raise EmbedderUnavailable("the embedder has not announced its port")
+                r = self.client.post(f"{url.rstrip('/')}/correspond", json=payload,
+                                     timeout=min(self.timeout_s, max(left, 0.1)))
                 r.raise_for_status()
                 return r.json()
-            except httpx.HTTPError as e:
-                # 4xx is our bug or bad input: retrying cannot help.
-                if isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500:
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code < 500:
                     raise
-                if attempt == self.retries:
-                    raise
-                log.warning("embedder call failed (%s); retry %d in %.1fs", e, attempt + 1, delay)
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
+                err: Exception = e
+            except (httpx.TransportError, EmbedderUnavailable) as e:
+                err = e
+            left = self.deadline_s - (time.monotonic() - start)
+            if left <= 0:
+                raise EmbedderUnavailable(
+                    f"no answer after {attempts} attempts in {self.deadline_s:.1f}s; last error: {err}") from err
+            log.warning("embedder call failed (%s); attempt %d in %.1fs", err, attempts + 1, min(delay, left))
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, self.max_backoff_s)
 
 
 def score_group(
@@ -88,7 +123,8 @@ def score_group(
     responses after each source turn's privileged history. Without an
     embedder (methods other than AlignOPSD) there is no generation and no
     pass 2. When the embedder fails, every turn falls back to its identity
-    view (alpha = 0) and `identity_fallback` is set.
+    view (alpha = 0), `identity_fallback` is set and the group is counted
+    in opsd_embedder_fallbacks_total.
 
     Also filled (see `ScoredGroup`): teacher_entropy_S (pass 1, T = 1),
     teacher_response_M / student_thinking_M / student_action_M /
@@ -176,9 +212,10 @@ def score_group(
                     resp.student_thinking_emb, resp.teacher_thinking_emb, resp.student_action_emb, resp.teacher_action_emb)]
                 for emb_MD, txt in zip(embeddings, texts):
                     emb_MD[[not x for x in txt]] = 0.0  # empty/invalid text embeds to zero (the embedder does so too)
-        except (httpx.HTTPError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        except (httpx.HTTPError, EmbedderUnavailable, ValueError) as e:  # pydantic's ValidationError is a ValueError
             log.warning("group %s: embedder unavailable (%s); identity views only", group.group_id, e)
             stats.embedder_fallback = True
+            metrics.EMBEDDER_FALLBACKS.labels("teacher").inc()
 
     # Pass 2: each target's response under each matched source turn's privileged history.
     wanted: dict[int, dict[int, list[int]]] = {}  # source trajectory -> source turn -> target rows

@@ -1,12 +1,16 @@
-"""The run directory's record: metrics.jsonl (one line a step) and a PNG of the curves."""
+"""The run directory's record: metrics.jsonl (one line a step), a PNG of the curves, and what a line holds."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+
+from opsd.types import RolloutGroup, ScoredGroup
 
 matplotlib.use("Agg")  # headless: no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
@@ -20,18 +24,70 @@ PLOTTED = (
 )
 
 
+def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> dict[str, float]:
+    """Rollout and teacher statistics of a step (rates in [0, 1], gaps in nats per loss token)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    turns = [k for t in trajs for k in t.turns]
+    out = {
+        "episodes": len(trajs),
+        "turns": len(turns),
+        "reward_mean": float(np.mean([t.reward for t in trajs])) if trajs else 0.0,
+        "success_rate": float(np.mean([t.won for t in trajs])) if trajs else 0.0,
+        "format_valid_rate": float(np.mean([k.format_valid for k in turns])) if turns else 0.0,
+        "truncated_turn_rate": float(np.mean([k.finish_reason == "length" for k in turns])) if turns else 0.0,
+        # A reply cut by the token cap is truncated, not a format error (bad-input case 16).
+        "format_error_rate": float(np.mean([k.format_error for k in turns])) if turns else 0.0,
+        "mixed_groups": sum(len({t.reward for t in g.trajectories}) > 1 for g in groups),
+        "rollout_seconds": float(sum(g.rollout_seconds for g in groups)),
+        "generated_tokens": int(sum(t.loss_mask_S.sum() for t in trajs)),
+    }
+    if scored:
+        gap = corr = n = 0.0
+        for sg in scored:
+            for t, lp, clp in zip(sg.rollout.trajectories, sg.teacher_logprobs_S, sg.corrected_logprobs_S):
+                m = t.loss_mask_S == 1
+                gap += float((lp[m] - t.sampler_logprobs_S[m]).sum())
+                corr += float((clp[m] - t.sampler_logprobs_S[m]).sum())
+                n += float(m.sum())
+        out["teacher_student_gap"] = gap / max(n, 1.0)
+        out["corrected_gap"] = corr / max(n, 1.0)
+        out["teacher_seconds"] = float(sum(sg.teacher_seconds for sg in scored))
+        out["embedder_fallbacks"] = sum(sg.identity_fallback for sg in scored)
+        out["matched_turn_rate"] = float(np.mean([bool(s) for sg in scored for s in sg.selected_sources_M])) if turns else 0.0
+    return out
+
+
+def _line(record: dict) -> str:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return json.dumps(clean) + "\n"
+
+
 def append_metrics(run_dir: Path, record: dict) -> None:
     """Append one step's record to metrics.jsonl (non-finite values written as null, never NaN)."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
     with open(Path(run_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(clean) + "\n")
+        f.write(_line(record))
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """Replace the JSON-lines file `path` with `records` atomically (temp file + rename; nulls for non-finite)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(_line(r) for r in records))
+    os.replace(tmp, path)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of `<run_dir>/metrics.jsonl` ([] without the file); a torn last line (a crash mid-write) is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def plot_metrics(run_dir: Path) -> Path:

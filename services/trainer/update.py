@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from opsd.config import SDARSection, TrainerSection
-from opsd.credit.policy_loss import entropy_from_logits, ppo_loss, sdar_loss, token_logprobs
+from opsd.credit.policy_loss import (
+    entropy_from_logits, ppo_loss, sampler_mismatch_k3, sdar_loss, token_logprobs, truncated_is_weight,
+)
 from opsd.models.hf import autocast
 
 
@@ -63,7 +65,12 @@ def ppo_update(
     epochs reuse it. Log-probs are taken at the sampling `temperature`, the
     distribution the tokens were drawn from (bad-input case 6); `dtype` is the
     forward-pass convention shared with the sampler. `sampler_logprob_mismatch` = mean |sampler - trainer|
-    log-prob over loss tokens (nats), the sampler/trainer agreement check.
+    log-prob over loss tokens (nats), the sampler/trainer agreement check;
+    `mismatch_kl` = token-mean of k3 = exp(d) - 1 - d, d = pi_old - sampler
+    (an estimate of KL(sampler || trainer), nats/token, >= 0; spec §5).
+    With `cfg.truncated_is` each token's policy-gradient term is weighted by
+    min(exp(clip(pi_old - sampler, +-20)), cfg.tis_cap) (spec §5), fixed
+    from the first epoch like pi_old.
 
     Sequences without loss tokens add nothing to the loss or its gradient and
     are left out. Sequences holding a token id outside the model's vocabulary
@@ -88,13 +95,16 @@ def ppo_update(
     total_tokens = float(sum(float(s.loss_mask_S.sum()) for s in seqs))
     if total_tokens == 0:
         return dict.fromkeys(
-            ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "loss_tokens", "sdar_loss"), 0.0
+            ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "mismatch_kl", "loss_tokens",
+             "sdar_loss"), 0.0
         ) | {"dropped_sequences": float(dropped), "skipped_steps": 0.0}
     model.train()
     micro = [seqs[j : j + cfg.micro_batch_size] for j in range(0, len(seqs), cfg.micro_batch_size)]
     batches = [_pad(mb) for mb in micro]
     old: list[torch.Tensor | None] = [None] * len(batches)
+    is_weight: list[torch.Tensor | None] = [None] * len(batches)
     sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0, "sdar": 0.0}
+    kl_sum = 0.0
     grad_norm = 0.0
     skipped = 0
     for _epoch in range(cfg.ppo_epochs):
@@ -110,12 +120,17 @@ def ppo_update(
             mask = b["mask"][:, 1:]
             if old[j] is None:
                 old[j] = lp.detach()
+                sampler = b["sampler"][:, 1:]
                 n = mask.sum().clamp_min(1)
-                epoch["mismatch"] += float(((lp.detach() - b["sampler"][:, 1:]).abs() * mask).sum() / n) * float(mask.sum()) / max(total_tokens, 1)
+                epoch["mismatch"] += float(((lp.detach() - sampler).abs() * mask).sum() / n) * float(mask.sum()) / max(total_tokens, 1)
+                # A NaN trainer log-prob (its epoch is skipped, see skipped_steps) adds 0, not NaN.
+                kl_sum += float(sampler_mismatch_k3(old[j], sampler, mask).nan_to_num(nan=0.0).sum())
+                if cfg.truncated_is:
+                    is_weight[j] = truncated_is_weight(old[j], sampler, cfg.tis_cap)
             loss, m = ppo_loss(
                 lp, old[j], b["adv"][:, 1:], mask, total_tokens,
                 cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                entropy_BT=ent, entropy_coef=cfg.entropy_coef,
+                entropy_BT=ent, entropy_coef=cfg.entropy_coef, is_weight_BT=is_weight[j],
             )
             if use_sdar:
                 aux, _ = sdar_loss(lp, b["teacher"][:, 1:], mask, total_tokens, sdar.coef, sdar.beta)
@@ -146,6 +161,7 @@ def ppo_update(
         "grad_norm": grad_norm,
         "ratio_dev_max": sums["ratio_dev_max"],
         "sampler_logprob_mismatch": sums["mismatch"],
+        "mismatch_kl": kl_sum / total_tokens,
         "loss_tokens": total_tokens,
         "dropped_sequences": float(dropped),
         "skipped_steps": float(skipped),

@@ -1,0 +1,284 @@
+"""The trainer's controller: which tasks go out (admission), which delivered groups are kept.
+
+`TaskIssuer` keeps the tasks of steps [n, n + max_staleness] issued while
+step n is waiting, and records the last issued step in Redis in the same
+MULTI/EXEC as that step's tasks (and their count, field
+`produced:<tasks stream>` of the run's counts hash), so a resumed trainer
+never issues a step twice and a Redis that lost its data gets the missing
+tasks again.
+
+`Collector` holds every delivered group from delivery to acknowledgement:
+buffered (waiting for its step), trained (waiting for a checkpoint that
+covers it) or dropped (waiting for its ack). It refreshes all of them while
+waiting, so `reclaim` never hands a held group to anyone, and it drops, acks,
+counts and logs duplicates and stale groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import redis
+
+from opsd import metrics, wire
+from opsd.queue import Delivery, StreamNames, StreamQueue
+from opsd.types import TaskGroup
+
+log = logging.getLogger("trainer")
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+def group_id(step: int, task_id: str) -> str:
+    """A group's id: the same in every run of a config (rollout and teacher derive their seeds from it)."""
+    return f"s{step:05d}-{task_id}"
+
+
+def step_tasks(cfg, games: list, step: int, version: int) -> list[TaskGroup]:
+    """The step's TaskGroups: `env.num_games` distinct games drawn from the pool with a per-step seed, policy `version`."""
+    rng = random.Random(cfg.run.seed * 7919 + step)
+    picked = rng.sample(games, k=min(cfg.env.num_games, len(games)))
+    return [
+        TaskGroup(
+            group_id=group_id(step, g.task_id),
+            task_id=g.task_id,
+            step=step,
+            policy_version=version,
+            group_size=cfg.rollout.group_size,
+            env=cfg.env.name,
+            game=g.to_dict(),
+            privileged_info=g.privileged_info(),
+            max_turns=cfg.env.max_turns,
+        )
+        for g in picked
+    ]
+
+
+class TaskIssuer:
+    """Issues each step's tasks once, ahead of training by at most `cfg.run.max_staleness` steps.
+
+    client: redis-py client (bytes replies); cfg: RunConfig; games: the task
+    pool (`opsd.envs.textworld.make_games`); max_bytes: message size limit.
+    """
+
+    def __init__(self, client: redis.Redis, cfg, games: list, max_bytes: int):
+        self.client = client
+        self.cfg = cfg
+        self.games = games
+        self.max_bytes = max_bytes
+        self.streams = StreamNames(cfg.redis.stream_prefix)
+        self.key = f"{cfg.redis.stream_prefix}:issued_step"
+
+    def top_up(self, step: int, version: int) -> list[int]:
+        """Issue, with policy `version`, the tasks of every step in [step, step + max_staleness] (below run.steps)
+        not issued yet; returns the steps issued now.
+
+        Issued means at most `<prefix>:issued_step`; when that key is missing
+        (a fresh run, or a Redis that lost its data) issuing starts at `step`.
+        Raises redis.RedisError (a step is issued whole or not at all) or WireError.
+        """
+        raw = self.client.get(self.key)
+        first = step if raw is None else max(int(raw) + 1, step)
+        last = min(step + self.cfg.run.max_staleness, self.cfg.run.steps - 1)
+        if raw is None and first <= last and step > 0:
+            log.warning("%s is missing (Redis lost its data?): issuing steps %d..%d again", self.key, first, last)
+        for s in range(first, last + 1):
+            tasks = step_tasks(self.cfg, self.games, s, version)
+            pipe = self.client.pipeline(transaction=True)
+            for task in tasks:
+                pipe.xadd(self.streams.tasks, {"data": wire.encode(task, self.max_bytes)})
+            pipe.hincrby(self.streams.counts, f"produced:{self.streams.tasks}", len(tasks))
+            pipe.set(self.key, s)
+            pipe.execute()
+        return list(range(first, last + 1))
+
+
+def _task(msg) -> TaskGroup:
+    """The TaskGroup of a RolloutGroup or ScoredGroup."""
+    return msg.rollout.task if hasattr(msg, "rollout") else msg.task
+
+
+class Collector:
+    """The trainer's delivered groups from delivery to acknowledgement (module docstring).
+
+    queue: the StreamQueue of the trainer's input (rollouts or scored);
+    max_staleness: k, the largest accepted `trainer version - group version`;
+    applied / counts: restored from a checkpoint (`TrainerState`).
+    """
+
+    def __init__(self, queue: StreamQueue, max_staleness: int, applied: list[str] | None = None,
+                 counts: dict[str, int] | None = None, role: str = "trainer"):
+        self.queue = queue
+        self.max_staleness = max_staleness
+        self.role = role
+        self.applied: list[str] = list(applied or [])
+        self._applied_ids = {key.rsplit("@v", 1)[0] for key in self.applied}
+        self.counts = {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 0, **(counts or {})}
+        self.buffer: dict[str, tuple[str, object]] = {}  # group id -> (entry id, message)
+        self.trained: list[str] = []  # entry ids trained on, held until a checkpoint covers them
+        self.to_ack: list[str] = []  # entry ids to acknowledge (dropped, or covered by a checkpoint)
+        self.last_staleness = 0  # max (trainer version - group version) of the last step taken
+
+    def held(self) -> list[str]:
+        """Entry ids this collector holds (pending for this consumer, not to be reclaimed)."""
+        return [eid for eid, _ in self.buffer.values()] + self.trained + self.to_ack
+
+    def poll(self, version: int, step: int, block_ms: int, reclaim_idle_ms: int, count: int = 8) -> None:
+        """Refresh held entries, ack what waits for it, then take in up to `count` reclaimed and `count` new deliveries.
+
+        version: the trainer's policy version now; step: the next step to
+        train. Raises redis.RedisError; state stays consistent (call again).
+        """
+        self.queue.keep_alive(self.held())
+        self.flush()
+        for d in self.queue.reclaim(reclaim_idle_ms, count) + self.queue.consume(block_ms, count):
+            self.offer(d, version, step)
+        self.flush()
+
+    def offer(self, d: Delivery, version: int, step: int) -> str:
+        """Classify one delivery; returns "held" (an entry already held), "buffered", "duplicate" or "stale".
+
+        In this order: duplicate if its group was trained before (in
+        `applied`, any version: a step trains each of its tasks once); stale
+        if more than max_staleness versions behind `version`; duplicate if
+        another entry of it is buffered; stale if its step is already trained
+        (it was never one of that step's tasks). Dropped entries are queued
+        for ack (`flush`), counted and logged.
+        """
+        eid, gid = d.entry_id, d.msg.group_id
+        if eid in self.held():
+            return "held"  # re-claimed after a long step: still ours, nothing new
+        task = _task(d.msg)
+        lag = version - task.policy_version
+        if gid in self._applied_ids:
+            reason, why = "duplicate", f"already trained ({self._applied_key(gid)})"
+        elif lag > self.max_staleness:
+            reason, why = "stale", f"policy version {task.policy_version} is {lag} behind {version} (max {self.max_staleness})"
+        elif gid in self.buffer:
+            reason, why = "duplicate", f"entry {self.buffer[gid][0]} of it is buffered"
+        elif task.step < step:
+            reason, why = "stale", f"its step {task.step} is already trained and it was not one of its tasks"
+        else:
+            self.buffer[gid] = (eid, d.msg)
+            return "buffered"
+        self._drop(eid, gid, reason, why)
+        return reason
+
+    def _applied_key(self, gid: str) -> str:
+        return next(key for key in reversed(self.applied) if key.rsplit("@v", 1)[0] == gid)
+
+    def take(self, group_ids: list[str], step: int, version: int) -> list | None:
+        """The messages of `group_ids` in that order once all are buffered (else None, nothing changes).
+
+        They move to `trained` (held until `release_trained`) and into
+        `applied` as "group_id@v<group version>"; buffered groups of `step` or
+        earlier that are not among them are dropped as stale. Also sets the
+        GROUP_STALENESS gauge; `last_staleness` is the step's max lag.
+        """
+        if any(gid not in self.buffer for gid in group_ids):
+            return None
+        msgs = []
+        self.last_staleness = 0
+        for gid in group_ids:
+            eid, msg = self.buffer.pop(gid)
+            msgs.append(msg)
+            self.trained.append(eid)
+            v = _task(msg).policy_version
+            self.applied.append(f"{gid}@v{v}")
+            self._applied_ids.add(gid)
+            self.last_staleness = max(self.last_staleness, version - v)
+        self.counts["trained"] += len(msgs)
+        for gid, (eid, msg) in list(self.buffer.items()):
+            if _task(msg).step <= step:
+                del self.buffer[gid]
+                self._drop(eid, gid, "stale", f"not one of step {step}'s tasks")
+        metrics.GROUP_STALENESS.labels(self.role).set(self.last_staleness)
+        return msgs
+
+    def release_trained(self) -> None:
+        """A checkpoint now covers every trained group: queue their entries for ack (see `flush`)."""
+        self.to_ack += self.trained
+        self.trained = []
+
+    def flush(self) -> int:
+        """Acknowledge the queued entries; returns how many Redis still had pending for this consumer.
+
+        Raises redis.RedisError; the entries not acknowledged yet stay queued.
+        """
+        done = 0
+        while self.to_ack:
+            done += int(self.queue.ack(self.to_ack[0]))
+            self.to_ack.pop(0)
+        return done
+
+    def _drop(self, eid: str, gid: str, reason: str, why: str) -> None:
+        self.counts[f"dropped_{reason}"] += 1
+        metrics.GROUPS_DROPPED.labels(self.role, reason).inc()
+        log.warning("dropped group %s (entry %s) as %s: %s", gid, eid, reason, why)
+        self.to_ack.append(eid)
+
+
+class Backoff:
+    """Waits after a Redis connection failure: 1 s, doubling to 30 s; `reset` after a success."""
+
+    def __init__(self, role: str, stop: threading.Event, first_s: float = 1.0, max_s: float = 30.0):
+        self.role, self.stop, self.first_s, self.max_s = role, stop, first_s, max_s
+        self.delay = first_s
+
+    def wait(self, error: Exception) -> None:
+        """Log and count the failure, then sleep (returns early when `stop` is set)."""
+        metrics.REDIS_RECONNECTS.labels(self.role).inc()
+        log.warning("redis unavailable (%s: %s); retrying in %.0fs", type(error).__name__, error, self.delay)
+        self.stop.wait(self.delay)
+        self.delay = min(self.delay * 2, self.max_s)
+
+    def reset(self) -> None:
+        self.delay = self.first_s
+
+    def retry(self, fn):
+        """fn() until it succeeds without a Redis connection error; None if it failed once `stop` was set.
+
+        Always tries at least once, so a stopping trainer still acks what its last checkpoint covers.
+        """
+        while True:
+            try:
+                out = fn()
+            except REDIS_ERRORS as e:
+                if self.stop.is_set():
+                    log.warning("redis unavailable while stopping (%s); left for the next start", e)
+                    return None
+                self.wait(e)
+                continue
+            self.reset()
+            return out
+
+
+def wait_for_groups(stop: threading.Event, cfg, issuer: TaskIssuer, collector: Collector, backoff: Backoff,
+                    group_ids: list[str], step: int, version: int) -> list | None:
+    """Issue what the window allows and collect until every group of `group_ids` (step `step`) is here.
+
+    Returns their messages in `group_ids` order, or None when `stop` was set.
+    Redis connection failures are ridden out with `backoff` (state kept).
+    Raises TimeoutError after `cfg.run.step_timeout_s` without all groups.
+    """
+    deadline = time.monotonic() + cfg.run.step_timeout_s
+    while not stop.is_set():
+        try:
+            issuer.top_up(step, version)  # every round: a Redis that lost its data must get the tasks again
+            msgs = collector.take(group_ids, step, version)
+            if msgs is not None:
+                return msgs
+            collector.poll(version, step, cfg.redis.block_ms, cfg.redis.reclaim_idle_ms)
+            collector.queue.depth()
+            backoff.reset()
+        except REDIS_ERRORS as e:
+            backoff.wait(e)
+        if time.monotonic() > deadline:
+            missing = sorted(set(group_ids) - set(collector.buffer))
+            raise TimeoutError(
+                f"step {step}: groups {missing} did not arrive within {cfg.run.step_timeout_s:.0f}s "
+                f"(see the dead-letter stream {collector.queue.dead_stream} and the workers' logs)"
+            )
+    return None

@@ -1,0 +1,379 @@
+"""Randomized fault soak: SIGKILL the roles of a real `opsd run` (and its Redis) at random, then check the books.
+
+    python -m tests.soak --kills 8 --steps 12 [--seed 0] [--out DIR]
+
+Runs method alignopsd (embedder, rollout, teacher, trainer) with
+run.max_staleness 1 on the tiny model (tests/tiny_model.py) against a
+redis-server this script owns (append-only file, fsync always). A seeded RNG
+picks when to strike (a uniform gap of `gap_s` seconds) and what: every
+target once in a random order, then any. Targets: a role, "redis", or
+"trainer@checkpoint" (the trainer the moment its next checkpoint lands,
+before it acknowledges what the checkpoint covers). A killed role is
+restarted by `opsd run`'s supervisor; a killed redis-server is started again
+on its data dir. Faults start once step 0 is logged. After the last kill the
+soak waits for the run to finish and checks:
+
+  * the run finished: exit code 0, DONE, the checkpoint at run.steps;
+  * tasks issued (counts hash field produced:<tasks>) == run.steps x env.num_games;
+  * groups produced into the trainer's input stream (produced:<scored>) ==
+    groups trained (distinct group ids in the final checkpoint's `applied`) +
+    groups dropped as stale (the checkpoint's counts);
+  * no group id twice in `applied`, none that was never issued, and every
+    issued group trained, dropped as stale or dead-lettered.
+
+The report (kills per target, produced, trained, dropped as stale,
+redeliveries deduplicated, dead letters by reason, restarts, violations) is
+printed and written to <run_dir>/soak_report.json. The helpers here also
+drive tests/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python tests/soak.py` as well as `python -m tests.soak`
+    sys.path.insert(0, str(REPO))
+
+from opsd.config import RunConfig  # noqa: E402
+from opsd.queue import StreamNames  # noqa: E402
+from opsd.redis_server import LocalRedis, connect  # noqa: E402
+
+CONFIG = REPO / "tests" / "configs" / "faults.yaml"
+ROLES = ("embedder", "rollout", "teacher", "trainer")
+# The trainer killed as its checkpoint lands (or mid-swap), before it acknowledges the groups that checkpoint
+# covers, when the kill is in time: its successor gets them again and must drop them as duplicates.
+CHECKPOINT_KILL = "trainer@checkpoint"
+TARGETS = ROLES + ("redis", CHECKPOINT_KILL)
+
+
+def write_config(path: Path, model_dir: Path, **sections: dict) -> Path:
+    """tests/configs/faults.yaml with model.name = `model_dir` and each `sections[name]` merged over its section.
+
+    Returns `path` (written as YAML).
+    """
+    data = yaml.safe_load(CONFIG.read_text())
+    data["model"]["name"] = str(model_dir)
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    return Path(path)
+
+
+def run_env(redis_url: str | None = None, **extra: str) -> dict[str, str]:
+    """This process's environment for an `opsd run`: REDIS_URL = `redis_url` (None: it starts its own), one OMP thread."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    return env
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of a process from /proc, None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the command name (in parentheses) may hold spaces
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not reaped yet, counts as gone)."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), found by parent pid in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
+            children.setdefault(st[1], []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def wait_until(pred: Callable[[], object], timeout_s: float, what: str, run: "OpsdRun | None" = None, poll_s: float = 0.05):
+    """Poll `pred()` until it returns a truthy value (returned).
+
+    Raises AssertionError (with the run's output tail) if `run` exits first,
+    TimeoutError after `timeout_s` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if run is not None and run.proc.poll() is not None:
+            raise AssertionError(f"opsd run exited ({run.proc.returncode}) while waiting for {what}:\n{run.output()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+class OpsdRun:
+    """`opsd run ARGS` as a child process in its own session, output appended to `log`.
+
+    Its roles are its children (each in a session of its own, so signals to
+    the CLI's process group do not reach them: `crash` finds them by parent pid).
+    """
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str]):
+        self.log = Path(log)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "opsd.cli", "run", *args], cwd=REPO, env=env,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def role_pid(self, role: str) -> int | None:
+        """Pid of the live process running `python -m services.<role>` under this run, None while there is none."""
+        for pid in descendants(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"services.{role}".encode() in argv and alive(pid):
+                return pid
+        return None
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the CLI to exit; returns its exit code. On timeout: `crash` it, raise TimeoutError with the output tail."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.crash()
+            raise TimeoutError(f"opsd run did not finish within {timeout_s:.0f}s:\n{self.output()[-4000:]}") from None
+
+    def crash(self) -> list[int]:
+        """Freeze the CLI and every process below it (roles, embedded redis-server), then SIGKILL them all.
+
+        Like a machine losing power: nobody runs a handler or notices the
+        others die first. Returns the pids killed; waits until they are gone.
+        """
+        pids = [self.proc.pid] + descendants(self.proc.pid)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        self.proc.wait(timeout=30)
+        wait_until(lambda: not any(alive(p) for p in pids), 30, "killed processes to go away")
+        return pids
+
+
+def kill_role(run: OpsdRun, role: str, timeout_s: float = 120.0, when: Callable[[], bool] | None = None) -> int | None:
+    """SIGKILL the live process of `role` (waiting up to `timeout_s` s for one); returns its pid once it is gone.
+
+    With `when`, the kill waits (polling every 2 ms, at most `timeout_s` s)
+    until `when()` is true; None (no kill) if that process died meanwhile.
+    """
+    pid = wait_until(lambda: run.role_pid(role), timeout_s, f"live {role} process", run)
+    if when is not None:
+        wait_until(lambda: when() or not alive(pid), timeout_s, f"the moment to kill {role}", run, poll_s=0.002)
+        if not alive(pid):
+            return None
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not alive(pid), 30, f"{role} {pid} to die")
+    return pid
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step of <run_dir>/checkpoint/trainer_state.json, None while there is none (or it is being swapped in)."""
+    try:
+        return int(json.loads((Path(run_dir) / "checkpoint" / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _dead_letters(client, names: StreamNames) -> list[dict]:
+    """The dead-letter stream's entries: reason, source stream and (when its bytes decode) the group id."""
+    from opsd import wire
+    from opsd.types import RolloutGroup, ScoredGroup, TaskGroup
+
+    classes = {names.tasks: TaskGroup, names.rollouts: RolloutGroup, names.scored: ScoredGroup}
+    out = []
+    for _, fields in client.xrange(names.dead):
+        source = fields.get(b"source_stream", b"").decode()
+        gid = None
+        if source in classes:
+            try:
+                gid = wire.decode(fields.get(b"data", b""), classes[source], 1 << 30).group_id
+            except wire.WireError:
+                pass
+        out.append({"reason": fields.get(b"reason", b"").decode(), "source": source, "group_id": gid})
+    return out
+
+
+def accounting(run_dir: Path, client) -> dict:
+    """The books of a finished run: its Redis counts hash and dead letters against its final checkpoint.
+
+    run_dir: the run directory (config.yaml, checkpoint/, logs/); client: a
+    redis-py client (bytes replies) on the run's Redis. Returns a dict with
+    `violations`: one line per broken invariant (module docstring), [] if none.
+    Raises FileNotFoundError without a checkpoint.
+    """
+    from opsd.envs.textworld import make_games
+    from services.trainer.controller import step_tasks
+    from services.trainer.report import read_metrics
+
+    run_dir = Path(run_dir)
+    cfg = RunConfig.load(run_dir / "config.yaml")
+    names = StreamNames(cfg.redis.stream_prefix)
+    counts = {k.decode(): int(v) for k, v in client.hgetall(names.counts).items()}
+    state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
+    applied = [key.rsplit("@v", 1)[0] for key in state["applied"]]
+    trained = set(applied)
+    games = make_games(cfg.env, cfg.cache_root)
+    issued = {t.group_id for s in range(cfg.run.steps) for t in step_tasks(cfg, games, s, 0)}
+    dead = _dead_letters(client, names)
+    dead_ids = {d["group_id"] for d in dead if d["group_id"]}
+    input_stream = names.scored if cfg.needs_teacher else names.rollouts
+    produced = {s.rsplit(":", 1)[1]: counts.get(f"produced:{s}", 0) for s in (names.tasks, names.rollouts, names.scored)}
+    stale = int(state["counts"].get("dropped_stale", 0))
+    trainer_log = run_dir / "logs" / "trainer.log"
+    logged_duplicates = trainer_log.read_text(errors="replace").count(" as duplicate: ") if trainer_log.exists() else 0
+    summary_path = run_dir / "run_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    report = {
+        "steps_trained": state["step"], "steps": cfg.run.steps, "finished": (run_dir / "DONE").exists(),
+        "produced": produced, "trained": len(trained), "applied_entries": len(applied),
+        "dropped_stale": stale,
+        "redeliveries_deduplicated": {"checkpoint": int(state["counts"].get("dropped_duplicate", 0)),
+                                      "trainer_log": logged_duplicates},
+        "dead_lettered": dict(Counter(d["reason"] for d in dead)), "restarts": summary.get("restarts", {}),
+        "embedder_fallbacks": sum(int(r.get("embedder_fallbacks") or 0) for r in read_metrics(run_dir)),
+    }
+    violations = []
+    if not report["finished"] or state["step"] != cfg.run.steps:
+        violations.append(f"run not finished: checkpoint at step {state['step']} of {cfg.run.steps}, DONE {report['finished']}")
+    if produced["tasks"] != len(issued):
+        violations.append(f"tasks issued {produced['tasks']} != {len(issued)} (run.steps x env.num_games)")
+    n_in = produced[input_stream.rsplit(":", 1)[1]]
+    if n_in != len(trained) + stale:
+        violations.append(f"produced into {input_stream} {n_in} != trained {len(trained)} + dropped stale {stale}")
+    if len(applied) != len(trained):
+        twice = sorted(g for g, n in Counter(applied).items() if n > 1)
+        violations.append(f"groups trained more than once: {twice}")
+    if trained - issued:
+        violations.append(f"trained groups that were never issued: {sorted(trained - issued)}")
+    unaccounted = issued - trained - dead_ids
+    if len(unaccounted) > stale:
+        violations.append(f"issued groups neither trained, dead-lettered nor dropped as stale: {sorted(unaccounted)}")
+    report["violations"] = violations
+    return report
+
+
+def soak(kills: int, steps: int, seed: int = 0, out_dir: Path | None = None, gap_s: tuple[float, float] = (4.0, 12.0),
+         targets: tuple[str, ...] = TARGETS, timeout_s: float = 1800.0, log: Callable[[str], None] = print,
+         model_dir: Path | None = None) -> dict:
+    """Run the soak (module docstring); returns the report, also written to <run_dir>/soak_report.json.
+
+    kills: faults to inject (fewer if the run finishes first: see
+    report["kills_done"]); steps: run.steps; seed: the run's seed and the
+    RNG's; out_dir: where the model, Redis data and run go (default: a new
+    temp dir); targets: some of TARGETS (roles, "redis", CHECKPOINT_KILL);
+    timeout_s: for the whole run; model_dir: a tiny model dir to use
+    (default: made in out_dir).
+    Raises TimeoutError if the run does not finish in time.
+    """
+    from tests.tiny_model import make_tiny_model_dir
+
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="opsd-soak-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(model_dir or out_dir / "tiny-model")
+    if not (model_dir / "config.json").exists():
+        make_tiny_model_dir(model_dir)
+    cfg_path = write_config(
+        out_dir / "soak.yaml", model_dir,
+        run={"name": "soak", "steps": steps, "seed": seed, "method": "alignopsd", "max_staleness": 1,
+             "max_restarts": 10_000, "step_timeout_s": 900},
+        redis={"max_deliveries": 10_000},  # every kill of a worker redelivers what it held: not poison
+        teacher={"embedder_deadline_s": 60},
+    )
+    rng = random.Random(seed)
+    server = LocalRedis(out_dir / "redis.log", data_dir=out_dir / "redis", appendonly=True).start()
+    t0 = time.monotonic()
+    run = OpsdRun([str(cfg_path), "--output-dir", str(out_dir / "runs")], out_dir / "opsd.log", run_env(server.url))
+    events: list[dict] = []
+    try:
+        run_dir = wait_until(lambda: next((p for p in (out_dir / "runs").glob("soak-*") if p.is_dir()), None), 120,
+                             "run directory", run)
+        metrics = run_dir / "metrics.jsonl"
+        # Faults start once step 0 is logged: they should hit a running pipeline, not only start-ups.
+        wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 600, "step 0", run, poll_s=0.5)
+        order = rng.sample(targets, len(targets))
+        while len(events) < kills:
+            time.sleep(rng.uniform(*gap_s))
+            if run.proc.poll() is not None or (run_dir / "DONE").exists():
+                break
+            target = order[len(events)] if len(events) < len(order) else rng.choice(targets)
+            if target == "redis":
+                pid = server.process.pid
+                server.process.kill()
+                server.process.wait()
+                server.restart(down_s=rng.uniform(0.5, 3.0))
+            elif target == CHECKPOINT_KILL:
+                before = checkpoint_step(run_dir)
+                pid = kill_role(run, "trainer", when=lambda: checkpoint_step(run_dir) != before or (run_dir / "DONE").exists())
+            else:
+                pid = kill_role(run, target)
+            events.append({"t": round(time.monotonic() - t0, 1), "target": target, "pid": pid,
+                           "steps_logged": metrics.read_text().count("\n")})
+            log(f"soak: killed {target} (pid {pid}) at {events[-1]['t']}s, {events[-1]['steps_logged']} steps logged")
+        rc = run.wait(max(timeout_s - (time.monotonic() - t0), 1.0))
+        client = connect(server.url, 1000)
+        try:
+            report = accounting(run_dir, client)
+        finally:
+            client.close()
+    finally:
+        if run.proc.poll() is None:
+            run.crash()
+        server.stop()
+    report = {"seed": seed, "exit_code": rc, "wall_seconds": round(time.monotonic() - t0, 1),
+              "kills_done": len(events), "kills": dict(Counter(e["target"] for e in events)), "kill_log": events, **report}
+    if rc != 0:
+        report["violations"].insert(0, f"opsd run exited with code {rc}")
+    (run_dir / "soak_report.json").write_text(json.dumps(report, indent=2))
+    log(json.dumps(report, indent=2))
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=8, help="faults to inject (SIGKILLs)")
+    ap.add_argument("--steps", type=int, default=12, help="run.steps")
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed and the fault RNG's")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default: a new temp dir)")
+    ap.add_argument("--gap", type=float, nargs=2, default=(4.0, 12.0), metavar=("MIN_S", "MAX_S"),
+                    help="seconds between faults, drawn uniformly")
+    ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    args = ap.parse_args()
+    report = soak(args.kills, args.steps, args.seed, args.out, tuple(args.gap), tuple(args.targets.split(",")))
+    sys.exit(0 if not report["violations"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""The trainer's controller on a real redis-server: admission (TaskIssuer), the Collector, weight-file retention."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from opsd import wire
+from opsd.config import RunConfig
+from opsd.queue import StreamNames, StreamQueue, produce_message
+from opsd.types import RolloutGroup, TaskGroup
+from opsd.weights import StalePolicyError, ensure_version, prune_versions, published_versions, weights_path
+from services.trainer.controller import Backoff, Collector, TaskIssuer, group_id, step_tasks, wait_for_groups
+from tests.factories import make_rollout_group
+
+MAX_BYTES = 16 * 1024 * 1024
+pytestmark = pytest.mark.redis
+
+
+@dataclass
+class FakeGame:
+    task_id: str
+
+    def to_dict(self) -> dict:
+        return {"seed": int(self.task_id[-2:])}
+
+    def privileged_info(self) -> str:
+        return f"walkthrough of {self.task_id}"
+
+
+GAMES = [FakeGame(f"tw-{i:02d}") for i in range(6)]
+
+
+def _cfg(prefix: str, steps: int = 5, k: int = 1, num_games: int = 2) -> RunConfig:
+    return RunConfig.model_validate({
+        "run": {"method": "grpo", "steps": steps, "max_staleness": k, "step_timeout_s": 60},
+        "redis": {"stream_prefix": prefix, "block_ms": 100},
+        "env": {"num_games": num_games},
+        "rollout": {"group_size": 2},
+    })
+
+
+def _queue(client, prefix: str, consumer: str = "trainer-1", stream: str = "rollouts", cls=RolloutGroup) -> StreamQueue:
+    names = StreamNames(prefix)
+    q = StreamQueue(client, getattr(names, stream), "trainer" if stream == "rollouts" else "rollout", consumer, cls,
+                    role="trainer-test", max_bytes=MAX_BYTES, dead_stream=names.dead)
+    q.ensure_group()
+    return q
+
+
+def _group(step: int, task_id: str, version: int, seed: int = 0) -> RolloutGroup:
+    g = make_rollout_group(G=2, turns=1, seed=seed)
+    return replace(g, task=replace(g.task, group_id=group_id(step, task_id), task_id=task_id, step=step, policy_version=version))
+
+
+def _produce(client, prefix: str, msg) -> str:
+    return produce_message(client, StreamNames(prefix).rollouts, msg, MAX_BYTES)
+
+
+def _pending(client, prefix: str) -> set[str]:
+    rows = client.xpending_range(StreamNames(prefix).rollouts, "trainer", "-", "+", 100)
+    return {r["message_id"].decode() for r in rows}
+
+
+def _dropped(reason: str) -> float:
+    return REGISTRY.get_sample_value("opsd_groups_dropped_total", {"role": "trainer-test", "reason": reason}) or 0.0
+
+
+def test_group_ids_do_not_depend_on_the_run():
+    a = step_tasks(_cfg("opsd:run-a"), GAMES, 3, 1)
+    b = step_tasks(_cfg("opsd:run-b"), GAMES, 3, 1)
+    assert [t.group_id for t in a] == [t.group_id for t in b]
+    assert all(t.group_id == f"s00003-{t.task_id}" and t.step == 3 and t.policy_version == 1 for t in a)
+
+
+def test_collector_drops_duplicates_and_stale_groups_and_buffers_future_steps(redis_client, stream_prefix):
+    q = _queue(redis_client, stream_prefix)
+    col = Collector(q, max_staleness=1, role="trainer-test")
+    dup0, stale0 = _dropped("duplicate"), _dropped("stale")
+    e_b = _produce(redis_client, stream_prefix, _group(0, "tw-b", 0, seed=2))
+    e_future = _produce(redis_client, stream_prefix, _group(1, "tw-c", 0, seed=3))  # step 1 issued early (k = 1)
+    e_a = _produce(redis_client, stream_prefix, _group(0, "tw-a", 0, seed=1))
+    e_a2 = _produce(redis_client, stream_prefix, _group(0, "tw-a", 0, seed=1))  # a second entry of one group
+    col.poll(version=0, step=0, block_ms=100, reclaim_idle_ms=60_000)
+    assert set(col.buffer) == {"s00000-tw-a", "s00000-tw-b", "s00001-tw-c"}
+    assert col.counts == {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 1}
+    assert _pending(redis_client, stream_prefix) == {e_a, e_b, e_future}  # the duplicate entry is acked at once
+
+    assert col.take(["s00000-tw-a", "s00000-tw-x"], 0, 0) is None  # not all here: nothing moves
+    msgs = col.take(["s00000-tw-a", "s00000-tw-b"], step=0, version=0)
+    assert [m.group_id for m in msgs] == ["s00000-tw-a", "s00000-tw-b"]  # task order, not delivery order
+    assert col.applied == ["s00000-tw-a@v0", "s00000-tw-b@v0"] and col.trained == [e_a, e_b]
+    assert set(col.buffer) == {"s00001-tw-c"}
+
+    # Trainer at version 3: a version-1 group is 2 behind (> k = 1); a trained group comes back (redelivery).
+    e_stale = _produce(redis_client, stream_prefix, _group(3, "tw-d", 1))
+    e_again = _produce(redis_client, stream_prefix, _group(0, "tw-a", 0, seed=1))
+    col.poll(version=3, step=3, block_ms=100, reclaim_idle_ms=60_000)
+    assert col.counts == {"trained": 2, "dropped_stale": 1, "dropped_duplicate": 2}
+    assert _dropped("duplicate") - dup0 == 2 and _dropped("stale") - stale0 == 1
+    pending = _pending(redis_client, stream_prefix)
+    assert e_stale not in pending and e_again not in pending and e_a2 not in pending
+    assert pending == {e_a, e_b, e_future}  # trained (no checkpoint yet) and buffered groups stay held
+
+
+def test_held_groups_are_kept_alive_and_acked_only_after_release(redis_client, stream_prefix):
+    q = _queue(redis_client, stream_prefix)
+    other = _queue(redis_client, stream_prefix, consumer="trainer-2")  # e.g. a second trainer started by mistake
+    col = Collector(q, max_staleness=0, role="trainer-test")
+    e_a = _produce(redis_client, stream_prefix, _group(0, "tw-a", 0))
+    e_next = _produce(redis_client, stream_prefix, _group(1, "tw-b", 0, seed=4))
+    col.poll(0, 0, block_ms=100, reclaim_idle_ms=60_000)
+    assert col.take(["s00000-tw-a"], 0, 0) is not None
+    for _ in range(3):  # waiting for step 1 across a checkpoint_every > 1 gap
+        time.sleep(0.3)
+        col.poll(1, 1, block_ms=1, reclaim_idle_ms=60_000)
+        assert other.reclaim(200, count=10) == []  # idle < 200 ms: the poll refreshed both held entries
+    assert _pending(redis_client, stream_prefix) == {e_a, e_next}
+    # A re-claim of our own held entry (after a step longer than reclaim_idle_ms) changes nothing.
+    (d,) = [d for d in q.reclaim(0, count=10) if d.entry_id == e_a]
+    assert col.offer(d, 1, 1) == "held" and col.counts["dropped_duplicate"] == 0
+
+    col.release_trained()  # a checkpoint now covers step 0
+    assert col.flush() == 1
+    assert _pending(redis_client, stream_prefix) == {e_next}
+    time.sleep(0.3)  # not polled: nothing keeps the buffered entry alive now
+    assert [d.entry_id for d in other.reclaim(200, count=10)] == [e_next]
+
+
+def test_issuer_issues_each_step_once_in_one_transaction(redis_client, stream_prefix):
+    cfg = _cfg(stream_prefix, steps=5, k=2)
+    tasks = StreamNames(stream_prefix).tasks
+    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
+    assert issuer.top_up(0, 0) == [0, 1, 2]
+    assert redis_client.xlen(tasks) == 6 and int(redis_client.get(f"{stream_prefix}:issued_step")) == 2
+    assert int(redis_client.hget(StreamNames(stream_prefix).counts, f"produced:{tasks}")) == 6
+    assert issuer.top_up(0, 0) == []
+    assert TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES).top_up(1, 1) == [3]  # a resumed trainer continues
+    assert issuer.top_up(4, 4) == [4]  # never past run.steps - 1
+    assert issuer.top_up(4, 4) == []
+    entries = redis_client.xrange(tasks)
+    msgs = [wire.decode(fields[b"data"], TaskGroup, MAX_BYTES) for _, fields in entries]
+    assert [(m.step, m.policy_version) for m in msgs] == [(0, 0)] * 2 + [(1, 0)] * 2 + [(2, 0)] * 2 + [(3, 1)] * 2 + [(4, 4)] * 2
+    assert [m.group_id for m in msgs[:2]] == [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+
+    redis_client.delete(f"{stream_prefix}:issued_step")  # Redis lost its data
+    assert issuer.top_up(3, 3) == [3, 4]  # from the current step again, with the current version
+    assert [wire.decode(f[b"data"], TaskGroup, MAX_BYTES).policy_version for _, f in redis_client.xrange(tasks)[-4:]] == [3] * 4
+
+
+@dataclass
+class HugeGame(FakeGame):
+    def privileged_info(self) -> str:
+        return "x" * 20_000
+
+
+def test_issuer_writes_nothing_when_a_step_cannot_be_issued_whole(redis_client, stream_prefix):
+    games = [FakeGame("tw-01"), HugeGame("tw-02")]  # both are step 0's tasks; one is over the size limit
+    issuer = TaskIssuer(redis_client, _cfg(stream_prefix), games, max_bytes=4096)
+    with pytest.raises(wire.WireError):
+        issuer.top_up(0, 0)
+    assert redis_client.xlen(StreamNames(stream_prefix).tasks) == 0
+    assert redis_client.get(f"{stream_prefix}:issued_step") is None
+    assert redis_client.hget(StreamNames(stream_prefix).counts, f"produced:{StreamNames(stream_prefix).tasks}") is None
+
+
+def _fake_rollout(client, prefix: str, stop: threading.Event) -> None:
+    """Plays every task at once: a RolloutGroup with the task's ids, produced and acked atomically."""
+    q = _queue(client, prefix, consumer="rollout-1", stream="tasks", cls=TaskGroup)
+    out = StreamNames(prefix).rollouts
+    while not stop.is_set():
+        try:
+            for d in q.consume(50, count=8):
+                seed = sum(map(ord, d.msg.group_id))
+                q.produce_then_ack(out, replace(make_rollout_group(G=2, turns=1, seed=seed), task=d.msg), d.entry_id)
+        except redis.RedisError:
+            time.sleep(0.05)
+
+
+def test_wait_for_groups_rides_over_a_redis_that_lost_its_data(redis_url, redis_client, stream_prefix):
+    from opsd.redis_server import connect
+
+    cfg = _cfg(stream_prefix, steps=3, k=1)
+    q = _queue(redis_client, stream_prefix)
+    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
+    col = Collector(q, 1, role="trainer-test")
+    stop = threading.Event()
+    worker = threading.Thread(target=_fake_rollout, args=(connect(redis_url, 100), stream_prefix, stop), daemon=True)
+    worker.start()
+    try:
+        ids0 = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("trainer-test", stop), ids0, 0, 0)
+        assert [m.group_id for m in msgs] == ids0
+        assert int(redis_client.get(f"{stream_prefix}:issued_step")) == 1  # step 1 went out with step 0 (k = 1)
+        deadline = time.monotonic() + 30
+        while len(col.buffer) < 2 and time.monotonic() < deadline:  # step 1's groups arrive while step 0 "trains"
+            col.poll(0, 1, 100, 60_000)
+        assert len(col.buffer) == 2
+        col.release_trained()
+        col.flush()
+
+        # Redis restarts empty: streams, groups and the issued_step key are gone.
+        redis_client.delete(*redis_client.keys(f"{stream_prefix}:*"))
+        ids1 = [t.group_id for t in step_tasks(cfg, GAMES, 1, 1)]
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("trainer-test", stop), ids1, 1, 1)
+        assert [m.group_id for m in msgs] == ids1
+        assert [m.task.policy_version for m in msgs] == [0, 0]  # the buffered originals, issued at version 0
+        deadline = time.monotonic() + 30
+        while col.counts["dropped_duplicate"] < 2 and time.monotonic() < deadline:  # step 1 was issued again
+            col.poll(1, 2, 100, 60_000)
+        assert col.counts["dropped_duplicate"] == 2
+        assert int(redis_client.get(f"{stream_prefix}:issued_step")) == 2
+    finally:
+        stop.set()
+        worker.join(5)
+
+
+def test_wait_for_groups_times_out_with_the_missing_groups(redis_client, stream_prefix):
+    cfg = _cfg(stream_prefix, steps=1, k=0)
+    cfg.run.step_timeout_s = 0.3
+    col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
+    stop = threading.Event()
+    with pytest.raises(TimeoutError, match="s00000-tw-"):
+        wait_for_groups(stop, cfg, TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES), col, Backoff("t", stop), ["s00000-tw-01"], 0, 0)
+
+
+def test_backoff_retries_connection_errors_and_counts_them():
+    stop = threading.Event()
+    backoff = Backoff("trainer-test", stop, first_s=0.01, max_s=0.02)
+    before = REGISTRY.get_sample_value("opsd_redis_reconnects_total", {"role": "trainer-test"}) or 0.0
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise redis.ConnectionError("connection refused")
+        return "ok"
+
+    assert backoff.retry(flaky) == "ok" and len(calls) == 3
+    assert REGISTRY.get_sample_value("opsd_redis_reconnects_total", {"role": "trainer-test"}) - before == 2
+    assert backoff.delay == 0.01  # reset after the success
+    stop.set()
+    calls.clear()
+    assert backoff.retry(flaky) is None and len(calls) == 1  # stopping: one try, no waiting
+    assert backoff.retry(lambda: 7) == 7
+
+
+class _Backend:
+    """The two members ensure_version uses: policy_version and load_weights."""
+
+    def __init__(self, version: int = 0):
+        self.policy_version = version
+
+    def load_weights(self, path, version):
+        from safetensors.numpy import load_file
+
+        load_file(str(path))  # FileNotFoundError when missing, like HFBackend
+        self.policy_version = version
+
+
+def _publish(run_dir, version: int) -> None:
+    from safetensors.numpy import save_file
+
+    path = weights_path(run_dir, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"w": np.full(2, version, np.float32)}, str(path))
+
+
+def test_weight_files_kept_for_every_version_in_flight(tmp_path):
+    for v in range(6):
+        _publish(tmp_path, v)
+    assert prune_versions(tmp_path, newest=4, keep=3) == [0, 1]  # k = 1: versions 2..4; 5 (a dead run's) stays
+    assert published_versions(tmp_path) == [2, 3, 4, 5]
+
+    backend = _Backend(version=4)
+    assert ensure_version(backend, tmp_path, 4) is False
+    assert ensure_version(backend, tmp_path, 2) is True and backend.policy_version == 2
+    with pytest.raises(StalePolicyError, match="version 1"):
+        ensure_version(backend, tmp_path, 1)
+    with pytest.raises(StalePolicyError, match="version 0"):
+        ensure_version(backend, tmp_path, 0)
+    with pytest.raises(FileNotFoundError, match="not published"):
+        ensure_version(backend, tmp_path, 6)
+    assert backend.policy_version == 2
+
+
+def test_version_zero_loads_from_its_file_after_a_newer_one(tmp_path):
+    """k-step-off: a worker that loaded v1 gets step 1's task, issued with v0 before v1 existed."""
+    _publish(tmp_path, 0)
+    _publish(tmp_path, 1)
+    backend = _Backend(version=0)
+    assert ensure_version(backend, tmp_path, 1) is True
+    assert ensure_version(backend, tmp_path, 0) is True and backend.policy_version == 0
