@@ -26,4 +26,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .hypothesis

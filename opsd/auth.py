@@ -3,7 +3,8 @@
 `ApiGuard` sits in front of an app. Every path except /health and /metrics
 (probes and Prometheus scrape carry no secret) needs
 `Authorization: Bearer <token>`, the OpenAPI schema and docs included; a
-missing or wrong token gets 401 with `WWW-Authenticate: Bearer`. A body
+missing or wrong token, or more than one Authorization header, gets 401
+with `WWW-Authenticate: Bearer`. A body
 larger than the limit gets 413 whether it announces itself (Content-Length)
 or not (chunked, or a Content-Length that lies): the guard counts the bytes
 actually received and stops reading past the limit. Every refusal has a
@@ -70,11 +71,20 @@ class ApiGuard:
         if scope["type"] != "http":  # lifespan: nothing to guard
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])  # lower-cased names; the first of repeated ones is enough
-        if scope["path"] not in self.open_paths and not self._authorized(headers.get(b"authorization", b"")):
-            await self._refuse(scope, receive, send, 401, "missing or wrong bearer token",
-                               {"WWW-Authenticate": "Bearer"})
-            return
+        # Lower-cased names. Of a repeated header dict() keeps the LAST value: fine for Content-Length
+        # (the server refuses conflicting copies), not for Authorization, checked on all copies below.
+        headers = dict(scope["headers"])
+        if scope["path"] not in self.open_paths:
+            # Exactly one: with two, the app and any proxy in front could each read a different one.
+            auth = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(auth) > 1:
+                await self._refuse(scope, receive, send, 401, "more than one Authorization header",
+                                   {"WWW-Authenticate": "Bearer"})
+                return
+            if not self._authorized(auth[0] if auth else b""):
+                await self._refuse(scope, receive, send, 401, "missing or wrong bearer token",
+                                   {"WWW-Authenticate": "Bearer"})
+                return
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit():

@@ -46,7 +46,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opsd.config import RunConfig
-from opsd.service import read_port
+from opsd.service import FATAL_EXIT, read_port
 
 app = typer.Typer(add_completion=False, help="opsd: RL + on-policy self-distillation for LLM agents.")
 console = Console(soft_wrap=True)  # one line per step, also when piped to a file
@@ -173,6 +173,8 @@ class Services:
             if rc is None:
                 continue
             log = self.run_dir / "logs" / f"{role}.log"
+            if rc == FATAL_EXIT:  # the role said a restart cannot help (bad config or checkpoint, a failed step)
+                raise RuntimeError(f"{role} stopped on an error a restart cannot fix; last lines of its log:\n{tail(log)}")
             if self.restarts[role] >= self.max_restarts:
                 raise RuntimeError(f"{role} exited with code {rc} after {self.restarts[role]} restart(s) "
                                    f"(run.max_restarts={self.max_restarts}); last lines of its log:\n{tail(log)}")
@@ -276,6 +278,7 @@ def run(
         resolved = run_dir / "config.yaml"
         if not resolved.is_file():
             _usage_error(f"{run_dir} is not a run directory: it has no config.yaml")
+        lock = lock_run_dir(run_dir)
         cfg = load_config(resolved, steps=steps)
         done = finished_steps(run_dir)
         if done is not None and done >= cfg.run.steps:
@@ -289,6 +292,7 @@ def run(
         cfg = load_config(config, steps=steps, output_dir=None if output_dir is None else str(output_dir))
         run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
         resolved = run_dir / "config.yaml"
+        lock = lock_run_dir(run_dir)
     if dump_credit:
         cfg.trainer.dump_credit = True
     cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_dir.name}"
@@ -309,7 +313,20 @@ def run(
             raise typer.Exit(2)
     prepare(cfg)
     redis_dir = run_dir / "redis" if cfg.redis.appendonly else None
-    redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log", redis_dir, cfg.redis.appendonly)
+    try:
+        redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log", redis_dir, cfg.redis.appendonly)
+    except (RuntimeError, FileNotFoundError) as e:
+        hint = (f"\n  if its append-only file is damaged: `redis-check-aof --fix {redis_dir}/<file>.aof`, or move "
+                f"{redis_dir} away to resume from the checkpoint alone" if redis_dir is not None and resume is not None else "")
+        console.print(f"[red]error:[/red] redis-server did not start: {escape(str(e).splitlines()[-1] if str(e) else repr(e))}"
+                      f"{escape(hint)}  (log: {run_dir / 'logs' / 'redis.log'})")
+        raise typer.Exit(2)
+    problem = check_redis(redis_url, cfg.redis.block_ms)
+    if problem:  # every role would fail the same way and be restarted for nothing
+        if local_redis is not None:
+            local_redis.stop()
+        console.print(f"[red]error:[/red] {escape(problem)}")
+        raise typer.Exit(2)
     # Ctrl-C (SIGINT, even if a parent shell ignored it) and SIGTERM (docker/k8s stop) both stop the run cleanly.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -357,8 +374,49 @@ def run(
             "ok": ok, "wall_seconds": time.perf_counter() - t0, "metrics_answered": answered, "roles": roles,
             "restarts": services.restarts, "resumed": resume is not None,
         }))
+        lock.close()
     if not ok:
         raise typer.Exit(1)
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold an exclusive lock on `<run_dir>/.lock` for this process's life (returned: keep it open).
+
+    Two `opsd run` on one run directory would share its Redis files and
+    checkpoint and interleave its records: the second exits 2, naming the first.
+    """
+    import fcntl
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        console.print(f"[red]error:[/red] {escape(str(run_dir))} is in use by another `opsd run` (pid {escape(owner)})")
+        raise typer.Exit(2)
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def check_redis(url: str, block_ms: int) -> str | None:
+    """None if Redis at `url` accepts our client and answers PING; else one line saying why."""
+    import redis
+
+    from opsd.redis_server import connect
+
+    try:
+        client = connect(url, block_ms)
+        client.ping()
+        client.close()
+    except ValueError as e:  # a URL without a password
+        return str(e)
+    except redis.RedisError as e:
+        return f"cannot use Redis at {url.split('@')[-1]}: {type(e).__name__}: {e}"
+    return None
 
 
 credit_app = typer.Typer(add_completion=False, help="Credit-assignment tools.")

@@ -39,7 +39,9 @@ class RedisSection(_Section):
     stream_prefix: str | None = None  # default: "opsd:<run id>"
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     block_ms: int = Field(2000, ge=1)
-    reclaim_idle_ms: int = Field(600_000, ge=1)  # pending entries idle this long are re-claimed
+    # Pending entries idle this long are re-claimed by a live worker (a running job's heartbeat, every
+    # third of this, keeps it fresh): how soon the job of a dead worker, or a failed job, runs again.
+    reclaim_idle_ms: int = Field(60_000, ge=1000)
     max_deliveries: int = Field(3, ge=1)  # then an entry goes to the dead-letter stream
     # Backpressure: a producer waits while the stream it writes to holds more than this many
     # entries not yet delivered to their consumer group (work streams are never trimmed).

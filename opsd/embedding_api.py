@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from opsd.config import AlignSection
 from opsd.types import MAX_EMBEDDING_DIM
 from opsd.types import SIMILARITY_TOLERANCE as NORM_TOLERANCE  # a unit vector's float noise
+
+# The embedder sends softmax weights computed in float64 and rounded to float32 one by one:
+# each rounding moves a weight by at most 2**-24 of itself, so a turn's sum is off by < 1e-7.
+WEIGHT_SUM_TOLERANCE = 1e-5
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _finite32(x: float) -> bool:
+    """True when `x` stays finite once the teacher stores it as float32."""
+    return math.isfinite(x) and abs(x) <= _F32_MAX
 
 
 class EmbedRequest(BaseModel):
@@ -79,10 +90,16 @@ class CorrespondResponse(BaseModel):
     teacher_action_emb: list[list[float]] | None = None
 
     def check(self, M: int) -> "CorrespondResponse":
-        """Raise ValueError unless every field has M rows (M x M matrices), indices are in
-        range, weights are finite and non-negative, each turn's sources and weights align,
-        and the embeddings are absent or all four finite [M][D] with 1 <= D <= MAX_EMBEDDING_DIM
-        and rows of length <= 1."""
+        """Raise ValueError unless the answer is one the embedder can have computed for M turns.
+
+        Every field has M rows (M x M matrices); similarity is finite in float32 and
+        within [-1, 1] (plus float noise); rho and alpha lie in [0, 1]; each turn's
+        sources are distinct, in [0, M), marked eligible[s][t], and aligned with
+        weights that are finite, >= 0 and (when there are sources) sum to 1 within
+        WEIGHT_SUM_TOLERANCE (they are a softmax, spec 4.1); the embeddings are
+        absent or all four finite [M][D] with 1 <= D <= MAX_EMBEDDING_DIM and rows
+        of length <= 1.
+        """
         if len(self.similarity) != M or any(len(r) != M for r in self.similarity):
             raise ValueError(f"similarity must be {M}x{M}")
         if len(self.eligible) != M or any(len(r) != M for r in self.eligible):
@@ -93,11 +110,19 @@ class CorrespondResponse(BaseModel):
         for t, (src, w) in enumerate(zip(self.selected_sources, self.source_weights)):
             if len(src) != len(w) or any(not 0 <= s < M for s in src):
                 raise ValueError(f"turn {t}: sources {src} do not match weights {w} or leave [0, {M})")
-            if any(not math.isfinite(x) or x < 0 for x in w):
-                raise ValueError(f"turn {t}: weights must be finite and >= 0")
-        values = [x for r in self.similarity for x in r] + self.rho + self.alpha
-        if any(not math.isfinite(x) for x in values):
-            raise ValueError("similarity, rho and alpha must be finite")
+            if len(set(src)) != len(src):
+                raise ValueError(f"turn {t}: sources {src} list a turn twice")
+            if any(not self.eligible[s][t] for s in src):
+                raise ValueError(f"turn {t}: sources {src} include one the answer marks not eligible")
+            if any(not _finite32(x) or x < 0 for x in w):
+                raise ValueError(f"turn {t}: weights must be finite (in float32) and >= 0")
+            if src and abs(math.fsum(w) - 1.0) > WEIGHT_SUM_TOLERANCE:
+                raise ValueError(f"turn {t}: weights {w} do not sum to 1")
+        if any(not _finite32(x) or abs(x) > 1.0 + NORM_TOLERANCE for r in self.similarity for x in r):
+            raise ValueError("similarity must be finite cosines in [-1, 1]")
+        for name in ("rho", "alpha"):
+            if any(not 0.0 <= x <= 1.0 for x in getattr(self, name)):  # NaN fails too
+                raise ValueError(f"{name} must lie in [0, 1]")
         embs = [getattr(self, n) for n in EMBEDDING_FIELDS]
         if any(e is not None for e in embs):
             if any(e is None for e in embs):

@@ -364,6 +364,8 @@ class StreamQueue:
         fields = {
             "source_stream": self.stream, "entry_id": entry_id, "error": error[:2000], "reason": reason,
             "role": self.role, "group": self.group, "consumer": self.consumer, "data": raw,
+            # So the trainer can re-issue a dead-lettered group's task ("" when the bytes do not decode).
+            "group_id": self._group_id(raw),
         }
         args = [self.group, self.consumer, entry_id, int(self.delete_on_ack), DEAD_MAXLEN]
         for name, value in fields.items():
@@ -377,6 +379,12 @@ class StreamQueue:
         if done:
             MESSAGES_REJECTED.labels(role=self.role, stream=self.stream, reason=reason).inc()
         return bool(done)
+
+    def _group_id(self, raw: bytes) -> str:
+        try:
+            return str(wire.decode(raw, self.cls, self.max_bytes).group_id)
+        except Exception:  # malformed bytes are exactly what gets dead-lettered: no id then
+            return ""
 
     # ------------------------------------------------------------ finishing
 

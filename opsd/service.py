@@ -31,6 +31,9 @@ from opsd.metrics import REDIS_RECONNECTS
 from opsd.weights import StalePolicyError
 from opsd.wire import WireError
 
+# A role exits with this code when restarting it cannot help (a config or checkpoint it refuses, a step
+# that cannot complete): `opsd run`'s supervisor then fails the run instead of restarting the role.
+FATAL_EXIT = 3
 DEPTH_EVERY_S = 10.0  # how often a worker exports its stream's lag/pending gauges
 REDIS_RETRY_FIRST_S = 0.5  # after the client's own ~1.5 s of retries: a restarting server is back in ~1 s
 REDIS_RETRY_MAX_S = 10.0

@@ -151,3 +151,187 @@ def test_a_model_of_another_shape_is_refused_before_any_weight_changes(tmp_path)
     with pytest.raises(CheckpointError, match="missing"):
         load_checkpoint(tmp_path / "checkpoint", bigger, torch.optim.AdamW(bigger.parameters()), hashed_config(cfg))
     assert all(torch.equal(bigger.state_dict()[k], v) for k, v in before.items())
+
+
+# --- corrupt checkpoints: every problem is a CheckpointError naming the file, and nothing is restored ---
+
+def _edit_json(name: str, **changes):
+    def edit(p: Path) -> None:
+        data = json.loads((p / name).read_text())
+        data.update(changes)
+        (p / name).write_text(json.dumps(data))
+    return edit
+
+
+def _edit_tensors(name: str, change):
+    def edit(p: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        for f in p.glob(name):
+            tensors = change(load_file(str(f)))
+            save_file(tensors, str(f), metadata={"format": "pt"})
+    return edit
+
+
+def _each(fn):
+    return lambda ts: {k: fn(k, v) for k, v in ts.items()}
+
+
+def _truncate(pattern: str, keep: int):
+    return lambda p: [f.write_bytes(f.read_bytes()[:keep]) for f in p.glob(pattern)]
+
+
+def _write(name: str, text: str):
+    return lambda p: (p / name).write_text(text)
+
+
+def _drop_key(key: str):
+    return _edit_tensors("optimizer.safetensors", lambda ts: {k: v for k, v in ts.items() if not k.endswith(key)})
+
+
+def _rng_python(change):
+    def edit(p: Path) -> None:
+        rng = json.loads((p / "rng.json").read_text())
+        change(rng["python"])
+        (p / "rng.json").write_text(json.dumps(rng))
+    return edit
+
+
+CORRUPTIONS = {
+    "garbage state": (_write("trainer_state.json", "{not json"), r"trainer_state\.json: unreadable JSON"),
+    "truncated state": (lambda p: (p / "trainer_state.json").write_text((p / "trainer_state.json").read_text()[:40]),
+                        r"trainer_state\.json: unreadable JSON"),
+    "state is a list": (_write("trainer_state.json", "[1, 2]"), r"trainer_state\.json: expected an object with keys"),
+    "state extra key": (_edit_json("trainer_state.json", extra=1), r"expected an object with keys.*got \[.*'extra'"),
+    "negative step": (_edit_json("trainer_state.json", step=-5, policy_version=-5), "non-negative integers, got -5"),
+    "step as string": (_edit_json("trainer_state.json", step="1"), "non-negative integers, got '1'"),
+    "step as bool": (_edit_json("trainer_state.json", step=True, policy_version=True), "non-negative integers, got True"),
+    "huge step": (_edit_json("trainer_state.json", step=10**12), r"policy_version 1 != step 1000000000000"),
+    "step != version": (_edit_json("trainer_state.json", policy_version=7), r"policy_version 7 != step 1"),
+    "applied junk": (_edit_json("trainer_state.json", applied=[1, 2, None]), "applied entry 1 is not"),
+    "applied a string": (_edit_json("trainer_state.json", applied="s00000-tw-0001@v0"), "applied must be a list, got str"),
+    "applied from the future": (_edit_json("trainer_state.json", applied=["s00000-tw-0001@v2"]), r"applied entry .*@v2"),
+    "applied twice": (_edit_json("trainer_state.json", applied=["g@v0", "g@v1"], counts={"trained": 2, "dropped_stale": 0,
+                                                                                        "dropped_duplicate": 0}),
+                      "group g appears twice"),
+    "counts junk": (_edit_json("trainer_state.json", counts={"trained": "x", "dropped_stale": 0, "dropped_duplicate": 0}),
+                    "counts must map"),
+    "counts missing": (_edit_json("trainer_state.json", counts={}), "counts must map"),
+    "counts negative": (_edit_json("trainer_state.json", counts={"trained": 1, "dropped_stale": -1, "dropped_duplicate": 0}),
+                        "counts must map"),
+    "counts vs applied": (_edit_json("trainer_state.json", counts={"trained": 5, "dropped_stale": 0, "dropped_duplicate": 0}),
+                          r"counts\.trained 5 != 1 applied"),
+    "no model file": (lambda p: [f.unlink() for f in p.glob("model*.safetensors")], "holds no model"),
+    "truncated model": (_truncate("model*.safetensors", 1000), r"model\.safetensors: unreadable safetensors"),
+    "NaN weights": (_edit_tensors("model*.safetensors", _each(lambda k, v: torch.full_like(v, float("nan")))), "holds NaN or inf"),
+    "fp16 weights": (_edit_tensors("model*.safetensors", _each(lambda k, v: v.half())), "is torch.float16, the model holds"),
+    "weight of another shape": (_edit_tensors("model*.safetensors", _each(lambda k, v: v[:1].clone() if "q_proj" in k else v)),
+                                "shape mismatch"),
+    "no optimizer tensors": (lambda p: (p / "optimizer.safetensors").unlink(), r"optimizer\.safetensors: unreadable"),
+    "truncated optimizer": (_truncate("optimizer.safetensors", 500), r"optimizer\.safetensors: unreadable"),
+    "garbage optimizer.json": (_write("optimizer.json", "{}"), r"optimizer\.json: expected an object with param_groups"),
+    "param groups differ": (_edit_json("optimizer.json", param_groups=[{"params": [0]}]), "param group does not match"),
+    "NaN lr": (lambda p: _edit_json("optimizer.json", param_groups=[
+        {**json.loads((p / "optimizer.json").read_text())["param_groups"][0], "lr": float("nan")}])(p), "lr=nan is not finite"),
+    "moment of another shape": (_edit_tensors("optimizer.safetensors", _each(lambda k, v: v[:1].clone() if v.ndim else v)),
+                                r"0\.exp_avg is torch\.float32\[1, 32\], parameter 0 is torch\.float32\[64, 32\]"),
+    "NaN moments": (_edit_tensors("optimizer.safetensors", _each(lambda k, v: torch.full_like(v, float("nan")) if v.ndim else v)),
+                    r"tensor 0\.exp_avg holds NaN"),
+    "moment missing": (_drop_key(".exp_avg_sq"), r"state of parameter 0 holds \['exp_avg', 'step'\], AdamW needs"),
+    "negative step count": (_edit_tensors("optimizer.safetensors", _each(lambda k, v: -v if k.endswith(".step") else v)),
+                            "no valid step count"),
+    "unknown parameter": (_edit_tensors("optimizer.safetensors", lambda ts: {**ts, "99.exp_avg": torch.zeros(2)}),
+                          r"key '99\.exp_avg' is not"),
+    "no rng.json": (lambda p: (p / "rng.json").unlink(), r"rng\.json: unreadable JSON"),
+    "garbage rng.json": (_write("rng.json", '{"python": [1]}'), "unusable RNG state"),
+    "python rng out of range": (_rng_python(lambda s: s[1].__setitem__(0, 2**40)), "unusable RNG state.*624 uint32"),
+    "numpy rng short": (_edit_json("rng.json", numpy=["MT19937", [1, 2], 0, 0, 0.0]), "unusable RNG state.*numpy"),
+    "torch rng garbage": (_edit_tensors("rng.safetensors", lambda ts: {"torch_cpu": torch.zeros(3, dtype=torch.uint8)}),
+                          r"rng\.safetensors: expected one tensor torch_cpu"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint at step 1 of a tied model after one AdamW step (so the optimizer file holds moments)."""
+    run_dir = tmp_path_factory.mktemp("saved")
+    cfg = RunConfig()
+    model = _tied_llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _adam_step(model, opt)
+    save_checkpoint(run_dir, model, opt, _state(cfg, 1), hashed_config(cfg), [{"step": 0}])
+    return run_dir
+
+
+def _resuming_trainer():
+    """Another model with a stepped optimizer, and a snapshot of it and of the global RNGs to compare after."""
+    model = _tied_llama(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _adam_step(model, opt)
+    snap = ({k: v.clone() for k, v in model.state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
+            torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    return model, opt, snap
+
+
+def _assert_untouched(model, opt, snap) -> None:
+    weights, moments, torch_rng, py_rng, np_keys = snap
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    state = opt.state_dict()["state"]
+    assert state.keys() == moments.keys()
+    assert all(torch.equal(state[i][k], v) for i, s in moments.items() for k, v in s.items())
+    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == py_rng
+    assert np.array_equal(np.random.get_state()[1], np_keys)
+
+
+@pytest.mark.parametrize("corrupt,match", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_a_corrupt_checkpoint_is_refused_and_restores_nothing(tmp_path, saved_checkpoint, corrupt, match):
+    import shutil
+
+    path = tmp_path / "checkpoint"
+    shutil.copytree(saved_checkpoint / "checkpoint", path)
+    corrupt(path)
+    model, opt, snap = _resuming_trainer()
+    with pytest.raises(CheckpointError, match=match) as err:
+        load_checkpoint(path, model, opt, hashed_config(RunConfig()))
+    assert str(path) in str(err.value)
+    _assert_untouched(model, opt, snap)
+
+
+def test_the_uncorrupted_copy_loads(tmp_path, saved_checkpoint):
+    """The corruption tests fail for their corruption, not for copying the fixture."""
+    import shutil
+
+    shutil.copytree(saved_checkpoint / "checkpoint", tmp_path / "checkpoint")
+    model, opt, _ = _resuming_trainer()
+    state = load_checkpoint(find_checkpoint(tmp_path), model, opt, hashed_config(RunConfig()))
+    assert state == _state(RunConfig(), 1)
+    assert float(opt.state_dict()["state"][0]["step"]) == 1.0
+
+
+def test_an_unusable_checkpoint_falls_back_to_a_complete_old_one(tmp_path, saved_checkpoint, caplog):
+    import shutil
+
+    shutil.copytree(saved_checkpoint / "checkpoint", tmp_path / "checkpoint")
+    shutil.copytree(saved_checkpoint / "checkpoint", tmp_path / ".checkpoint-old")
+    _truncate("model*.safetensors", 1000)(tmp_path / "checkpoint")
+    with caplog.at_level("WARNING", logger="trainer"):
+        found = find_checkpoint(tmp_path)
+    assert found == tmp_path / ".checkpoint-old"
+    assert "falling back" in caplog.text and "model.safetensors: unreadable" in caplog.text
+    model, opt, _ = _resuming_trainer()
+    assert load_checkpoint(found, model, opt, hashed_config(RunConfig())).step == 1
+
+
+@pytest.mark.parametrize("old", ["absent", "incomplete"])
+def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, saved_checkpoint, old):
+    import shutil
+
+    shutil.copytree(saved_checkpoint / "checkpoint", tmp_path / "checkpoint")
+    (tmp_path / "checkpoint" / "metrics.jsonl").unlink()
+    if old == "incomplete":  # a crash while deleting it after a swap
+        shutil.copytree(saved_checkpoint / "checkpoint", tmp_path / ".checkpoint-old")
+        (tmp_path / ".checkpoint-old" / "optimizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint.*checkpoint/metrics\.jsonl: missing") as err:
+        find_checkpoint(tmp_path)
+    assert (old == "incomplete") == (".checkpoint-old/optimizer.json: missing" in str(err.value))

@@ -16,7 +16,8 @@ from opsd.config import RunConfig
 from opsd.queue import StreamNames, StreamQueue, produce_message
 from opsd.types import RolloutGroup, TaskGroup
 from opsd.weights import StalePolicyError, ensure_version, prune_versions, published_versions, weights_path
-from services.trainer.controller import Backoff, Collector, TaskIssuer, group_id, step_tasks, wait_for_groups
+from services.trainer.controller import (Backoff, Collector, DeadLetters, StepFailed, TaskIssuer, group_id, step_tasks,
+                                         wait_for_groups)
 from tests.factories import make_rollout_group
 
 MAX_BYTES = 16 * 1024 * 1024
@@ -195,7 +196,8 @@ def test_wait_for_groups_rides_over_a_redis_that_lost_its_data(redis_url, redis_
     worker.start()
     try:
         ids0 = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
-        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("trainer-test", stop), ids0, 0, 0)
+        dead = DeadLetters(redis_client, StreamNames(stream_prefix).dead)
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("trainer-test", stop), dead, ids0, 0, 0)
         assert [m.group_id for m in msgs] == ids0
         assert int(redis_client.get(f"{stream_prefix}:issued_step")) == 1  # step 1 went out with step 0 (k = 1)
         deadline = time.monotonic() + 30
@@ -208,7 +210,7 @@ def test_wait_for_groups_rides_over_a_redis_that_lost_its_data(redis_url, redis_
         # Redis restarts empty: streams, groups and the issued_step key are gone.
         redis_client.delete(*redis_client.keys(f"{stream_prefix}:*"))
         ids1 = [t.group_id for t in step_tasks(cfg, GAMES, 1, 1)]
-        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("trainer-test", stop), ids1, 1, 1)
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("trainer-test", stop), dead, ids1, 1, 1)
         assert [m.group_id for m in msgs] == ids1
         assert [m.task.policy_version for m in msgs] == [0, 0]  # the buffered originals, issued at version 0
         deadline = time.monotonic() + 30
@@ -227,7 +229,74 @@ def test_wait_for_groups_times_out_with_the_missing_groups(redis_client, stream_
     col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
     stop = threading.Event()
     with pytest.raises(TimeoutError, match="s00000-tw-"):
-        wait_for_groups(stop, cfg, TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES), col, Backoff("t", stop), ["s00000-tw-01"], 0, 0)
+        wait_for_groups(stop, cfg, TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES), col, Backoff("t", stop),
+                        DeadLetters(redis_client, StreamNames(stream_prefix).dead), ["s00000-tw-01"], 0, 0)
+
+
+def test_a_dead_lettered_group_is_issued_again_then_the_step_fails_with_its_reason(redis_client, stream_prefix):
+    names = StreamNames(stream_prefix)
+    cfg = _cfg(stream_prefix, steps=2, k=0)
+    cfg.run.step_timeout_s = 20
+    cfg.redis.max_deliveries = 2
+    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
+    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+    rollout = StreamQueue(redis_client, names.tasks, "rollout", "rollout-1", TaskGroup, "rollout-test", MAX_BYTES, names.dead)
+    rollout.ensure_group()
+    col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
+    dead = DeadLetters(redis_client, names.dead)
+    stop = threading.Event()
+    poisoned = ids[0]
+    kills = []
+
+    def worker():  # plays every task, except that the poisoned group's first two jobs die (dead-lettered)
+        while not stop.is_set():
+            for d in rollout.consume(100, count=4):
+                if d.msg.group_id == poisoned and len(kills) < 2:
+                    kills.append(d.entry_id)
+                    rollout.dead_letter(d.entry_id, d.raw, "handler failed 3 times", "too_many_deliveries")
+                else:
+                    rollout.produce_then_ack(names.rollouts, replace(make_rollout_group(G=2, turns=1), task=d.msg), d.entry_id)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        # Dead-lettered twice (= max_deliveries): issued again each time, played on the third copy.
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), dead, ids, 0, 0)
+        assert [m.group_id for m in msgs] == ids
+        assert int(redis_client.hget(names.counts, f"produced:{names.tasks}")) == len(ids) + 2  # two re-issues
+        dead_ids = [f[b"group_id"].decode() for _, f in redis_client.xrange(names.dead)]
+        assert dead_ids == [poisoned, poisoned]
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_a_group_dead_lettered_too_often_fails_the_step_with_the_reason(redis_client, stream_prefix):
+    names = StreamNames(stream_prefix)
+    cfg = _cfg(stream_prefix, steps=1, k=0)
+    cfg.run.step_timeout_s = 20
+    cfg.redis.max_deliveries = 1
+    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
+    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+    rollout = StreamQueue(redis_client, names.tasks, "rollout", "rollout-1", TaskGroup, "rollout-test", MAX_BYTES, names.dead)
+    rollout.ensure_group()
+    col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
+    stop = threading.Event()
+
+    def worker():  # every job of the first group dies
+        while not stop.is_set():
+            for d in rollout.consume(100, count=4):
+                if d.msg.group_id == ids[0]:
+                    rollout.dead_letter(d.entry_id, d.raw, "NaN in the teacher's log-probs", "handler_error")
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(StepFailed, match=rf"{ids[0]} was dead-lettered 2 times; last reason handler_error: NaN"):
+            wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), DeadLetters(redis_client, names.dead), ids, 0, 0)
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def test_backoff_retries_connection_errors_and_counts_them():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -421,7 +422,7 @@ def test_supervisor_restarts_a_dead_role_then_gives_up(tmp_path):
     from opsd.cli import Services
 
     (tmp_path / "logs").mkdir()
-    crash = "import os, sys; print('boom token=' + os.environ['OPSD_API_TOKEN'], flush=True); sys.exit(3)"
+    crash = "import os, sys; print('boom token=' + os.environ['OPSD_API_TOKEN'], flush=True); sys.exit(1)"
     sleep = "import time; time.sleep(60)"
     services = Services(tmp_path, tmp_path / "config.yaml", "redis://:pw@127.0.0.1:1/0", "tok123", max_restarts=2,
                         command=lambda role: [sys.executable, "-c", crash if role == "rollout" else sleep])
@@ -434,17 +435,74 @@ def test_supervisor_restarts_a_dead_role_then_gives_up(tmp_path):
             while time.monotonic() < deadline:
                 messages += services.supervise()
                 time.sleep(0.05)
-        assert messages == ["rollout exited with code 3; restarting it (1/2)", "rollout exited with code 3; restarting it (2/2)"]
-        assert "rollout exited with code 3 after 2 restart(s)" in str(failure.value)
+        assert messages == ["rollout exited with code 1; restarting it (1/2)", "rollout exited with code 1; restarting it (2/2)"]
+        assert "rollout exited with code 1 after 2 restart(s)" in str(failure.value)
         assert "boom token=tok123" in str(failure.value)  # the log tail, and the token reached the role
         assert services.restarts == {"rollout": 2, "trainer": 0}
         assert services.procs["trainer"].poll() is None  # a live role is left alone
         log = (tmp_path / "logs" / "rollout.log").read_text()
-        assert log.count("boom token=tok123") == 3 and log.count("opsd run: rollout exited with code 3") == 2
+        assert log.count("boom token=tok123") == 3 and log.count("opsd run: rollout exited with code 1") == 2
         assert len((tmp_path / "logs" / "supervisor.log").read_text().splitlines()) == 2
     finally:
         services.stop(timeout_s=5)
     assert all(p.poll() is not None for p in services.procs.values())
+
+
+def test_supervisor_does_not_restart_a_role_that_exits_fatal(tmp_path):
+    from opsd.cli import Services
+    from opsd.service import FATAL_EXIT
+
+    (tmp_path / "logs").mkdir()
+    fatal = f"import sys; print('CheckpointError: differing fields: trainer.lr', flush=True); sys.exit({FATAL_EXIT})"
+    services = Services(tmp_path, tmp_path / "config.yaml", "redis://:pw@127.0.0.1:1/0", "tok123", max_restarts=5,
+                        command=lambda role: [sys.executable, "-c", fatal])
+    try:
+        services.start("trainer")
+        with pytest.raises(RuntimeError, match="a restart cannot fix") as failure:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                assert services.supervise() == []
+                time.sleep(0.05)
+        assert "differing fields: trainer.lr" in str(failure.value)
+        assert services.restarts == {"trainer": 0}
+    finally:
+        services.stop(timeout_s=5)
+
+
+def test_a_second_run_on_a_run_dir_in_use_is_refused(tmp_path):
+    from opsd.cli import lock_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunConfig.model_validate({"run": {"steps": 2}, "redis": {"stream_prefix": "opsd:run"}}).dump(run_dir / "config.yaml")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from opsd.cli import lock_run_dir; "
+                               f"f = lock_run_dir(__import__('pathlib').Path({str(run_dir)!r})); print('locked', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = _cli("--resume", str(run_dir))
+        assert result.exit_code == 2 and f"in use by another `opsd run` (pid {holder.pid})" in " ".join(result.output.split())
+        assert (run_dir / "config.yaml").exists() and not (run_dir / "logs").exists()  # nothing touched
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = lock_run_dir(run_dir)  # free again once its holder is gone
+    lock.close()
+
+
+def test_run_refuses_a_redis_url_without_password_before_starting_roles(tmp_path, monkeypatch):
+    from opsd.cli import Services
+
+    started = []
+    monkeypatch.setattr("opsd.cli.prepare", lambda cfg: None)
+    monkeypatch.setattr(Services, "start", lambda self, role: started.append(role))
+    monkeypatch.delenv("OPSD_REDIS_ALLOW_NO_AUTH", raising=False)
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6399/0")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"run:\n  steps: 1\n  output_dir: {tmp_path}\n")
+    result = _cli(str(config))
+    assert result.exit_code == 2 and "password" in result.output and started == [], result.output
+    assert "Traceback" not in result.output
 
 
 def _cli(*args: str):

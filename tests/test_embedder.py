@@ -137,3 +137,43 @@ def test_correspond_response_check_rejects_bad_embeddings():
     for emb, match in bad:
         with pytest.raises(ValueError, match=match):
             CorrespondResponse.model_validate({**base, **emb}).check(2)
+
+
+def test_the_embedders_own_answers_pass_the_teachers_check(client):
+    texts = ["take the key", "open the chest", "go north", "take key", "unlock chest", "go south", "look", "eat apple"]
+    turns = [{"rollout_id": f"r{m % 4}", "turn_id": m // 4, "student_text": t, "teacher_text": texts[-1 - m],
+              "student_valid": True, "teacher_valid": True} for m, t in enumerate(texts)]
+    for temperature in (1e-3, 0.1, 10.0):  # one-hot, peaked and flat softmax weights
+        align = AlignSection(similarity_threshold=-1.0, top_k=8, source_rollout_cap=2, aggregation_temperature=temperature,
+                             alpha_max=1.0, action_filter_enabled=False).model_dump()
+        r = client.post("/correspond", json={"task_id": "g0", "turns": turns, "align": align})
+        assert r.status_code == 200, r.text
+        out = CorrespondResponse.model_validate(r.json()).check(len(turns))
+        assert all(len(s) == 6 for s in out.selected_sources)  # 3 sibling rollouts x cap 2: the sum check ran
+
+
+def test_correspond_response_check_rejects_answers_the_embedder_cannot_give():
+    # Turns 0, 1 in rollout r0 and turn 2 in r1: 0 and 1 may only use 2, and 2 uses 0 and 1.
+    elig = [[False, False, True], [False, False, True], [True, True, False]]
+    base = {"similarity": [[0.0, 0.1, 0.9], [0.1, 0.0, 0.8], [0.9, 0.8, 0.0]], "eligible": elig,
+            "selected_sources": [[2], [2], [0, 1]], "source_weights": [[1.0], [1.0], [0.6, 0.4]],
+            "rho": [0.5, 0.4, 0.45], "alpha": [0.4, 0.32, 0.36]}
+    CorrespondResponse.model_validate(base).check(3)
+    CorrespondResponse.model_validate({**base, "rho": [0.0, 1.0, 0.0], "alpha": [1.0, 0.0, 0.0]}).check(3)
+    bad = [
+        ({"alpha": [1.5, 0.3, 0.3]}, "alpha must lie in"),
+        ({"alpha": [-0.5, 0.3, 0.3]}, "alpha must lie in"),
+        ({"rho": [99.0, 0.3, 0.3]}, "rho must lie in"),
+        ({"rho": [math.nan, 0.3, 0.3]}, "rho must lie in"),
+        ({"selected_sources": [[2], [2], [0, 0]], "source_weights": [[1.0], [1.0], [0.5, 0.5]]}, "twice"),
+        ({"selected_sources": [[0], [2], [0, 1]]}, "not eligible"),  # turn 0 its own source
+        ({"selected_sources": [[1], [2], [0, 1]]}, "not eligible"),  # a turn of its own rollout
+        ({"source_weights": [[1e300], [1.0], [0.6, 0.4]]}, "finite"),  # finite in float64, inf in float32
+        ({"source_weights": [[0.0], [1.0], [0.6, 0.4]]}, "do not sum to 1"),
+        ({"source_weights": [[1.0], [1.0], [0.6, 0.6]]}, "do not sum to 1"),
+        ({"similarity": [[0.0, 0.1, 2.0], [0.1, 0.0, 0.8], [0.9, 0.8, 0.0]]}, "cosines in"),
+        ({"similarity": [[0.0, 0.1, 1e300], [0.1, 0.0, 0.8], [0.9, 0.8, 0.0]]}, "cosines in"),
+    ]
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            CorrespondResponse.model_validate({**base, **change}).check(3)

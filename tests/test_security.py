@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from opsd.service import add_observability, bind_socket, serve_in_thread
 from opsd.types import TaskGroup
 from services.embedder.app import Encoder, build_app
 from services.rollout.episodes import run_group
-from services.teacher.scoring import EmbedderClient, EmbedderUnavailable, score_group
+from services.teacher.scoring import EmbedderAuthError, EmbedderClient, EmbedderUnavailable, score_group
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "security-test-token-0123456789"
@@ -66,10 +67,11 @@ def app(encoder):
 
 
 class Flaky:
-    """ASGI front that answers 503 to the next `fail_next` requests, then passes them on; counts requests."""
+    """ASGI front that answers `fail_status` (503 unless set) to the next `fail_next` requests, then passes
+    them on; counts requests."""
 
     def __init__(self, app):
-        self.app, self.fail_next, self.calls, self.headers = app, 0, 0, []
+        self.app, self.fail_next, self.fail_status, self.calls, self.headers = app, 0, 503, 0, []
         self.url = ""  # set once served
 
     async def __call__(self, scope, receive, send):
@@ -78,7 +80,7 @@ class Flaky:
             self.headers.append(dict(scope["headers"]))
             if self.fail_next > 0:
                 self.fail_next -= 1
-                await Response("overloaded", status_code=503)(scope, receive, send)
+                await Response("refused", status_code=self.fail_status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -123,6 +125,19 @@ def test_token_is_required_except_for_health_and_metrics(app):
         assert client.get(path).status_code == 401
     assert client.get("/openapi.json", headers=AUTH).json()["info"]["title"] == "opsd embedder"
     assert rejected(401) == before + 8
+
+
+def test_a_repeated_authorization_header_is_refused(live):
+    before = rejected(401)
+    wrong = "Bearer wrong-token-0123456789abc"
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        # Whichever copy a reader takes, two copies are refused: the right one last, first, or both.
+        for pair in ((wrong, AUTH["Authorization"]), (AUTH["Authorization"], wrong), (AUTH["Authorization"],) * 2):
+            r = client.post("/embed", json={"texts": ["go north"]}, headers=[("Authorization", v) for v in pair])
+            assert r.status_code == 401 and r.json()["detail"] == "more than one Authorization header", pair
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert client.post("/embed", json={"texts": ["go north"]}, headers=AUTH).status_code == 200
+    assert rejected(401) == before + 3
 
 
 def test_api_token_from_the_environment():
@@ -330,15 +345,66 @@ def test_client_retries_5xx_then_succeeds_and_sends_the_token(live):
     assert all(h[b"authorization"] == f"Bearer {TOKEN}".encode() for h in live.headers)
 
 
-def test_client_does_not_retry_4xx(live):
+def test_client_does_not_retry_4xx_and_a_refused_token_is_its_own_error(live):
     live.calls = 0
-    with pytest.raises(httpx.HTTPStatusError) as e:
+    with pytest.raises(EmbedderAuthError, match=r"answered 401 Unauthorized: the teacher's OPSD_API_TOKEN") as e:
         EmbedderClient(lambda: live.url, "wrong-token-0123456789abc", 30, 30).correspond({"task_id": "t", "turns": [TURN]})
-    assert e.value.response.status_code == 401 and live.calls == 1
+    assert live.calls == 1 and not isinstance(e.value, (httpx.HTTPError, EmbedderUnavailable, ValueError))
+    live.calls, live.fail_next, live.fail_status = 0, 1, 403
+    try:
+        with pytest.raises(EmbedderAuthError, match=r"answered 403 Forbidden: .*OPSD_API_TOKEN"):
+            EmbedderClient(lambda: live.url, TOKEN, 30, 30).correspond({"task_id": "t", "turns": [TURN]})
+    finally:
+        live.fail_status = 503
+    assert live.calls == 1
     live.calls = 0
     with pytest.raises(httpx.HTTPStatusError) as e:
         EmbedderClient(lambda: live.url, TOKEN, 30, 30).correspond({"task_id": "t", "turns": []})
     assert e.value.response.status_code == 422 and live.calls == 1
+    assert e.value.response.json()["detail"][0]["loc"] == ["body", "turns"]  # the error's body is readable
+
+
+def _drip_server(body: bytes, every_s: float) -> tuple[str, socket.socket]:
+    """A loopback HTTP server that answers 200 with `body`, one byte every `every_s` seconds."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:  # closed by the test
+                return
+            threading.Thread(target=drip, args=(conn,), daemon=True).start()
+
+    def drip(conn):
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+                for b in body:
+                    conn.sendall(bytes([b]))
+                    time.sleep(every_s)
+            except OSError:  # the client gave up: what the test wants
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", srv
+
+
+def test_an_answer_dripping_in_cannot_outlast_the_deadline():
+    # Every read returns within 0.1 s, far under the 0.5 s timeout: only the total tells it is too slow.
+    body = b'{"similarity": [[0.5]], "eligible": [[false]], "selected_sources": [[]], "source_weights": [[]]}'
+    url, srv = _drip_server(body, every_s=0.05)
+    try:
+        client = EmbedderClient(lambda: url, TOKEN, timeout_s=0.5, deadline_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(EmbedderUnavailable, match=r"no answer after 2 attempts in 1.0s; .*still arriving after"):
+            client.correspond({"task_id": "t", "turns": [TURN]})
+        assert 1.0 <= time.monotonic() - t0 < 1.5  # without the bound: about 4.7 s, the whole drip
+    finally:
+        srv.close()
 
 
 def test_client_gives_up_at_the_deadline_and_finds_a_late_embedder(live):
@@ -384,3 +450,11 @@ def test_score_group_falls_back_when_the_embedder_is_down_and_recovers(scoring, 
     assert not up.identity_fallback and any(up.selected_sources_M)  # gamma_H = 0: siblings match
     for a, b in zip(down.teacher_logprobs_S, up.teacher_logprobs_S):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_refused_token_fails_the_job_instead_of_falling_back(scoring, live):
+    backend, chat, cfg, group = scoring
+    before = fallbacks()
+    with pytest.raises(EmbedderAuthError, match="OPSD_API_TOKEN"):
+        score_group(group, backend, chat, cfg, EmbedderClient(lambda: live.url, "wrong-token-0123456789abc", 30, 30))
+    assert fallbacks() == before

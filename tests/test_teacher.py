@@ -48,15 +48,23 @@ def group(backend, cfg, tmp_path_factory):
     return grp
 
 
-class FixedEmbedder:
-    """Matches every target turn to the first turn of the other rollout with weight 1, alpha 0.5.
+def structural_eligibility(turns: list[dict]) -> list[list[bool]]:
+    """eligible[s][t] as spec 4.1 defines it, from a /correspond payload's turns (one task, one data source)."""
+    return [[src["rollout_id"] != tgt["rollout_id"] and src["teacher_valid"] and tgt["student_valid"]
+             for tgt in turns] for src in turns]
 
-    zero_weight_source: also list the other rollout's last turn (when it differs) with weight 0.
+
+class FixedEmbedder:
+    """Matches every target turn to the first eligible turn of the other rollout with weight 1, alpha 0.5.
+
+    zero_weight_source: also list the other rollout's last eligible turn (when it differs) with weight 0.
+    edit: a function (payload, answer) -> answer that spoils the answer before it is returned.
     """
 
-    def __init__(self, fail: bool = False, zero_weight_source: bool = False):
+    def __init__(self, fail: bool = False, zero_weight_source: bool = False, edit=None):
         self.fail = fail
         self.zero_weight_source = zero_weight_source
+        self.edit = edit
         self.payload = None
 
     def correspond(self, payload):
@@ -65,20 +73,18 @@ class FixedEmbedder:
         self.payload = payload
         turns = payload["turns"]
         M = len(turns)
-        first = {}
-        for m, t in enumerate(turns):
-            first.setdefault(t["rollout_id"], m)
-        last = {t["rollout_id"]: m for m, t in enumerate(turns)}
-        others = [next(x for x in first if x != t["rollout_id"]) for t in turns]
-        sources = [[first[r]] for r in others]
-        weights = [[1.0] for _ in turns]
-        if self.zero_weight_source:
-            for t, r in enumerate(others):
-                if last[r] != first[r]:
-                    sources[t].append(last[r])
-                    weights[t].append(0.0)
-        return {"similarity": np.eye(M).tolist(), "eligible": np.zeros((M, M), bool).tolist(),
-                "selected_sources": sources, "source_weights": weights, "rho": [0.625] * M, "alpha": [0.5] * M}
+        elig = structural_eligibility(turns)
+        sources, weights = [], []
+        for t in range(M):
+            ok = [s for s in range(M) if elig[s][t]]
+            sources.append(ok[:1])
+            weights.append([1.0] if ok else [])
+            if self.zero_weight_source and len(ok) > 1 and turns[ok[-1]]["rollout_id"] == turns[ok[0]]["rollout_id"]:
+                sources[t].append(ok[-1])
+                weights[t].append(0.0)
+        answer = {"similarity": np.eye(M).tolist(), "eligible": elig, "selected_sources": sources,
+                  "source_weights": weights, "rho": [0.625] * M, "alpha": [0.5] * M}
+        return self.edit(payload, answer) if self.edit else answer
 
 
 def test_identity_and_matched_views(backend, cfg, group):
@@ -232,3 +238,34 @@ def test_weight_zero_sources_are_left_out(backend, cfg, group):
     assert stats.dropped_sources == sum(len(s) - 1 for s in offered) > 0
     assert scored.selected_sources_M == [s[:1] for s in offered] and scored.source_weights_M == [[1.0]] * len(offered)
     check_cross_logprobs(backend, group, scored, chat.privileged_prefix_ids(group.task.privileged_info), cfg)
+
+
+def _self_sources(payload, answer):
+    """Each turn its own source, and the eligibility claimed for it: only the teacher's own mask can tell."""
+    M = len(answer["eligible"])
+    for t in range(M):
+        answer["eligible"][t][t] = True
+    return {**answer, "selected_sources": [[t] for t in range(M)], "source_weights": [[1.0]] * M}
+
+
+GARBAGE = {
+    "alpha outside [0, 1]": lambda p, a: {**a, "alpha": [1.5] * len(a["alpha"])},
+    "weights inf in float32": lambda p, a: {**a, "source_weights": [[1e300] * len(w) for w in a["source_weights"]]},
+    "a turn its own source": _self_sources,
+}
+
+
+@pytest.mark.parametrize("spoil", GARBAGE.values(), ids=GARBAGE.keys())
+def test_an_answer_the_embedder_cannot_have_given_falls_back_to_identity(backend, cfg, group, spoil):
+    from prometheus_client import REGISTRY
+
+    def fallbacks():
+        return REGISTRY.get_sample_value("opsd_embedder_fallbacks_total", {"role": "teacher"}) or 0.0
+
+    chat = ChatFormat(backend.tokenizer, "action")
+    before = fallbacks()
+    scored, stats = score_group(group, backend, chat, cfg, FixedEmbedder(edit=spoil))
+    assert scored.identity_fallback and stats.embedder_fallback and fallbacks() == before + 1
+    assert all(not s for s in scored.selected_sources_M) and not scored.alpha_M.any() and not scored.eligible_MM.any()
+    for a, b in zip(scored.teacher_logprobs_S, scored.corrected_logprobs_S):
+        assert np.array_equal(a, b)

@@ -22,10 +22,10 @@ from opsd.auth import api_token
 from opsd.chat import ChatFormat
 from opsd.models import load_backend
 from opsd.queue import StreamNames
-from opsd.service import RoleProcess, consume_forever, read_port
+from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, read_port
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ensure_version
-from services.teacher.scoring import EmbedderClient, score_group
+from services.teacher.scoring import EmbedderAuthError, EmbedderClient, score_group
 
 ROLE = "teacher"
 
@@ -73,7 +73,12 @@ def main() -> None:
         if ensure_version(backend, proc.run_dir, group.task.policy_version):
             metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
             proc.status["policy_version"] = backend.policy_version
-        scored, stats = score_group(group, backend, chat, cfg, embedder)
+        try:
+            scored, stats = score_group(group, backend, chat, cfg, embedder)
+        except EmbedderAuthError as e:
+            # A refused token fails every group alike: stop the run with the reason (the job stays pending).
+            log.error("%s", e)
+            sys.exit(FATAL_EXIT)
         metrics.GROUPS.labels(ROLE).inc()
         metrics.TOKENS.labels(ROLE).inc(stats.scored_tokens)
         metrics.JOB_SECONDS.labels(ROLE).observe(scored.teacher_seconds)

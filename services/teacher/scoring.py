@@ -52,6 +52,13 @@ class EmbedderUnavailable(RuntimeError):
     """The embedder did not answer (connection errors, 5xx, no port announced) before the deadline."""
 
 
+class EmbedderAuthError(RuntimeError):
+    """The embedder refused the token (401/403): OPSD_API_TOKEN differs between teacher and embedder.
+
+    Not a reason to fall back: every later group would fall back too, silently.
+    """
+
+
 class EmbedderClient:
     """The embedder's /correspond over HTTP, with the run's bearer token.
 
@@ -61,7 +68,12 @@ class EmbedderClient:
     errors, timeouts and 5xx are retried with exponential backoff (0.5 s,
     doubling, at most `max_backoff_s`) until `deadline_s` seconds have
     passed since the call began; 4xx is not retried (a bad request, or a
-    wrong token, stays one). Each attempt waits at most `timeout_s`.
+    wrong token, stays one). Each attempt takes at most min(`timeout_s`,
+    the time left before the deadline) in all, the answer's body included:
+    the body is streamed and the attempt abandoned at the first piece that
+    arrives later (httpx's own timeouts bound each read, not their sum, so
+    an answer dripping in byte by byte would pass them). A server that
+    stalls mid-body is cut by the read timeout, itself at most that budget.
     """
 
     def __init__(self, locate: Callable[[], str | None], token: str, timeout_s: float, deadline_s: float,
@@ -75,9 +87,9 @@ class EmbedderClient:
     def correspond(self, payload: dict) -> dict:
         """POST /correspond with `payload` (a CorrespondRequest as JSON); returns the decoded JSON answer.
 
-        Raises httpx.HTTPStatusError at once for a 4xx, EmbedderUnavailable
-        when the deadline passes without an answer, ValueError for a body
-        that is not JSON.
+        Raises EmbedderAuthError at once for 401/403, httpx.HTTPStatusError at
+        once for another 4xx, EmbedderUnavailable when the deadline passes
+        without an answer, ValueError for a body that is not JSON.
         """
         start = time.monotonic()
         delay = 0.5
@@ -89,8 +101,11 @@ class EmbedderClient:
             try:
                 if url is None:
                     raise EmbedderUnavailable("the embedder has not announced its port")
-                r = self.client.post(f"{url.rstrip('/')}/correspond", json=payload,
-                                     timeout=min(self.timeout_s, max(left, 0.1)))
+                r = self._post(f"{url.rstrip('/')}/correspond", payload, min(self.timeout_s, max(left, 0.1)))
+                if r.status_code in (401, 403):
+                    raise EmbedderAuthError(
+                        f"the embedder at {url} answered {r.status_code} {r.reason_phrase}: the teacher's "
+                        f"OPSD_API_TOKEN is not the embedder's (start both with the same one; `opsd run` does)")
                 r.raise_for_status()
                 return r.json()
             except httpx.HTTPStatusError as e:
@@ -107,6 +122,23 @@ class EmbedderClient:
             time.sleep(min(delay, left))
             delay = min(delay * 2, self.max_backoff_s)
 
+    def _post(self, url: str, payload: dict, budget_s: float) -> httpx.Response:
+        """One POST whose whole answer (headers and body) arrives within `budget_s` seconds.
+
+        Returns the response with its body read. Raises httpx.ReadTimeout when
+        the answer is still arriving after `budget_s`, other httpx.TransportErrors as httpx does.
+        """
+        end = time.monotonic() + budget_s
+        with self.client.stream("POST", url, json=payload, timeout=budget_s) as r:
+            raw = bytearray()
+            for chunk in r.iter_raw():
+                raw += chunk
+                if time.monotonic() > end:
+                    raise httpx.ReadTimeout(f"the answer was still arriving after {budget_s:.1f}s "
+                                            f"({len(raw)} bytes so far)", request=r.request)
+            # A plain response over the received bytes: decoded as the headers say, .json() and .text work.
+            return httpx.Response(r.status_code, headers=r.headers, content=bytes(raw), request=r.request)
+
 
 def score_group(
     group: RolloutGroup, backend, chat: ChatFormat, cfg: RunConfig, embedder: EmbedderClient | None
@@ -122,9 +154,12 @@ def score_group(
     each turn; pass 2 (only where sources matched) scores the targets'
     responses after each source turn's privileged history. Without an
     embedder (methods other than AlignOPSD) there is no generation and no
-    pass 2. When the embedder fails, every turn falls back to its identity
-    view (alpha = 0), `identity_fallback` is set and the group is counted
-    in opsd_embedder_fallbacks_total.
+    pass 2. When the embedder fails, or answers what it cannot have
+    computed (`CorrespondResponse.check` fails, or it marks eligible a pair
+    outside `alignopsd.structural_mask` of the turns sent), every turn falls
+    back to its identity view (alpha = 0), `identity_fallback` is set and
+    the group is counted in opsd_embedder_fallbacks_total. Raises
+    EmbedderAuthError when the embedder refuses the token (401/403).
 
     Also filled (see `ScoredGroup`): teacher_entropy_S (pass 1, T = 1),
     teacher_response_M / student_thinking_M / student_action_M /
@@ -199,8 +234,18 @@ def score_group(
             ],
             "return_embeddings": bool(cfg.trainer.dump_credit),
         }
+        # Eligibility as the embedder computes it (spec 4.1), from what we sent it:
+        # an answer pairing a turn with itself or a sibling turn of its own rollout is garbage.
+        sent = payload["turns"]
+        own_elig_MM = alignopsd.structural_mask(
+            [group.group_id] * M, [t["rollout_id"] for t in sent], [t["data_source"] for t in sent],
+            np.array([t["student_valid"] for t in sent]), np.array([t["teacher_valid"] for t in sent]))
         try:
             resp = CorrespondResponse.model_validate(embedder.correspond(payload)).check(M)
+            # check() keeps every source inside the answer's eligibility; this keeps that inside ours.
+            if (np.asarray(resp.eligible, dtype=bool) & ~own_elig_MM).any():
+                raise ValueError("eligible pairs outside the structural mask (same rollout, other task or data "
+                                 "source, invalid thinking)")
             H_MM = np.asarray(resp.similarity, dtype=np.float32)
             elig_MM = np.asarray(resp.eligible, dtype=bool)
             sources, weights = resp.selected_sources, resp.source_weights
@@ -212,8 +257,10 @@ def score_group(
                     resp.student_thinking_emb, resp.teacher_thinking_emb, resp.student_action_emb, resp.teacher_action_emb)]
                 for emb_MD, txt in zip(embeddings, texts):
                     emb_MD[[not x for x in txt]] = 0.0  # empty/invalid text embeds to zero (the embedder does so too)
+        # EmbedderAuthError is not caught: a wrong token fails the job, loudly, instead of every group falling back.
         except (httpx.HTTPError, EmbedderUnavailable, ValueError) as e:  # pydantic's ValidationError is a ValueError
-            log.warning("group %s: embedder unavailable (%s); identity views only", group.group_id, e)
+            log.warning("group %s: embedder unavailable or its answer unusable (%s); identity views only",
+                        group.group_id, e)
             stats.embedder_fallback = True
             metrics.EMBEDDER_FALLBACKS.labels("teacher").inc()
 

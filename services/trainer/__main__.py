@@ -19,6 +19,7 @@ import json
 import logging
 import random
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -28,11 +29,11 @@ from opsd import metrics
 from opsd.envs.textworld import make_games
 from opsd.models import load_backend
 from opsd.queue import StreamNames
-from opsd.service import RoleProcess
+from opsd.service import FATAL_EXIT, RoleProcess
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import prune_versions, weights_path
-from services.trainer.checkpoint import TrainerState, config_hash, find_checkpoint, hashed_config, load_checkpoint, save_checkpoint
-from services.trainer.controller import Backoff, Collector, TaskIssuer, step_tasks, wait_for_groups
+from services.trainer.checkpoint import CheckpointError, TrainerState, config_hash, find_checkpoint, hashed_config, load_checkpoint, save_checkpoint
+from services.trainer.controller import Backoff, Collector, DeadLetters, StepFailed, TaskIssuer, step_tasks, wait_for_groups
 from services.trainer.report import append_metrics, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
 
@@ -50,6 +51,15 @@ def publish(backend, run_dir, client, prefix: str, version: int, keep: int, back
 
 
 def main() -> None:
+    try:
+        train()
+    except (CheckpointError, StepFailed) as e:
+        # Restarting cannot help (a refused checkpoint or config, a group that keeps dying): say so and stop.
+        log.error("%s: %s", type(e).__name__, e)
+        sys.exit(FATAL_EXIT)
+
+
+def train() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg, run_dir = proc.cfg, proc.run_dir
     proc.serve(port=cfg.trainer.metrics_port)
@@ -86,6 +96,7 @@ def main() -> None:
     issuer = TaskIssuer(client, cfg, games, cfg.redis.max_message_bytes)
     collector = Collector(queue, cfg.run.max_staleness, state.applied, state.counts, ROLE)
     backoff = Backoff(ROLE, proc.stop)
+    dead = DeadLetters(client, streams.dead)
     keep = cfg.run.max_staleness + 2
     step, version = state.step, state.policy_version
     if version >= 1 or cfg.run.max_staleness >= 1:  # a worker may need this version's file (module docstring of opsd.weights)
@@ -99,7 +110,7 @@ def main() -> None:
     while step < cfg.run.steps:
         t_step = time.perf_counter()
         ids = [t.group_id for t in step_tasks(cfg, games, step, version)]
-        ordered = wait_for_groups(proc.stop, cfg, issuer, collector, backoff, ids, step, version)
+        ordered = wait_for_groups(proc.stop, cfg, issuer, collector, backoff, dead, ids, step, version)
         if ordered is None:
             break
         t_compute = time.perf_counter()

@@ -20,24 +20,34 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
 import random
+import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from opsd.models.hf import load_state_strict
 from services.trainer.report import write_records
 
+log = logging.getLogger("trainer")
 NAME, OLD, TMP = "checkpoint", ".checkpoint-old", ".checkpoint-tmp"
 STATE_FILE = "trainer_state.json"
 # Fields a resumed run may change: how long it runs, where its files and Redis live, its ports.
-RESUMABLE_FIELDS = (("run", "steps"), ("run", "output_dir"), ("run", "step_timeout_s"), ("run", "max_restarts"), ("redis", "url"),
-                    ("trainer", "dump_credit"))  # diagnostics only: `--resume --dump-credit` is fine
+# Settings a resumed run may change: none of them changes what is trained (timing, delivery, diagnostics).
+RESUMABLE_FIELDS = (
+    ("run", "steps"), ("run", "output_dir"), ("run", "step_timeout_s"), ("run", "max_restarts"),
+    ("redis", "url"), ("redis", "block_ms"), ("redis", "reclaim_idle_ms"), ("redis", "max_deliveries"),
+    ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
+    ("trainer", "dump_credit"),
+)
 
 
 class CheckpointError(ValueError):
@@ -78,11 +88,31 @@ def config_hash(hashed: dict) -> str:
 
 
 def find_checkpoint(run_dir: Path) -> Path | None:
-    """The complete checkpoint of `run_dir`: `checkpoint/`, else `.checkpoint-old/` (a crash mid-swap), else None."""
+    """The usable checkpoint of `run_dir`: `checkpoint/`, else `.checkpoint-old/` (a crash mid-swap), else None.
+
+    A directory without trainer_state.json is no checkpoint. One with it must
+    pass `_check_complete` (state valid, every file present and readable);
+    if `checkpoint/` fails and `.checkpoint-old/` passes, the older one is
+    returned with a warning. Raises CheckpointError (naming each directory's
+    problem) when checkpoints exist but none is usable: starting afresh
+    would overwrite them.
+    """
+    problems = []
     for name in (NAME, OLD):
         path = Path(run_dir) / name
-        if (path / STATE_FILE).is_file():
-            return path
+        if not (path / STATE_FILE).is_file():
+            continue
+        try:
+            _check_complete(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if problems:
+            # Groups acked after the newer checkpoint are not in this one: the operator should know.
+            log.warning("checkpoint unusable (%s); falling back to the older %s", problems[0], path)
+        return path
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {run_dir}: {'; '.join(problems)}")
     return None
 
 
@@ -128,31 +158,42 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_config: dict) -> TrainerState:
     """Restore model weights, optimizer state and RNG states from checkpoint dir `path`; returns its TrainerState.
 
-    `run_config` is `hashed_config(cfg)` of the run resuming. Raises
-    CheckpointError when the checkpoint was written under another config
-    (naming the differing fields) or its model files do not fit `model`;
-    nothing is restored then.
+    `run_config` is `hashed_config(cfg)` of the run resuming. Every file is
+    read and checked before anything is restored: the trainer state (types,
+    ranges, step == policy_version, `applied` / `counts` consistent), the
+    config hash, model tensors (finite, the model's names, shapes and
+    dtypes), optimizer state (finite, the parameters' shapes and dtypes, a
+    step count) and RNG states. Raises CheckpointError naming the file and
+    the problem (another config names the differing fields); the model,
+    optimizer and RNGs are then unchanged.
     """
     path = Path(path)
-    state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    state = _read_state(path)
     expected = config_hash(run_config)
     if state.config_hash != expected:
-        saved = json.loads((path / "run_config.json").read_text()) if (path / "run_config.json").exists() else {}
+        try:
+            saved = _read_json(path / "run_config.json")
+        except CheckpointError:
+            saved = {}
         raise CheckpointError(
             f"{path} was written by another config (hash {state.config_hash[:12]} != {expected[:12]}; differing fields: "
-            f"{', '.join(_diff(saved, run_config)) or 'unknown'}); only {', '.join('.'.join(f) for f in RESUMABLE_FIELDS)} "
-            "and *.metrics_port may change on resume"
+            f"{', '.join(_diff(saved, run_config) if isinstance(saved, dict) else []) or 'unknown'}); only "
+            f"{', '.join('.'.join(f) for f in RESUMABLE_FIELDS)} and *.metrics_port may change on resume"
         )
-    _load_model(model, sorted(path.glob("model*.safetensors")))
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    values = json.loads((path / "optimizer.json").read_text())
-    optimizer.load_state_dict(_optimizer_join(tensors, values))
-    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
-    rng = json.loads((path / "rng.json").read_text())
-    version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = rng["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    weights = _read_model(path, model)
+    opt_state = _read_optimizer(path, optimizer)
+    torch_rng, py_rng, np_rng = _read_rng(path)
+    try:
+        load_state_strict(model, weights, f"checkpoint model {path}")  # checks keys and shapes before touching a weight
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint model does not fit: {e}") from e
+    try:
+        optimizer.load_state_dict(opt_state)
+        torch.set_rng_state(torch_rng)
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
+    except Exception as e:  # every input was checked above: this is a bug, but say what state the trainer is in
+        raise CheckpointError(f"{path}: restoring optimizer/RNG failed after the model weights were loaded: {e!r}") from e
     return state
 
 
@@ -181,33 +222,192 @@ def _optimizer_split(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _optimizer_join(tensors: dict[str, torch.Tensor], values: dict) -> dict:
-    state: dict[int, dict] = {}
-    for key, value in list(tensors.items()) + list(values["scalars"].items()):
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"{path}: unreadable JSON: {e}") from e
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError besides OSError
+        raise CheckpointError(f"{path}: unreadable safetensors file: {e}") from e
+
+
+def _is_int(x, lo: int = 0, hi: float = float("inf")) -> bool:
+    return type(x) is int and lo <= x <= hi  # not bool, not a string of digits
+
+
+def _check_complete(path: Path) -> None:
+    """The checks that need no model: state file valid, every file present, tensor headers and RNG states readable."""
+    _read_state(path)
+    for name in ("optimizer.json", "metrics.jsonl"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name}: missing")
+    _read_json(path / "optimizer.json")
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: holds no model*.safetensors")
+    for f in files + [path / "optimizer.safetensors"]:
+        try:
+            with safe_open(str(f), framework="pt"):  # reads the header only; a truncated file fails here
+                pass
+        except Exception as e:
+            raise CheckpointError(f"{f}: unreadable safetensors file: {e}") from e
+    _read_rng(path)
+
+
+def _read_state(path: Path) -> TrainerState:
+    """trainer_state.json, checked: see TrainerState for the meaning of the fields."""
+    f = path / STATE_FILE
+    raw = _read_json(f)
+    names = {x.name for x in fields(TrainerState)}
+    if not isinstance(raw, dict) or set(raw) != names:
+        got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise CheckpointError(f"{f}: expected an object with keys {sorted(names)}, got {got}")
+
+    def bad(what: str):
+        return CheckpointError(f"{f}: {what}")
+
+    step, version = raw["step"], raw["policy_version"]
+    if not _is_int(step) or not _is_int(version):
+        raise bad(f"step and policy_version must be non-negative integers, got {step!r} and {version!r}")
+    if version != step:  # the trainer publishes one version per step, from 0 (services/trainer/__main__.py)
+        raise bad(f"policy_version {version} != step {step}")
+    if not isinstance(raw["method"], str) or not isinstance(raw["config_hash"], str):
+        raise bad("method and config_hash must be strings")
+    applied = raw["applied"]
+    if not isinstance(applied, list):
+        raise bad(f"applied must be a list, got {type(applied).__name__}")
+    ids = set()
+    for key in applied:
+        m = re.fullmatch(r"(.+)@v([0-9]+)", key) if isinstance(key, str) else None
+        if m is None or int(m[2]) > version:
+            raise bad(f"applied entry {key!r} is not '<group id>@v<version <= {version}>'")
+        if m[1] in ids:
+            raise bad(f"group {m[1]} appears twice in applied")
+        ids.add(m[1])
+    counts = raw["counts"]
+    required = {"trained", "dropped_stale", "dropped_duplicate"}
+    if not isinstance(counts, dict) or not required <= set(counts) or not all(_is_int(v) for v in counts.values()):
+        raise bad(f"counts must map {sorted(required)} (and any other reason) to non-negative integers, got {counts!r}")
+    if counts["trained"] != len(applied):  # the collector appends to applied exactly what it counts as trained
+        raise bad(f"counts.trained {counts['trained']} != {len(applied)} applied groups")
+    return TrainerState(**raw)
+
+
+def _check_finite(f: Path, name: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{f}: tensor {name} holds NaN or inf")
+
+
+def _read_model(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """All model*.safetensors tensors, checked: finite, and the names, ties, shapes and dtypes of `model`."""
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: holds no model*.safetensors")
+    own = model.state_dict()
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in _read_tensors(f).items():
+            if name in loaded:
+                raise CheckpointError(f"{f}: tensor {name} is also in another model file")
+            if name in own and t.dtype != own[name].dtype:  # load_state_dict would cast silently
+                raise CheckpointError(f"{f}: tensor {name} is {t.dtype}, the model holds {own[name].dtype}")
+            _check_finite(f, name, t)
+            loaded[name] = t
+
+    class DryRun:  # load_state_strict's key, tie and shape checks without its final copy into the model
+        state_dict = model.state_dict
+
+        def load_state_dict(self, *args, **kwargs):
+            pass
+
+    try:
+        load_state_strict(DryRun(), loaded, f"checkpoint model {path}")
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint model does not fit: {e}") from e
+    return loaded
+
+
+def _read_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state dict of optimizer.safetensors + optimizer.json, checked against `optimizer`'s parameters."""
+    ft, fj = path / "optimizer.safetensors", path / "optimizer.json"
+    tensors = _read_tensors(ft)
+    values = _read_json(fj)
+    if not isinstance(values, dict) or set(values) != {"param_groups", "scalars"} or not isinstance(values["scalars"], dict):
+        raise CheckpointError(f"{fj}: expected an object with param_groups and a scalars object")
+    live = optimizer.state_dict()["param_groups"]
     groups = values["param_groups"]
-    for g in groups:
+    if not isinstance(groups, list) or len(groups) != len(live):
+        raise CheckpointError(f"{fj}: param_groups must be a list of {len(live)} groups")
+    for g, ref in zip(groups, live):
+        if not isinstance(g, dict) or set(g) != set(ref) or g["params"] != ref["params"]:
+            raise CheckpointError(f"{fj}: a param group does not match the optimizer's (keys {sorted(ref)}, params {ref['params']})")
+        for k, v in g.items():
+            if isinstance(v, float) and not math.isfinite(v) or k == "betas" and not (
+                    isinstance(v, list) and len(v) == 2 and all(isinstance(b, (int, float)) and math.isfinite(b) for b in v)):
+                raise CheckpointError(f"{fj}: param group value {k}={v!r} is not finite")
         if isinstance(g.get("betas"), list):  # JSON has no tuples; AdamW unpacks either, keep its own type
             g["betas"] = tuple(g["betas"])
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state: dict[int, dict] = {}
+    for f, items in ((ft, tensors), (fj, values["scalars"])):
+        for key, value in items.items():
+            idx, _, name = key.partition(".")
+            if not re.fullmatch("[0-9]+", idx) or int(idx) >= len(params) or not name or int(idx) in state and name in state[int(idx)]:
+                raise CheckpointError(f"{f}: key {key!r} is not '<param index below {len(params)}>.<name>', or repeats")
+            if not torch.is_tensor(value) and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise CheckpointError(f"{f}: {key} = {value!r} is not a finite number")
+            state.setdefault(int(idx), {})[name] = value
+    adam = isinstance(optimizer, torch.optim.Adam)  # AdamW subclasses it
+    for idx, entry in state.items():
+        p, group = params[idx], next(g for g in groups if idx in g["params"])
+        if adam:
+            want = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+            if set(entry) != want:
+                raise CheckpointError(f"{path}: state of parameter {idx} holds {sorted(entry)}, AdamW needs {sorted(want)}")
+        step = entry.get("step")
+        step = float(step) if torch.is_tensor(step) and step.numel() == 1 else step
+        if not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0 or step != int(step):
+            raise CheckpointError(f"{path}: parameter {idx} has no valid step count (got {entry.get('step')!r})")
+        for name, t in entry.items():
+            if not torch.is_tensor(t) or name == "step":
+                continue
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise CheckpointError(f"{ft}: {idx}.{name} is {t.dtype}{list(t.shape)}, parameter {idx} is {p.dtype}{list(p.shape)}")
+            _check_finite(ft, f"{idx}.{name}", t)
     return {"state": state, "param_groups": groups}
 
 
-def _load_model(model: torch.nn.Module, files: list[Path]) -> None:
-    """Copy the tensors of `files` into `model`; all checks run before any weight is touched.
-
-    A parameter missing from the files is accepted only if it shares storage
-    with one present (tied embedding / LM head, stored once by save_pretrained).
-    """
-    if not files:
-        raise CheckpointError("checkpoint holds no model*.safetensors")
-    loaded: dict[str, torch.Tensor] = {}
-    for f in files:
-        loaded.update(load_file(str(f)))
+def _read_rng(path: Path) -> tuple[torch.Tensor, tuple, tuple]:
+    """(torch CPU state, python `random` state, numpy state), each checked by setting it on a scratch generator."""
+    ft, fj = path / "rng.safetensors", path / "rng.json"
+    t = _read_tensors(ft)
+    cpu = t.get("torch_cpu")
+    ref = torch.get_rng_state()
+    if set(t) != {"torch_cpu"} or cpu.dtype != ref.dtype or cpu.shape != ref.shape:
+        raise CheckpointError(f"{ft}: expected one tensor torch_cpu, {ref.dtype}{list(ref.shape)}")
+    rng = _read_json(fj)
     try:
-        load_state_strict(model, loaded, f"checkpoint model {files[0].parent}")
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"checkpoint model does not fit: {e}") from e
+        torch.Generator().set_state(cpu)
+        version, internal, gauss = rng["python"]
+        ok = len(internal) == 625 and all(_is_int(x, 0, 2**32 - 1) for x in internal[:-1])
+        if not ok or not (gauss is None or isinstance(gauss, float)):
+            raise ValueError("python state is not 624 uint32 words, an index and a gauss value")
+        py = (version, tuple(internal), gauss)
+        random.Random().setstate(py)
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        if not (len(keys) == 624 and all(_is_int(x, 0, 2**32 - 1) for x in keys) and _is_int(pos, 0, 624)
+                and _is_int(has_gauss, 0, 1) and isinstance(cached, float) and math.isfinite(cached)):
+            raise ValueError("numpy state is not 624 uint32 words, a position, a gauss flag and value")
+        np_state = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+        np.random.RandomState().set_state(np_state)
+    except Exception as e:  # wrong types surface as TypeError/ValueError/KeyError/RuntimeError: all mean "corrupt"
+        raise CheckpointError(f"{ft.parent}: unusable RNG state: {e!r}") from e
+    return cpu, py, np_state
 
 
 def _write_json(path: Path, data) -> None:

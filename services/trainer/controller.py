@@ -94,6 +94,49 @@ class TaskIssuer:
             pipe.execute()
         return list(range(first, last + 1))
 
+    def reissue(self, step: int, group_ids: set[str], version: int) -> None:
+        """Issue again, with policy `version`, the tasks of `step` whose group id is in `group_ids`
+        (their earlier copy was dead-lettered). Raises redis.RedisError or WireError."""
+        tasks = [t for t in step_tasks(self.cfg, self.games, step, version) if t.group_id in group_ids]
+        pipe = self.client.pipeline(transaction=True)
+        for task in tasks:
+            pipe.xadd(self.streams.tasks, {"data": wire.encode(task, self.max_bytes)})
+        pipe.hincrby(self.streams.counts, f"produced:{self.streams.tasks}", len(tasks))
+        pipe.execute()
+
+
+class StepFailed(RuntimeError):
+    """A step cannot complete: one of its groups keeps failing in a worker (dead-lettered too often)."""
+
+
+class DeadLetters:
+    """The groups the run's dead-letter stream reports (field `group_id`, set by `StreamQueue.dead_letter`).
+
+    `poll()` reads entries added since the last call; `take(gid)` returns
+    (reason, error) of the newest unhandled dead letter of `gid`, once.
+    """
+
+    def __init__(self, client: redis.Redis, dead_stream: str):
+        self.client, self.stream = client, dead_stream
+        self.last = "0-0"  # from the start: a restarted trainer sees what died before it
+        self.unhandled: dict[str, tuple[str, str]] = {}
+
+    def poll(self) -> None:
+        """Read new dead letters (at most a few hundred a call). Raises redis.RedisError."""
+        for _ in range(4):
+            entries = self.client.xrange(self.stream, f"({self.last}", "+", count=64)
+            for entry_id, fields in entries:
+                self.last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                gid = fields.get(b"group_id", b"").decode(errors="replace")
+                if gid:
+                    self.unhandled[gid] = (fields.get(b"reason", b"").decode(errors="replace"),
+                                           fields.get(b"error", b"").decode(errors="replace"))
+            if len(entries) < 64:
+                return
+
+    def take(self, gid: str) -> tuple[str, str] | None:
+        return self.unhandled.pop(gid, None)
+
 
 def _task(msg) -> TaskGroup:
     """The TaskGroup of a RolloutGroup or ScoredGroup."""
@@ -256,20 +299,36 @@ class Backoff:
 
 
 def wait_for_groups(stop: threading.Event, cfg, issuer: TaskIssuer, collector: Collector, backoff: Backoff,
-                    group_ids: list[str], step: int, version: int) -> list | None:
+                    dead: DeadLetters, group_ids: list[str], step: int, version: int) -> list | None:
     """Issue what the window allows and collect until every group of `group_ids` (step `step`) is here.
 
     Returns their messages in `group_ids` order, or None when `stop` was set.
+    A group dead-lettered by a worker has its task issued again, at most
+    redis.max_deliveries times (then StepFailed, with the dead letter's reason).
     Redis connection failures are ridden out with `backoff` (state kept).
     Raises TimeoutError after `cfg.run.step_timeout_s` without all groups.
     """
     deadline = time.monotonic() + cfg.run.step_timeout_s
+    reissued: dict[str, int] = {}
     while not stop.is_set():
         try:
             issuer.top_up(step, version)  # every round: a Redis that lost its data must get the tasks again
             msgs = collector.take(group_ids, step, version)
             if msgs is not None:
                 return msgs
+            # A group whose job was dead-lettered never arrives by itself: issue its task again, a few times.
+            dead.poll()
+            for gid in group_ids:
+                died = dead.take(gid) if gid not in collector.buffer else None
+                if died is None:
+                    continue
+                reissued[gid] = reissued.get(gid, 0) + 1
+                if reissued[gid] > cfg.redis.max_deliveries:
+                    raise StepFailed(f"step {step}: group {gid} was dead-lettered {reissued[gid]} times; "
+                                     f"last reason {died[0]}: {died[1][:500]}")
+                log.warning("group %s was dead-lettered (%s: %s); issuing its task again (%d/%d)",
+                            gid, died[0], died[1][:200], reissued[gid], cfg.redis.max_deliveries)
+                issuer.reissue(step, {gid}, version)
             collector.poll(version, step, cfg.redis.block_ms, cfg.redis.reclaim_idle_ms)
             collector.queue.depth()
             backoff.reset()
