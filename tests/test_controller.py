@@ -233,70 +233,52 @@ def test_wait_for_groups_times_out_with_the_missing_groups(redis_client, stream_
                         DeadLetters(redis_client, StreamNames(stream_prefix).dead), ["s00000-tw-01"], 0, 0)
 
 
-def test_a_dead_lettered_group_is_issued_again_then_the_step_fails_with_its_reason(redis_client, stream_prefix):
-    names = StreamNames(stream_prefix)
-    cfg = _cfg(stream_prefix, steps=2, k=0)
+def _wait_with_a_poisoned_group(redis_client, prefix: str, max_deliveries: int, kills: int, error: str):
+    """wait_for_groups on step 0 while a rollout worker plays every task but dead-letters the first
+    group's job `kills` times (reason "handler_error"); returns (messages, group ids, stream names)."""
+    names = StreamNames(prefix)
+    cfg = _cfg(prefix, steps=2, k=0)
     cfg.run.step_timeout_s = 20
-    cfg.redis.max_deliveries = 2
-    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
+    cfg.redis.max_deliveries = max_deliveries
     ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
     rollout = StreamQueue(redis_client, names.tasks, "rollout", "rollout-1", TaskGroup, "rollout-test", MAX_BYTES, names.dead)
     rollout.ensure_group()
-    col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
-    dead = DeadLetters(redis_client, names.dead)
+    col = Collector(_queue(redis_client, prefix), 0, role="trainer-test")
     stop = threading.Event()
-    poisoned = ids[0]
-    kills = []
+    died = []
 
-    def worker():  # plays every task, except that the poisoned group's first two jobs die (dead-lettered)
+    def worker():
         while not stop.is_set():
             for d in rollout.consume(100, count=4):
-                if d.msg.group_id == poisoned and len(kills) < 2:
-                    kills.append(d.entry_id)
-                    rollout.dead_letter(d.entry_id, d.raw, "handler failed 3 times", "too_many_deliveries")
+                if d.msg.group_id == ids[0] and len(died) < kills:
+                    died.append(d.entry_id)
+                    rollout.dead_letter(d.entry_id, d.raw, error, "handler_error")
                 else:
                     rollout.produce_then_ack(names.rollouts, replace(make_rollout_group(G=2, turns=1), task=d.msg), d.entry_id)
 
     thread = threading.Thread(target=worker, daemon=True)
     thread.start()
     try:
-        # Dead-lettered twice (= max_deliveries): issued again each time, played on the third copy.
-        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), dead, ids, 0, 0)
-        assert [m.group_id for m in msgs] == ids
-        assert int(redis_client.hget(names.counts, f"produced:{names.tasks}")) == len(ids) + 2  # two re-issues
-        dead_ids = [f[b"group_id"].decode() for _, f in redis_client.xrange(names.dead)]
-        assert dead_ids == [poisoned, poisoned]
+        msgs = wait_for_groups(stop, cfg, TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES), col, Backoff("t", stop),
+                               DeadLetters(redis_client, names.dead), ids, 0, 0)
+        return msgs, ids, names
     finally:
         stop.set()
         thread.join(5)
+
+
+def test_a_dead_lettered_group_is_issued_again(redis_client, stream_prefix):
+    # Dead-lettered twice (= max_deliveries): issued again each time, played on the third copy.
+    msgs, ids, names = _wait_with_a_poisoned_group(redis_client, stream_prefix, 2, 2, "handler failed 3 times")
+    assert [m.group_id for m in msgs] == ids
+    assert int(redis_client.hget(names.counts, f"produced:{names.tasks}")) == len(ids) + 2  # two re-issues
+    dead_ids = [f[b"group_id"].decode() for _, f in redis_client.xrange(names.dead)]
+    assert dead_ids == [ids[0], ids[0]]
 
 
 def test_a_group_dead_lettered_too_often_fails_the_step_with_the_reason(redis_client, stream_prefix):
-    names = StreamNames(stream_prefix)
-    cfg = _cfg(stream_prefix, steps=1, k=0)
-    cfg.run.step_timeout_s = 20
-    cfg.redis.max_deliveries = 1
-    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
-    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
-    rollout = StreamQueue(redis_client, names.tasks, "rollout", "rollout-1", TaskGroup, "rollout-test", MAX_BYTES, names.dead)
-    rollout.ensure_group()
-    col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
-    stop = threading.Event()
-
-    def worker():  # every job of the first group dies
-        while not stop.is_set():
-            for d in rollout.consume(100, count=4):
-                if d.msg.group_id == ids[0]:
-                    rollout.dead_letter(d.entry_id, d.raw, "NaN in the teacher's log-probs", "handler_error")
-
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(StepFailed, match=rf"{ids[0]} was dead-lettered 2 times; last reason handler_error: NaN"):
-            wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), DeadLetters(redis_client, names.dead), ids, 0, 0)
-    finally:
-        stop.set()
-        thread.join(5)
+    with pytest.raises(StepFailed, match=r"s00000-\S+ was dead-lettered 2 times; last reason handler_error: NaN"):
+        _wait_with_a_poisoned_group(redis_client, stream_prefix, 1, 10**6, "NaN in the teacher's log-probs")
 
 
 def test_backoff_retries_connection_errors_and_counts_them():
