@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean compose-env
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# docker compose: write .env (Redis password, API token, Grafana admin password; mode 0600) once.
+compose-env:
+	$(PYTHON) scripts/compose_env.py
 
 clean:
 	rm -rf $(VENV) runs .hypothesis

@@ -145,6 +145,7 @@ class Services:
         # OPSD_PARENT_PID: a role stops when this process dies, even by SIGKILL (opsd.service.die_with_parent).
         self.env = {**os.environ, "REDIS_URL": redis_url, "OPSD_API_TOKEN": api_token, "PYTHONUNBUFFERED": "1",
                     "OPSD_PARENT_PID": str(os.getpid())}
+        self.env.pop("OPSD_PORT", None)  # a container's fixed port: here every role picks its own
         self.max_restarts = max_restarts
         self.command = command or self.role_command
         self.procs: dict[str, subprocess.Popen] = {}

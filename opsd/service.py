@@ -38,6 +38,7 @@ DEPTH_EVERY_S = 10.0  # how often a worker exports its stream's lag/pending gaug
 REDIS_RETRY_FIRST_S = 0.5  # after the client's own ~1.5 s of retries: a restarting server is back in ~1 s
 REDIS_RETRY_MAX_S = 10.0
 BIND_HOST_ENV = "OPSD_BIND_HOST"  # 0.0.0.0 inside containers; loopback by default
+PORT_ENV = "OPSD_PORT"  # containers: every role serves on one fixed port (8000), whatever the config says
 PARENT_PID_ENV = "OPSD_PARENT_PID"  # set by `opsd run`: its roles stop when it dies (see `die_with_parent`)
 
 
@@ -77,7 +78,8 @@ def write_port(run_dir: Path, role: str, host: str, port: int) -> None:
     """Record where `role` serves, atomically (readers never see half a file)."""
     ports = run_dir / "ports"
     ports.mkdir(parents=True, exist_ok=True)
-    tmp = ports / f".{role}.json.tmp"
+    # One temp name per process: scaled replicas of a role share the run dir (a k8s/compose volume).
+    tmp = ports / f".{role}.{socket.gethostname()}.{os.getpid()}.json.tmp"
     tmp.write_text(json.dumps({"role": role, "host": host, "port": port, "pid": os.getpid()}))
     tmp.replace(ports / f"{role}.json")
 
@@ -110,6 +112,9 @@ class RoleProcess:
     def start(cls, role: str, config_path: str, run_dir: str) -> "RoleProcess":
         """Load the config, set up logging and signals (serving /health + /metrics is `serve`)."""
         cfg = RunConfig.load(config_path)
+        # `opsd run` sets the prefix in the resolved config; a role started by a container platform
+        # derives the same one from its run directory, so every role of a deployment agrees on it.
+        cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{Path(run_dir).resolve().name}"
         proc = cls(role=role, cfg=cfg, run_dir=Path(run_dir))
         logging.basicConfig(
             level=os.environ.get("OPSD_LOG_LEVEL", "INFO"),
@@ -156,16 +161,35 @@ class RoleProcess:
         return queue
 
     def serve(self, app: FastAPI | None = None, port: int = 0) -> int:
-        """Serve `app` (or a bare one) with /health and /metrics added; returns the bound port."""
+        """Serve `app` (or a bare one) with /health and /metrics added; returns the bound port.
+
+        `port` is the config's (0 = a free one); the OPSD_PORT environment
+        variable, when set, wins (containers: 8000 for every role, which
+        Prometheus, probes and the teacher's embedder URL rely on). Raises
+        ValueError for an OPSD_PORT that is not an integer in 0..65535.
+        """
         # A metrics-only app has no API to document: no /docs or /openapi.json to leave unauthenticated.
         app = app or FastAPI(title=f"opsd {self.role}", docs_url=None, redoc_url=None, openapi_url=None)
         add_observability(app, self.role, lambda: dict(self.status))
         host = os.environ.get(BIND_HOST_ENV, "127.0.0.1")
+        if os.environ.get(PORT_ENV):
+            port = env_port(os.environ[PORT_ENV])
         sock = bind_socket(host, port)
         serve_in_thread(app, sock)
         bound = sock.getsockname()[1]
         write_port(self.run_dir, self.role, host, bound)
         return bound
+
+
+def env_port(text: str) -> int:
+    """OPSD_PORT's value as a port number; ValueError naming the variable for anything else."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{PORT_ENV}={text!r} is not a port number (0-65535)")
+    return port
 
 
 def die_with_parent(stop: threading.Event) -> bool:

@@ -175,3 +175,23 @@ def test_truncated_is_scales_the_gradient_by_the_weight():
     for n, g in grads[False].items():
         # float32 sums of many terms: compare against the tensor's scale, not element by element
         assert (grads[True][n] - 2.0 * g).abs().max() <= 1e-5 * g.abs().max(), n
+
+
+def test_a_steps_credit_edge_cases_are_counted_by_event():
+    from prometheus_client import REGISTRY
+
+    from services.trainer.__main__ import export_step
+
+    def count(event):
+        return REGISTRY.get_sample_value("opsd_credit_events_total", {"role": "trainer", "event": event}) or 0.0
+
+    record = {"policy_version": 1, "loss_tokens": 10, "wait_seconds": 1.0, "train_seconds": 2.0, "success_rate": 0.5,
+              "format_valid_rate": 1.0, "mismatch_kl": 0.0, "alignopsd/turns_without_loss_tokens": 3.0,
+              "alignopsd/single_trajectory_tasks": 0.0, "credit/nonfinite_metrics_dropped": 2.0, "alignopsd/turns": 40.0}
+    before = {e: count(e) for e in ("turns_without_loss_tokens", "single_trajectory_tasks", "nonfinite_metrics_dropped", "turns")}
+    export_step(record, n_groups=2)
+    export_step(record, n_groups=2)
+    assert count("turns_without_loss_tokens") - before["turns_without_loss_tokens"] == 6.0
+    assert count("nonfinite_metrics_dropped") - before["nonfinite_metrics_dropped"] == 4.0
+    assert count("single_trajectory_tasks") == before["single_trajectory_tasks"]  # zero adds nothing
+    assert count("turns") == before["turns"] == 0.0  # a size, not an edge case

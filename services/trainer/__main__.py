@@ -161,8 +161,19 @@ def train() -> None:
         pass
 
 
+# Credit metrics that count edge cases an estimator handled (spec: degenerate groups and turns), as
+# `<method>/<event>` keys of the step record; each step adds them to opsd_credit_events_total{event}.
+CREDIT_EVENTS = ("turns_without_loss_tokens", "single_trajectory_tasks", "single_turn_trajectories", "nonfinite_metrics_dropped")
+
+
 def export_step(record: dict, n_groups: int) -> None:
-    """Set the Prometheus series of a finished step from its metrics record."""
+    """Set the Prometheus series of a finished step from its metrics record.
+
+    record: one metrics.jsonl line (floats; see `train`); n_groups: groups
+    trained in the step. Counters are incremented, gauges set; edge-case
+    counts among the credit metrics (CREDIT_EVENTS) go to
+    opsd_credit_events_total{role="trainer", event=...}.
+    """
     metrics.POLICY_VERSION.labels(ROLE).set(record["policy_version"])
     metrics.GROUPS.labels(ROLE).inc(n_groups)
     metrics.TOKENS.labels(ROLE).inc(int(record["loss_tokens"]))
@@ -175,6 +186,10 @@ def export_step(record: dict, n_groups: int) -> None:
         metrics.TEACHER_STUDENT_GAP.labels(ROLE).set(record["teacher_student_gap"])
     if "mean_span_length" in record:
         metrics.MEAN_SPAN_LENGTH.labels(ROLE).set(record["mean_span_length"])
+    for key, value in record.items():
+        event = key.partition("/")[2]
+        if event in CREDIT_EVENTS and value > 0:
+            metrics.CREDIT_EVENTS.labels(ROLE, event).inc(value)
 
 
 if __name__ == "__main__":

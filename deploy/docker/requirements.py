@@ -1,0 +1,58 @@
+"""Print the pip requirement lines of an image variant: `python deploy/docker/requirements.py cpu|cuda`.
+
+The Dockerfiles install exactly this (`... > req.txt; uv pip install -r req.txt`), so pyproject.toml
+stays the one place where versions are pinned. Stdlib only: it runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+# The CUDA image adds vLLM and GPU FAISS. vllm==0.33.0 pins torch==2.14.0 and needs fastapi<0.137, so those
+# pyproject pins are replaced; faiss-gpu-cu12 provides the same `faiss` module as faiss-cpu, so it takes its place
+# (both in one venv would overwrite each other). numpy: vllm's mistral-common needs numpy<2.4 on Python 3.11
+# (found by resolving this list with pip). PyPI's torch 2.14.0 is a CUDA 13.0 build (host driver R580 or newer);
+# faiss-gpu-cu12 brings CUDA 12 runtime wheels of its own. Keys are pyproject names; others are appended.
+CUDA_OVERRIDES = {
+    "torch": "torch==2.14.0",
+    "fastapi": "fastapi==0.136.3",
+    "numpy": "numpy==2.3.5",
+    "faiss-cpu": "faiss-gpu-cu12==1.14.1.post1",
+    "vllm": "vllm==0.33.0",
+}
+VARIANTS: dict[str, dict[str, str]] = {"cpu": {}, "cuda": CUDA_OVERRIDES}
+
+
+def name_of(requirement: str) -> str:
+    """The normalized project name of a requirement line (PEP 503: lower case, runs of -_. as -)."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if not match:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def requirements(variant: str, pyproject: Path = PYPROJECT) -> list[str]:
+    """pyproject's [project].dependencies with the variant's overrides applied (KeyError: unknown variant)."""
+    overrides = dict(VARIANTS[variant])
+    lines = []
+    for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        name = name_of(dep)
+        lines.append(overrides.pop(name, dep))
+    return lines + list(overrides.values())
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in VARIANTS:
+        print(f"usage: requirements.py {{{'|'.join(VARIANTS)}}} (got {' '.join(argv) or 'nothing'})", file=sys.stderr)
+        return 2
+    print("\n".join(requirements(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,523 @@
+"""Offline checks of k8s/: every kustomize build validates, and says what the roles need.
+
+`kubectl kustomize` builds each overlay (and the base); `kubernetes-validate` checks the
+core kinds against the bundled Kubernetes schemas (strict: unknown fields fail). It has no
+schema for the CRDs (KEDA ScaledObject/TriggerAuthentication, the Prometheus Operator's
+PodMonitor), so the tests below check their required fields and that they point at objects
+the same build contains. NetworkPolicies are checked by evaluating the flows the roles need
+(and some they must not get) against them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opsd.config import RunConfig
+from opsd.queue import StreamNames
+from tests.deploy_tools import ROOT, run_tool, tool
+
+K8S = ROOT / "k8s"
+BUILDS = ("base", "overlays/cpu-demo", "overlays/gpu")
+OVERLAYS = ("overlays/cpu-demo", "overlays/gpu")
+K8S_VERSION = "1.34.0"  # a recent release that kubernetes-validate 1.37 bundles
+CRD_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "TriggerAuthentication": "keda.sh/v1alpha1",
+             "PodMonitor": "monitoring.coreos.com/v1"}
+NAMESPACE = "opsd"
+ROLES = ("embedder", "rollout", "teacher", "trainer")
+SCALED = {"rollout": "tasks", "teacher": "rollouts"}  # role -> the StreamNames attribute of its input
+REDIS_USERS = ("rollout", "teacher", "trainer")  # the embedder never talks to Redis
+TOKEN_USERS = ("embedder", "teacher")
+WORKERS = ("rollout", "teacher", "trainer")  # a SIGTERM lets them finish a job: long grace period
+SECRET = "opsd-secrets"  # created by the user (k8s/README.md), never in the repo
+SECRET_KEYS = {"redis-password", "api-token"}
+GPU = "nvidia.com/gpu"
+CLUSTER_SCOPED = {"Namespace"}
+
+_built: dict[str, str] = {}
+
+
+def kustomize(path: str) -> str:
+    if path not in _built:
+        _built[path] = run_tool([tool("kubectl"), "kustomize", path]).stdout
+    return _built[path]
+
+
+class Build:
+    """The objects of one `kubectl kustomize` output."""
+
+    def __init__(self, text: str, path: str = ""):
+        self.text, self.path = text, path
+        self.docs = [d for d in yaml.safe_load_all(text) if d]
+
+    def of(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def names(self, kind: str) -> set[str]:
+        return {d["metadata"]["name"] for d in self.of(kind)}
+
+    def get(self, kind: str, name: str) -> dict | None:
+        return next((d for d in self.of(kind) if d["metadata"]["name"] == name), None)
+
+    def generated(self, name: str) -> dict:
+        """The ConfigMap generated as `name` (kustomize appends a content hash)."""
+        found = [d for d in self.of("ConfigMap") if re.fullmatch(rf"{re.escape(name)}(-[a-z0-9]{{10}})?", d["metadata"]["name"])]
+        assert len(found) == 1, f"ConfigMap {name}: found {[d['metadata']['name'] for d in found]}"
+        return found[0]
+
+    def workloads(self) -> list[dict]:
+        return self.of("Deployment") + self.of("StatefulSet")
+
+    def role(self, role: str) -> dict:
+        kind = "StatefulSet" if role == "trainer" else "Deployment"
+        w = self.get(kind, role)
+        assert w is not None, f"no {kind} {role}"
+        return w
+
+    def env(self, container: dict) -> dict[str, str]:
+        """A container's environment as Kubernetes would set it (Secret values as <secret:NAME/KEY>)."""
+        env: dict[str, str] = {}
+        for src in container.get("envFrom", []):
+            env.update(self.get("ConfigMap", src["configMapRef"]["name"])["data"])
+        for e in container.get("env", []):
+            ref = e.get("valueFrom", {})
+            if "secretKeyRef" in ref:
+                env[e["name"]] = f"<secret:{ref['secretKeyRef']['name']}/{ref['secretKeyRef']['key']}>"
+            elif "configMapKeyRef" in ref:
+                env[e["name"]] = self.get("ConfigMap", ref["configMapKeyRef"]["name"])["data"][ref["configMapKeyRef"]["key"]]
+            else:
+                env[e["name"]] = e["value"]
+        return env
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def build(request) -> Build:
+    return Build(kustomize(f"k8s/{request.param}"), request.param)
+
+
+def pod_spec(w: dict) -> dict:
+    return w["spec"]["template"]["spec"]
+
+
+def container(w: dict) -> dict:
+    return pod_spec(w)["containers"][0]
+
+
+def pod_labels(w: dict) -> dict:
+    return w["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels + matchExpressions) applied to `labels`."""
+    if not all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def mount(w: dict, path: str) -> dict:
+    """The volume mounted at `path` in the workload's container."""
+    m = next((m for m in container(w).get("volumeMounts", []) if m["mountPath"] == path), None)
+    assert m is not None, f"{w['metadata']['name']}: nothing mounted at {path}"
+    return next(v for v in pod_spec(w)["volumes"] if v["name"] == m["name"])
+
+
+# --- schemas -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", BUILDS)
+def test_every_build_validates_against_the_kubernetes_schemas(path):
+    text = kustomize(f"k8s/{path}")
+    docs = Build(text).docs
+    # --quiet: only failures and warnings are printed (a failing run's tail then shows the errors).
+    out = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, "-"], stdin=text).stdout
+    assert not [line for line in out.splitlines() if line.startswith(("ERROR", "FATAL"))], out
+    # A document without a schema is only warned about: that must be exactly the CRD documents
+    # (a typo in a core kind or its apiVersion would land here too).
+    unchecked = re.findall(r"Couldn't find schema for kind (\S+) with api version (\S+)", out)
+    assert sorted(unchecked) == sorted((d["kind"], d["apiVersion"]) for d in docs if d["kind"] in CRD_KINDS), out
+    assert set(unchecked) <= set(CRD_KINDS.items()) and len(docs) > len(unchecked)
+
+
+def test_the_validator_rejects_an_unknown_field():
+    """The check above can fail: a misspelled container field is an error in strict mode."""
+    b = Build(kustomize("k8s/overlays/gpu"))
+    w = b.role("rollout")
+    container(w)["securityContex"] = {"runAsNonRoot": True}
+    p = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"], input=yaml.safe_dump(w),
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode != 0 and "securityContex" in p.stdout, p.stdout
+
+
+def test_yamllint():
+    run_tool([tool("yamllint"), "-s", "-d", "{extends: relaxed, rules: {line-length: disable}}", "k8s"])
+
+
+# --- run config and streams --------------------------------------------------------------------
+
+
+def test_the_base_run_config_is_the_quickstart_with_an_explicit_stream_prefix():
+    ours = yaml.safe_load((K8S / "base" / "run.yaml").read_text())
+    quickstart = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    prefix = ours["redis"].pop("stream_prefix")
+    if not ours["redis"]:
+        del ours["redis"]
+    assert ours == quickstart
+    # The prefix a role would derive from its run dir (opsd/service.py), written out for KEDA.
+    assert prefix == "opsd:quickstart"
+    assert RunConfig.load(K8S / "base" / "run.yaml").redis.stream_prefix == prefix
+
+
+def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(build.generated("opsd-config")["data"]["run.yaml"])
+    cfg = RunConfig.load(config)
+    assert cfg.redis.stream_prefix, "the deployed config must name its stream prefix (KEDA needs it)"
+    names = StreamNames(cfg.redis.stream_prefix)
+    scaled = build.of("ScaledObject")
+    assert sorted(s["spec"]["scaleTargetRef"]["name"] for s in scaled) == sorted(SCALED)
+    for s in scaled:
+        assert s["apiVersion"] == CRD_KINDS["ScaledObject"]
+        spec = s["spec"]
+        role = spec["scaleTargetRef"]["name"]
+        assert spec["scaleTargetRef"].get("kind", "Deployment") == "Deployment"
+        target = build.get("Deployment", role)
+        assert target is not None, f"ScaledObject {s['metadata']['name']} targets a missing Deployment {role}"
+        assert "replicas" not in target["spec"], f"{role}: KEDA owns the replica count"
+        assert spec["minReplicaCount"] == 1 and spec["maxReplicaCount"] >= 1 and spec["cooldownPeriod"] > 0
+        (trigger,) = spec["triggers"]
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams"
+        assert meta["stream"] == getattr(names, SCALED[role])
+        assert meta["consumerGroup"] == role  # opsd's consumer group = the role name
+        assert isinstance(meta["lagCount"], str) and int(meta["lagCount"]) >= 1
+        assert isinstance(meta["activationLagCount"], str) and int(meta["activationLagCount"]) >= 0
+        assert re.fullmatch(r"[\w.-]+:\d+", meta["address"]), meta["address"]
+        auth = build.get("TriggerAuthentication", trigger["authenticationRef"]["name"])
+        assert auth is not None and auth["apiVersion"] == CRD_KINDS["TriggerAuthentication"]
+        refs = {r["parameter"]: (r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]}
+        assert refs["password"] == (SECRET, "redis-password")
+    # The roles read that same config file, and the run dir the prefix names.
+    for role in ROLES:
+        w = build.role(role)
+        args = container(w)["args"]
+        config_path = Path(args[args.index("--config") + 1])
+        volume = mount(w, str(config_path.parent))
+        assert volume["configMap"]["name"] == build.generated("opsd-config")["metadata"]["name"]
+        assert config_path.name in build.generated("opsd-config")["data"]
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        assert run_dir.is_relative_to("/data") and f"opsd:{run_dir.name}" == cfg.redis.stream_prefix
+
+
+def test_keda_and_the_roles_use_one_redis_address(build):
+    redis_cm = build.generated("opsd-redis")
+    data = redis_cm["data"]
+    assert data["scheme"] in ("redis", "rediss")
+    assert data["tls"] == ("true" if data["scheme"] == "rediss" else "false")
+    for s in build.of("ScaledObject"):
+        meta = s["spec"]["triggers"][0]["metadata"]
+        assert meta["address"] == data["address"], s["metadata"]["name"]
+        assert meta["enableTLS"] == data["tls"], s["metadata"]["name"]
+    service = build.get("Service", "redis")
+    if service is not None:  # in-cluster Redis: a name the KEDA operator (another namespace) resolves too
+        port = service["spec"]["ports"][0]["port"]
+        assert data["address"] == f"redis.{service['metadata']['namespace']}.svc:{port}"
+    for role in REDIS_USERS:
+        env = build.env(container(build.role(role)))
+        assert env["REDIS_ADDRESS"] == data["address"] and env["REDIS_SCHEME"] == data["scheme"]
+        assert env["REDIS_PASSWORD"] == f"<secret:{SECRET}/redis-password>"
+        assert env["REDIS_URL"] == "$(REDIS_SCHEME)://:$(REDIS_PASSWORD)@$(REDIS_ADDRESS)/0"
+
+
+def test_switching_to_an_external_redis_is_one_change(tmp_path):
+    """What k8s/README.md says: drop the component, set opsd-redis in the overlay; KEDA follows."""
+    k = yaml.safe_load((K8S / "overlays" / "gpu" / "kustomization.yaml").read_text())
+    assert k.pop("components") == ["../../components/redis"]
+    k["resources"] = [os.path.relpath(K8S / "base", tmp_path)]
+    address = "my-redis.example.com:6380"
+    k["configMapGenerator"] = [{"name": "opsd-redis", "behavior": "merge",
+                                "literals": [f"address={address}", "scheme=rediss", "tls=true"]}]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(k))
+    b = Build(run_tool([tool("kubectl"), "kustomize", str(tmp_path)]).stdout)
+    assert b.get("Deployment", "redis") is None and b.get("Service", "redis") is None
+    assert [s["spec"]["triggers"][0]["metadata"]["address"] for s in b.of("ScaledObject")] == [address] * len(SCALED)
+    assert {s["spec"]["triggers"][0]["metadata"]["enableTLS"] for s in b.of("ScaledObject")} == {"true"}
+    env = b.env(container(b.role("trainer")))
+    assert (env["REDIS_SCHEME"], env["REDIS_ADDRESS"]) == ("rediss", address)
+
+
+# --- monitoring --------------------------------------------------------------------------------
+
+
+def test_the_podmonitor_scrapes_every_role(build):
+    (pm,) = build.of("PodMonitor")
+    assert pm["apiVersion"] == CRD_KINDS["PodMonitor"]
+    selector = pm["spec"]["selector"]
+    assert selector["matchLabels"]["app.kubernetes.io/part-of"] == "opsd"
+    for role in ROLES:
+        w = build.role(role)
+        assert selects(selector, pod_labels(w)), f"the PodMonitor misses {role}"
+        ports = {p["name"] for p in container(w)["ports"]}
+        for ep in pm["spec"]["podMetricsEndpoints"]:
+            assert ep["port"] in ports and ep["path"] == "/metrics"
+    redis = build.get("Deployment", "redis")
+    assert redis is None or not selects(selector, pod_labels(redis))  # no /metrics there
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+
+def test_every_workload_is_hardened_and_references_what_exists(build):
+    assert build.workloads()
+    claims, configmaps = build.names("PersistentVolumeClaim"), build.names("ConfigMap")
+    assert not build.of("Secret"), "secrets are created by the user, never committed"
+    for w in build.workloads():
+        name, spec = w["metadata"]["name"], pod_spec(w)
+        sc = spec["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == sc["runAsGroup"] == sc["fsGroup"] == 10001, name
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert spec["automountServiceAccountToken"] is False, name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for v in volumes.values():
+            if "persistentVolumeClaim" in v:
+                assert v["persistentVolumeClaim"]["claimName"] in claims, (name, v)
+            if "configMap" in v:
+                assert v["configMap"]["name"] in configmaps, (name, v)
+            assert set(v) - {"name"} <= {"persistentVolumeClaim", "configMap", "emptyDir"}, (name, v)
+        for c in spec["containers"]:
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"]["drop"] == ["ALL"], name
+            assert csc["readOnlyRootFilesystem"] is True, name
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert set(mounts.values()) <= set(volumes), name
+            assert "emptyDir" in volumes[mounts["/tmp"]], f"{name}: a read-only root needs a writable /tmp"
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), (name, kind)
+            image = c["image"]
+            tag = re.fullmatch(r"[^:@]+(?::[^:@/]+)?:([\w][\w.-]*)", image)
+            assert tag and tag.group(1) != "latest", f"{name}: image {image} is not pinned"
+            defined = set()
+            for src in c.get("envFrom", []):
+                assert set(src) == {"configMapRef"} and src["configMapRef"]["name"] in configmaps, (name, src)
+                defined |= set(build.get("ConfigMap", src["configMapRef"]["name"])["data"])
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {})
+                if "secretKeyRef" in ref:
+                    s = ref["secretKeyRef"]
+                    assert s["name"] == SECRET and s["key"] in SECRET_KEYS, (name, e)
+                elif "configMapKeyRef" in ref:
+                    cm = build.get("ConfigMap", ref["configMapKeyRef"]["name"])
+                    assert cm is not None and ref["configMapKeyRef"]["key"] in cm["data"], (name, e)
+                else:
+                    # $(VAR) expands only from variables defined before it.
+                    for var in re.findall(r"\$\((\w+)\)", e["value"]):
+                        assert var in defined, f"{name}: {e['name']} uses $({var}) before it is defined"
+                defined.add(e["name"])
+            for arg in c.get("args", []):
+                for var in re.findall(r"\$\((\w+)\)", arg):
+                    assert var in defined, f"{name}: argument uses undefined $({var})"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_role_runs_its_module_with_probes_env_and_service(build, role):
+    w = build.role(role)
+    labels = {"app.kubernetes.io/name": role, "app.kubernetes.io/component": role, "app.kubernetes.io/part-of": "opsd"}
+    assert w["metadata"]["labels"] == labels and pod_labels(w) == labels
+    assert selects(w["spec"]["selector"], pod_labels(w))
+    c = container(w)
+    assert c["command"] == ["python", "-m", f"services.{role}"]
+    assert importlib.util.find_spec(f"services.{role}.__main__") is not None
+    assert {"name": "http", "containerPort": 8000} in c["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading takes minutes"
+    env = build.env(c)
+    assert (env["OPSD_PORT"], env["OPSD_BIND_HOST"], env["OPSD_CACHE"]) == ("8000", "0.0.0.0", "/cache")
+    assert "emptyDir" in mount(w, "/cache"), "a per-pod cache, not flock over a network filesystem"
+    assert mount(w, "/data")["persistentVolumeClaim"]["claimName"] == "opsd-data"
+    assert ("REDIS_URL" in env) == (role in REDIS_USERS)
+    assert env.get("OPSD_API_TOKEN") == (f"<secret:{SECRET}/api-token>" if role in TOKEN_USERS else None)
+    if role == "teacher":
+        assert env["OPSD_EMBEDDER_URL"] == "http://embedder:8000"
+    if role in WORKERS:
+        assert pod_spec(w)["terminationGracePeriodSeconds"] >= 120
+    service = build.get("Service", role)
+    assert service is not None and selects({"matchLabels": service["spec"]["selector"]}, pod_labels(w))
+    assert {"name": "http", "port": 8000, "targetPort": "http"} in service["spec"]["ports"]
+    if role == "trainer":
+        assert w["spec"]["replicas"] == 1 and w["spec"]["serviceName"] == "trainer"
+        assert service["spec"]["clusterIP"] == "None"
+
+
+def test_the_in_cluster_redis(build):
+    redis = build.get("Deployment", "redis")
+    if build.path == "base":  # the overlays add k8s/components/redis (or point at an external one)
+        assert redis is None and build.get("NetworkPolicy", "redis-ingress") is None
+        return
+    assert redis is not None and build.get("NetworkPolicy", "redis-ingress") is not None
+    c = container(redis)
+    major = re.fullmatch(r"redis:(\d+)\.\d+\.\d+(-alpine)?", c["image"])
+    assert major and int(major.group(1)) >= 7, "KEDA's lagCount needs Redis 7+"
+    args = c["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert build.env(c)["REDIS_PASSWORD"] == f"<secret:{SECRET}/redis-password>"
+    assert mount(redis, "/data")["persistentVolumeClaim"]["claimName"] == "redis-data"
+    assert redis["spec"]["strategy"]["type"] == "Recreate"
+    assert build.get("Service", "redis")["spec"]["ports"][0]["port"] == 6379
+
+
+def test_the_shared_volume(build):
+    pvc = build.get("PersistentVolumeClaim", "opsd-data")
+    modes = pvc["spec"]["accessModes"]
+    # Pods of every role on any node: RWX. Only the single-node demo uses RWO.
+    assert modes == (["ReadWriteOnce"] if build.path == "overlays/cpu-demo" else ["ReadWriteMany"])
+    for role in ROLES:
+        assert mount(build.role(role), "/data")["persistentVolumeClaim"]["claimName"] == "opsd-data"
+
+
+@pytest.mark.parametrize("path", BUILDS)
+def test_gpu_requests_by_overlay(path):
+    b = Build(kustomize(f"k8s/{path}"))
+    max_replicas = {s["spec"]["maxReplicaCount"] for s in b.of("ScaledObject")}
+    if path == "overlays/cpu-demo":
+        for w in b.workloads():
+            for c in pod_spec(w)["containers"]:
+                for kind in ("requests", "limits"):
+                    assert GPU not in c["resources"].get(kind, {}), (w["metadata"]["name"], kind)
+        assert max_replicas == {2}
+        return
+    for role in ROLES:
+        w = b.role(role)
+        assert int(container(w)["resources"]["limits"][GPU]) == 1, role
+        if path == "overlays/gpu":
+            assert container(w)["image"] == f"ghcr.io/opsd-project/opsd-{role}:0.1.0-cuda"
+            assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod_spec(w)["tolerations"]
+    if path == "overlays/gpu":
+        base = {s["spec"]["maxReplicaCount"] for s in Build(kustomize("k8s/base")).of("ScaledObject")}
+        assert min(max_replicas) > max(base)
+        for role in ("rollout", "teacher", "trainer"):
+            def gib(build, role=role):
+                return int(container(build.role(role))["resources"]["limits"]["memory"].removesuffix("Gi"))
+            assert gib(b) > gib(Build(kustomize("k8s/base"))), f"{role}: the gpu overlay raises the limits"
+    redis = b.get("Deployment", "redis")
+    assert redis is None or GPU not in container(redis)["resources"]["limits"]
+
+
+def test_everything_lives_in_the_namespace(build):
+    assert build.get("Namespace", NAMESPACE) is not None
+    for d in build.docs:
+        if d["kind"] not in CLUSTER_SCOPED:
+            assert d["metadata"].get("namespace") == NAMESPACE, (d["kind"], d["metadata"]["name"])
+
+
+# --- network policies --------------------------------------------------------------------------
+
+
+class Pod:
+    def __init__(self, ns: str, labels: dict, ports: dict[str, int] | None = None):
+        self.ns, self.labels, self.ports = ns, labels, ports or {}
+
+
+def _peer_matches(peer: dict, policy_ns: str, pod: Pod) -> bool:
+    if "ipBlock" in peer:
+        return False  # the flows checked here are between pods
+    if "namespaceSelector" in peer:
+        ns_ok = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod.ns})
+    else:
+        ns_ok = pod.ns == policy_ns
+    return ns_ok and selects(peer.get("podSelector", {}), pod.labels)
+
+
+def _port_matches(rule: dict, dst: Pod, port: int, protocol: str) -> bool:
+    if not rule.get("ports"):
+        return True
+    for p in rule["ports"]:
+        number = dst.ports.get(p["port"]) if isinstance(p.get("port"), str) else p.get("port")
+        if p.get("protocol", "TCP") == protocol and (p.get("port") is None or number == port):
+            return True
+    return False
+
+
+def _side_allows(policies: list[dict], pod: Pod, other: Pod, direction: str, dst: Pod, port: int, protocol: str) -> bool:
+    """Does `pod` let this flow through on its side (`direction` Ingress: other -> pod; Egress: pod -> other)?"""
+    mine = [p for p in policies if p["metadata"]["namespace"] == pod.ns and selects(p["spec"]["podSelector"], pod.labels)
+            and direction in p["spec"]["policyTypes"]]
+    if not mine:
+        return True  # not isolated in that direction
+    key, peers = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    for p in mine:
+        for rule in p["spec"].get(key, []):
+            peer_ok = not rule.get(peers) or any(_peer_matches(x, p["metadata"]["namespace"], other) for x in rule[peers])
+            if peer_ok and _port_matches(rule, dst, port, protocol):
+                return True
+    return False
+
+
+def flow_allowed(policies: list[dict], src: Pod, dst: Pod, port: int, protocol: str = "TCP") -> bool:
+    return (_side_allows(policies, src, dst, "Egress", dst, port, protocol)
+            and _side_allows(policies, dst, src, "Ingress", dst, port, protocol))
+
+
+def test_network_policies_allow_the_flows_and_nothing_more(build):
+    policies = build.of("NetworkPolicy")
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+            and not p["spec"].get("ingress") and not p["spec"].get("egress")]
+    assert deny, "no default-deny policy"
+    for p in policies:
+        for rule in p["spec"].get("ingress", []):
+            peers = rule.get("from")
+            assert peers, f"{p['metadata']['name']} admits every source"
+            for peer in peers:
+                everyone = ({}, {"namespaceSelector": {}}, {"podSelector": {}, "namespaceSelector": {}})
+                assert peer not in everyone, p["metadata"]["name"]
+                assert peer.get("ipBlock", {}).get("cidr") != "0.0.0.0/0", p["metadata"]["name"]
+
+    def pod(w):
+        return Pod(NAMESPACE, pod_labels(w), {p["name"]: p["containerPort"] for p in container(w)["ports"]})
+
+    roles = {r: pod(build.role(r)) for r in ROLES}
+    redis_w = build.get("Deployment", "redis")
+    # The base has no Redis yet: the pod the component adds stands in for it.
+    redis = pod(redis_w) if redis_w else Pod(NAMESPACE, {"app.kubernetes.io/name": "redis"}, {"redis": 6379})
+    dns = Pod("kube-system", {"k8s-app": "kube-dns"})
+    prometheus = Pod("monitoring", {"app.kubernetes.io/name": "prometheus"})
+    keda = Pod("keda", {"app": "keda-operator"})
+    stranger = Pod("default", {"app": "curious"})
+    web = Pod("default", {"app": "website"}, {"https": 443})
+
+    for name, p in roles.items():
+        assert flow_allowed(policies, p, dns, 53, "UDP"), f"{name}: DNS"
+        assert flow_allowed(policies, prometheus, p, 8000), f"Prometheus -> {name}"
+        assert not flow_allowed(policies, stranger, p, 8000), f"another namespace -> {name}"
+        assert not flow_allowed(policies, p, web, 443), f"{name} -> anywhere"
+        if redis_w is not None:
+            assert flow_allowed(policies, p, redis, 6379) == (name in REDIS_USERS), f"{name} -> redis"
+        else:  # the base: only the roles' side (Redis' own ingress rule comes with the component)
+            assert _side_allows(policies, p, redis, "Egress", redis, 6379, "TCP") == (name in REDIS_USERS), name
+    assert flow_allowed(policies, roles["teacher"], roles["embedder"], 8000)
+    assert not flow_allowed(policies, roles["rollout"], roles["embedder"], 8000)
+    assert not flow_allowed(policies, roles["rollout"], roles["teacher"], 8000)
+    if redis_w is not None:
+        assert flow_allowed(policies, keda, redis, 6379), "the KEDA operator polls the streams"
+        assert not flow_allowed(policies, stranger, redis, 6379)
+        assert not flow_allowed(policies, prometheus, redis, 6379)
+
+
+def test_the_readme_says_how_to_create_the_secret_and_switch_redis():
+    text = (K8S / "README.md").read_text()
+    for needle in ("create secret generic opsd-secrets", "redis-password", "api-token", "components/redis",
+                   "kubectl apply -k k8s/overlays/gpu", "opsd-redis", "lagCount"):
+        assert needle in text, needle
