@@ -27,7 +27,7 @@ test: $(STAMP)
 
 # docker compose: write .env (Redis password, API token, Grafana admin password; mode 0600) once.
 compose-env:
-	$(PYTHON) scripts/compose_env.py
+	python3 scripts/compose_env.py
 
 clean:
 	rm -rf $(VENV) runs .hypothesis

@@ -8,6 +8,8 @@ NaN advantages or weights mid-run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -345,3 +347,28 @@ class RunConfig(_Section):
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+# What may change when a run resumes (or between the roles of one run); everything else is the run's identity.
+RESUMABLE_FIELDS = (
+    ("run", "steps"), ("run", "output_dir"), ("run", "step_timeout_s"), ("run", "max_restarts"),
+    ("redis", "url"), ("redis", "block_ms"), ("redis", "reclaim_idle_ms"), ("redis", "max_deliveries"),
+    ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
+    ("trainer", "dump_credit"),
+)
+
+
+def hashed_config(cfg) -> dict:
+    """The resolved config (a RunConfig) as JSON data, without RESUMABLE_FIELDS and any section's metrics_port."""
+    data = cfg.model_dump(mode="json")
+    for section, name in RESUMABLE_FIELDS:
+        data[section].pop(name, None)
+    for section in data.values():
+        if isinstance(section, dict):
+            section.pop("metrics_port", None)
+    return data
+
+
+def config_hash(hashed: dict) -> str:
+    """sha256 (hex) of a `hashed_config(cfg)` serialized with sorted keys: equal for configs a run may resume under."""
+    return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()

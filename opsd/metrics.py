@@ -38,3 +38,24 @@ SAMPLER_MISMATCH_KL = Gauge(
     "opsd_sampler_mismatch_kl", "KL(sampler || trainer) estimate on the last step's loss tokens (k3, nats/token)", ["role"]
 )
 HTTP_REJECTED = Counter("opsd_http_rejected_total", "HTTP requests refused before the handler (auth, size)", ["role", "status"])
+
+
+def init_series(role: str) -> None:
+    """Create `role`'s event counters at 0 when the role starts.
+
+    A labelled counter has no series until its first increment, and Prometheus's
+    rate()/increase() need a sample before the jump: without a 0 first, the first
+    Redis outage or embedder fallback of a run would never show on the dashboard.
+    """
+    for counter in (GROUPS, TOKENS, REDIS_RECONNECTS):
+        counter.labels(role)
+    if role == "rollout":
+        NONFINITE_LOGPROBS.labels(role)
+    if role == "teacher":
+        EMBEDDER_FALLBACKS.labels(role)
+    if role == "embedder":
+        for status in ("401", "413"):
+            HTTP_REJECTED.labels(role, status)
+    if role == "trainer":
+        for reason in ("duplicate", "stale"):
+            GROUPS_DROPPED.labels(role, reason)

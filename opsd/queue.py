@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StreamNames:
-    """The keys of one run: streams `<prefix>:tasks|rollouts|scored|dead`, hash `<prefix>:counts`."""
+    """The keys of one run: streams `<prefix>:tasks|rollouts|scored|dead`, hash `<prefix>:counts`, strings `owner`, `config_hash`."""
 
     prefix: str
 
@@ -65,6 +65,16 @@ class StreamNames:
     def counts(self) -> str:
         """Hash of counters: field `produced:<stream>` = outputs written to that stream by produce_then_ack."""
         return f"{self.prefix}:counts"
+
+    @property
+    def owner(self) -> str:
+        """String: the run id of the run that owns this prefix (set once by its trainer)."""
+        return f"{self.prefix}:owner"
+
+    @property
+    def config_hash(self) -> str:
+        """String: the trainer's `opsd.config.config_hash`; workers with another config refuse jobs."""
+        return f"{self.prefix}:config_hash"
 
 
 @dataclass(frozen=True)

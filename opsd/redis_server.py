@@ -326,9 +326,15 @@ def connect(url: str, block_ms: int) -> redis.Redis:
     """
     if block_ms < 0:
         raise ValueError(f"block_ms must be >= 0, got {block_ms}")
-    if not parse_url(url).get("password") and os.environ.get(ALLOW_NO_AUTH_ENV) != "1":
+    try:
+        password = parse_url(url).get("password")
+    except ValueError:  # redis-py's message quotes a piece of the URL: maybe of the password
+        raise ValueError("the Redis URL cannot be parsed (a password with / ? # @ : % breaks redis://:PASSWORD@host:port/db; "
+                         "use letters, digits, - and _)") from None
+    if not password and os.environ.get(ALLOW_NO_AUTH_ENV) != "1":
         raise ValueError(
-            "the Redis URL has no password: use redis://:PASSWORD@host:port/db (and `requirepass` on the server), "
+            "the Redis URL has no password (or a # in it ended the URL): use redis://:PASSWORD@host:port/db "
+            "(and `requirepass` on the server), "
             f"or set {ALLOW_NO_AUTH_ENV}=1 to accept an unauthenticated server"
         )
     return redis.Redis.from_url(

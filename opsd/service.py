@@ -22,12 +22,15 @@ from typing import Any, Callable
 
 import redis
 import uvicorn
+import yaml
 from fastapi import FastAPI, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from opsd.config import RunConfig
+from opsd import metrics
+from opsd.config import RunConfig, config_hash, hashed_config
 from opsd.metrics import REDIS_RECONNECTS
+from opsd.queue import StreamNames
 from opsd.weights import StalePolicyError
 from opsd.wire import WireError
 
@@ -55,10 +58,18 @@ def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, An
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); port 0 picks a free one (read it from getsockname)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A listening TCP socket on (host, port); port 0 picks a free one (read it from getsockname).
+
+    The address family follows `host` (IPv4 or IPv6, e.g. "::" on IPv6-only
+    clusters, which then also accepts IPv4 where the kernel allows dual stack).
+    Raises OSError (socket.gaierror) for a host that does not resolve.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind(address)
     sock.listen(128)
     return sock
 
@@ -111,11 +122,19 @@ class RoleProcess:
     @classmethod
     def start(cls, role: str, config_path: str, run_dir: str) -> "RoleProcess":
         """Load the config, set up logging and signals (serving /health + /metrics is `serve`)."""
-        cfg = RunConfig.load(config_path)
+        try:
+            cfg = RunConfig.load(config_path)
+            if os.environ.get(PORT_ENV):
+                env_port(os.environ[PORT_ENV])
+        except (OSError, ValueError, yaml.YAMLError) as e:  # pydantic's ValidationError is a ValueError
+            # A restart cannot fix a missing or invalid config or environment: say so and stop.
+            print(f"{role}: cannot start: {e}", file=sys.stderr, flush=True)
+            sys.exit(FATAL_EXIT)
         # `opsd run` sets the prefix in the resolved config; a role started by a container platform
         # derives the same one from its run directory, so every role of a deployment agrees on it.
         cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{Path(run_dir).resolve().name}"
         proc = cls(role=role, cfg=cfg, run_dir=Path(run_dir))
+        metrics.init_series(role)
         logging.basicConfig(
             level=os.environ.get("OPSD_LOG_LEVEL", "INFO"),
             format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
@@ -136,6 +155,11 @@ class RoleProcess:
         die_with_parent(proc.stop)
         return proc
 
+    @property
+    def config_hash(self) -> str:
+        """The run identity of this role's config (`opsd.config.config_hash`): the trainer publishes its own."""
+        return config_hash(hashed_config(self.cfg))
+
     def open_queue(self, stream: str, cls: type, vocab_size: int | None = None, max_deliveries: int | None = None):
         """A consumer-group reader of `stream` for this role (group = role name, one consumer per process).
 
@@ -146,7 +170,7 @@ class RoleProcess:
         hash. Raises KeyError without REDIS_URL, ValueError for a URL without
         a password (see `connect`).
         """
-        from opsd.queue import StreamNames, StreamQueue
+        from opsd.queue import StreamQueue
         from opsd.redis_server import connect
 
         r = self.cfg.redis
@@ -157,7 +181,9 @@ class RoleProcess:
             role=self.role, max_bytes=r.max_message_bytes, dead_stream=names.dead,
             max_deliveries=max_deliveries or r.max_deliveries, vocab_size=vocab_size, counts_key=names.counts,
         )
-        queue.ensure_group()
+        metrics.MESSAGES_RECLAIMED.labels(role=self.role, stream=stream)
+        # In a cluster, Redis may come up after the roles (no start order): wait for it, do not crash-loop.
+        retry_redis(self, f"creating consumer group {self.role} on {stream}", queue.ensure_group)
         return queue
 
     def serve(self, app: FastAPI | None = None, port: int = 0) -> int:
@@ -182,13 +208,15 @@ class RoleProcess:
 
 
 def env_port(text: str) -> int:
-    """OPSD_PORT's value as a port number; ValueError naming the variable for anything else."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{PORT_ENV}={text!r} is not a port number (0-65535)")
+    """OPSD_PORT's value as a port number (ASCII digits, 1-65535, spaces around allowed).
+
+    Raises ValueError naming the variable for anything else, 0 included: a
+    deployment sets OPSD_PORT so that probes and scrapers know the port.
+    """
+    digits = text.strip()
+    port = int(digits) if digits.isascii() and digits.isdigit() else -1
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{PORT_ENV}={text!r} is not a port number (1-65535)")
     return port
 
 
@@ -258,10 +286,27 @@ def consume_forever(
             last_depth = time.monotonic()
         return queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
 
+    config_key = StreamNames(proc.cfg.redis.stream_prefix).config_hash
+    own_hash = proc.config_hash
+
+    def trainer_config() -> str | None:
+        value = queue.client.get(config_key)
+        return value.decode() if value is not None else None
+
     while not proc.stop.is_set():
         ok, deliveries = retry_redis(proc, "reading jobs", take)
         if not ok:
             return
+        if deliveries:
+            ok, published = retry_redis(proc, "reading the trainer's config hash", trainer_config)
+            if not ok:
+                return
+            if published is not None and published != own_hash:
+                # Each container reads its own config file: one edited (or mounted) apart from the
+                # trainer's would produce groups the run never asked for. The job stays pending.
+                log.error("this %s's config differs from the trainer's (config hash %s != %s): give every role "
+                          "the run's config file; stopping", proc.role, own_hash[:12], published[:12])
+                sys.exit(FATAL_EXIT)
         for d in deliveries:
             if proc.stop.is_set():
                 return

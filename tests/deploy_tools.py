@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,29 @@ def run_tool(args: list[str], stdin: str | None = None, timeout: float = 120) ->
     if p.returncode != 0:
         pytest.fail(f"{' '.join(args[:3])} ... exited {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     return p
+
+
+# The Redis start scripts (compose and k8s) accept only passwords safe inside redis://:PASSWORD@.
+GOOD_REDIS_PASSWORD = "Good_pass-0123456789abcdefABCDEF"
+BAD_REDIS_PASSWORDS = ("a/b", 'a"b', "a\\b", "a b", "", "a:b", "a@b", "a%b", "a$b", "a'b", "a\nb", "caf\u00e9",
+                       "Zq7/secret-xK9")
+
+
+def run_redis_start_script(script: str, password: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run a Redis start script with /bin/sh, a fake redis-server first on PATH, the config file in `tmp_path`.
+
+    The fake prints its arguments, then `CONFIG:` and the file it was given. Returns the run and that file.
+    """
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    fake = bin_dir / "redis-server"
+    fake.write_text('#!/bin/sh\necho "ARGS: $*"\necho "CONFIG:"\ncat "$1"\n')
+    fake.chmod(0o755)
+    conf = tmp_path / "redis.conf"
+    assert script.count("/tmp/redis.conf") == 2, script  # written, then given to redis-server
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "REDIS_PASSWORD": password, "REDISCLI_AUTH": password}
+    p = subprocess.run(["/bin/sh", "-c", script.replace("/tmp/redis.conf", str(conf))], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=30)
+    if p.returncode == 0:
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600, "the config file holds the password: umask 077"
+    return p, conf

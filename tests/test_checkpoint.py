@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from opsd.config import RunConfig
+from opsd.config import RunConfig, config_hash, hashed_config
 from services.trainer.checkpoint import (
-    CheckpointError, TrainerState, config_hash, find_checkpoint, hashed_config, load_checkpoint, save_checkpoint,
+    CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint,
 )
 from tests.factories import tiny_llama
 

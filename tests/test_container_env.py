@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from opsd.cli import Services
 from opsd.config import RunConfig
-from opsd.service import RoleProcess, env_port, read_port
+from opsd.queue import StreamNames, StreamQueue
+from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, env_port, read_port
+from opsd.types import TaskGroup
+from services.trainer.controller import Backoff, RunConflict, claim_prefix, lock_trainer
+from tests.factories import make_rollout_group, make_task
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -56,17 +69,173 @@ def test_opsd_port_decides_where_a_role_serves(tmp_path, monkeypatch):
     assert httpx.get(f"http://127.0.0.1:{free}/health", timeout=5).json()["role"] == "rollout"
 
 
-@pytest.mark.parametrize("text", ["http", "-1", "65536", "80.5", " "])
+@pytest.mark.parametrize("text", ["http", "-1", "0", "65536", "80.5", " ", "+80", "8_000", "\u0668\u0660\u0660\u0660", "0x1F90"])
 def test_a_bad_opsd_port_is_named(text):
     with pytest.raises(ValueError, match="OPSD_PORT"):
         env_port(text)
 
 
-def test_env_port_accepts_the_whole_range():
-    assert [env_port(t) for t in ("0", "8000", "65535")] == [0, 8000, 65535]
+def test_env_port_accepts_ascii_ports_in_range():
+    assert [env_port(t) for t in ("1", "8000", " 8000 ", "65535")] == [1, 8000, 8000, 65535]
+
+
+@pytest.mark.parametrize("problem", ["missing config", "bad config", "bad port"])
+def test_a_role_that_cannot_start_says_why_and_exits_fatal(tmp_path, keep_signals, monkeypatch, capsys, problem):
+    """A restart cannot fix these: exit code 3 (opsd run's supervisor and the platforms see why)."""
+    monkeypatch.delenv("OPSD_PARENT_PID", raising=False)
+    config = tmp_path / "c.yaml"
+    if problem == "bad config":
+        config.write_text("run: {steps: 0}\n")
+    elif problem == "bad port":
+        write_config(config)
+        monkeypatch.setenv("OPSD_PORT", "8000x")
+    with pytest.raises(SystemExit) as exit_:
+        RoleProcess.start("rollout", str(config), str(tmp_path))
+    assert exit_.value.code == FATAL_EXIT
+    err = capsys.readouterr().err
+    assert err.startswith("rollout: cannot start:")
+    assert {"missing config": "c.yaml", "bad config": "steps", "bad port": "OPSD_PORT"}[problem] in err
+
+
+def test_a_role_creates_its_event_counters_at_zero(tmp_path, keep_signals, monkeypatch):
+    """rate()/increase() need a sample before the first event, or the first outage never shows."""
+    monkeypatch.delenv("OPSD_PARENT_PID", raising=False)
+    RoleProcess.start("teacher", str(write_config(tmp_path / "c.yaml")), str(tmp_path))
+    for name, labels in [("opsd_redis_reconnects_total", {"role": "teacher"}), ("opsd_embedder_fallbacks_total", {"role": "teacher"}),
+                         ("opsd_groups_total", {"role": "teacher"})]:
+        assert REGISTRY.get_sample_value(name, labels) is not None, name
+
+
+def test_a_role_can_serve_on_ipv6(tmp_path, monkeypatch):
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        pytest.skip(f"this machine has no IPv6 loopback: {e}")
+    monkeypatch.setenv("OPSD_BIND_HOST", "::")
+    monkeypatch.delenv("OPSD_PORT", raising=False)
+    proc = RoleProcess(role="rollout", cfg=RunConfig(), run_dir=tmp_path)
+    port = proc.serve(port=0)
+    assert httpx.get(f"http://[::1]:{port}/health", timeout=5).json()["role"] == "rollout"
 
 
 def test_opsd_run_does_not_hand_a_fixed_port_to_its_roles(tmp_path, monkeypatch):
     monkeypatch.setenv("OPSD_PORT", "8000")  # four roles on one port would collide
     services = Services(tmp_path, tmp_path / "c.yaml", "redis://:pw@127.0.0.1:1/0", "t" * 32)
     assert "OPSD_PORT" not in services.env
+
+
+# ------------------------------------------------- roles that only meet through Redis (compose, k8s)
+
+
+def proc_for(tmp_path, prefix: str, role: str = "rollout", **sections) -> RoleProcess:
+    cfg = RunConfig.model_validate({"redis": {"stream_prefix": prefix, "block_ms": 200}, **sections})
+    return RoleProcess(role=role, cfg=cfg, run_dir=tmp_path)
+
+
+def one_task(client, prefix: str) -> tuple[StreamNames, StreamQueue]:
+    """The run's task stream holding one task, and the rollout group's queue on it."""
+    names = StreamNames(prefix)
+    queue = StreamQueue(client, names.tasks, "rollout", "rollout-0", TaskGroup, role="rollout", max_bytes=1 << 20,
+                        dead_stream=names.dead, counts_key=names.counts)
+    queue.ensure_group()
+    queue.produce_to(names.tasks, make_task(group_size=2, seed=1))
+    return names, queue
+
+
+@pytest.mark.redis
+def test_a_worker_with_another_config_than_the_trainers_takes_no_job(redis_client, stream_prefix, tmp_path):
+    names, queue = one_task(redis_client, stream_prefix)
+    trainer = proc_for(tmp_path, stream_prefix, run={"seed": 1})
+    redis_client.set(names.config_hash, trainer.config_hash)
+    worker = proc_for(tmp_path, stream_prefix, run={"seed": 2})  # e.g. a config file edited after the run started
+    handled = []
+    threading.Timer(10.0, worker.stop.set).start()  # without the check the loop would run on: end it
+    with pytest.raises(SystemExit) as exit_:
+        consume_forever(worker, queue, names.rollouts, handled.append, 60_000, 200)
+    assert exit_.value.code == FATAL_EXIT and handled == []
+    assert queue.depth() == (0, 1)  # the job stays pending for a worker with the right config
+    assert redis_client.xlen(names.rollouts) == 0
+
+
+@pytest.mark.redis
+def test_a_worker_with_the_trainers_config_works(redis_client, stream_prefix, tmp_path):
+    names, queue = one_task(redis_client, stream_prefix)
+    worker = proc_for(tmp_path, stream_prefix, run={"seed": 1})
+    redis_client.set(names.config_hash, proc_for(tmp_path, stream_prefix, run={"seed": 1}).config_hash)
+
+    def play(task):
+        worker.stop.set()  # one job, then leave the loop
+        return make_rollout_group(G=task.group_size, turns=1, seed=1)
+
+    consume_forever(worker, queue, names.rollouts, play, 60_000, 200)
+    assert redis_client.xlen(names.rollouts) == 1 and queue.depth() == (0, 0)
+
+
+@pytest.mark.redis
+def test_a_run_dir_owns_its_prefix_across_restarts_and_another_is_refused(redis_client, stream_prefix, tmp_path):
+    names = StreamNames(stream_prefix)
+    backoff = Backoff("trainer", threading.Event())
+    (tmp_path / "a").mkdir()
+    first = claim_prefix(redis_client, names, tmp_path / "a", "hash-a", backoff)
+    assert redis_client.get(names.owner).decode() == first and redis_client.get(names.config_hash) == b"hash-a"
+    assert claim_prefix(redis_client, names, tmp_path / "a", "hash-a", backoff) == first  # a restart, a resume
+    (tmp_path / "b").mkdir()  # the run dir deleted and made again, or another dir of the same name
+    with pytest.raises(RunConflict, match=f"{stream_prefix}.*redis-cli --scan --pattern '{stream_prefix}:\\*'"):
+        claim_prefix(redis_client, names, tmp_path / "b", "hash-b", backoff)
+    assert redis_client.get(names.config_hash) == b"hash-a"  # the refused run changed nothing
+
+
+def test_a_second_trainer_on_a_run_dir_is_refused(tmp_path):
+    held = lock_trainer(tmp_path / "run")
+    try:
+        with pytest.raises(RunConflict, match=f"pid {os.getpid()}"):
+            lock_trainer(tmp_path / "run")
+    finally:
+        held.close()
+    lock_trainer(tmp_path / "run").close()  # free again once the first is gone
+
+
+def test_a_worker_waits_for_a_redis_that_is_not_up_yet(tmp_path, monkeypatch):
+    """No start order in a cluster: creating the consumer group retries instead of crash-looping the role."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("REDIS_URL", f"redis://:pw@127.0.0.1:{closed}/0")
+    proc = proc_for(tmp_path, "test-nowhere")
+    before = REGISTRY.get_sample_value("opsd_redis_reconnects_total", {"role": "rollout"}) or 0.0
+    threading.Timer(3.0, proc.stop.set).start()
+    t0 = time.monotonic()
+    proc.open_queue("test-nowhere:tasks", TaskGroup)  # returns once stopped; it raised ConnectionError before
+    assert time.monotonic() - t0 >= 2.5
+    assert REGISTRY.get_sample_value("opsd_redis_reconnects_total", {"role": "rollout"}) == before + 1
+
+
+@pytest.mark.redis
+def test_the_teacher_of_a_grpo_run_consumes_nothing(redis_url, redis_client, stream_prefix, tmp_path):
+    """compose and k8s start every role: a teacher reading the rollouts would take the trainer's groups."""
+    config = tmp_path / "grpo.yaml"
+    RunConfig.model_validate({"run": {"method": "grpo"}, "redis": {"stream_prefix": stream_prefix}}).dump(config)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "REDIS_URL": redis_url, "OPSD_PORT": str(port), "OPSD_API_TOKEN": "t" * 32}
+    env.pop("OPSD_PARENT_PID", None)
+    teacher = subprocess.Popen([sys.executable, "-m", "services.teacher", "--config", str(config), "--run-dir", str(tmp_path)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                assert teacher.poll() is None and time.monotonic() < deadline, teacher.stdout.read().decode()[-2000:]
+                time.sleep(0.2)
+        assert health["idle"] is True and "grpo" in health["reason"]
+        rollouts = StreamNames(stream_prefix).rollouts
+        assert not redis_client.exists(rollouts)  # no consumer group was created on the trainer's stream
+    finally:
+        teacher.terminate()
+        teacher.wait(20)
+    assert teacher.returncode == 0

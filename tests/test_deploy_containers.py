@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from opsd.config import RunConfig
-from tests.deploy_tools import ROOT, run_tool, tool
+from tests.deploy_tools import BAD_REDIS_PASSWORDS, GOOD_REDIS_PASSWORD, ROOT, run_redis_start_script, run_tool, tool
 
 ROLES = ("embedder", "rollout", "teacher", "trainer")
 GPU_ROLES = ("rollout", "teacher", "trainer")
@@ -141,6 +141,9 @@ def test_dockerfile_bases_are_pinned_and_final_stage_is_safe(role, variant):
     assert all(k != "RUN" for k, _ in body[last_user:]), "RUN after USER: should be done as root before"
     health = [rest for keyword, rest in body if keyword == "HEALTHCHECK"]
     assert health and "/health" in health[-1] and "start-period" in health[-1], f"{path}: HEALTHCHECK {health}"
+    # The port the role listens on (OPSD_PORT, which a deployment may change), never a literal one.
+    assert re.search(r"""os\.environ\[["']OPSD_PORT["']\]""", health[-1]), f"{path}: HEALTHCHECK ignores OPSD_PORT"
+    assert not re.search(r"(127\.0\.0\.1|localhost|\]):\d", health[-1]), f"{path}: HEALTHCHECK with a literal port"
     assert any(k == "EXPOSE" and "8000" in rest.split() for k, rest in body), f"{path}: no EXPOSE 8000"
 
 
@@ -371,9 +374,11 @@ def test_builds_point_at_existing_dockerfiles_and_roles_run_their_module():
         assert "healthcheck" not in service  # the image's (GET /health, long start period)
         assert service["depends_on"]["redis"]["condition"] == "service_healthy"
     assert services["teacher"]["depends_on"]["embedder"]["condition"] == "service_healthy"
-    for role in ("embedder", "rollout", "teacher"):
-        assert services[role]["restart"] == "unless-stopped"
-    assert services["trainer"]["restart"].startswith("on-failure")
+    # A long run survives a Docker daemon restart or a reboot (on-failure would not come back);
+    # a fatal exit then restarts and fails again, with its message in `docker compose logs`.
+    for role in ROLES:
+        assert services[role]["restart"] == "unless-stopped", (role, services[role]["restart"])
+    assert "docker compose stop" in COMPOSE.read_text()  # the trainer's comment says how to end that
 
 
 def test_roles_share_one_volume_and_get_the_contract_environment():
@@ -397,13 +402,30 @@ def test_redis_needs_its_password_and_keeps_an_append_only_file():
     assert re.fullmatch(r"redis:7\.\d+\.\d+(-alpine)?", redis["image"]), redis["image"]
     command = "\n".join(as_list(redis["command"]))
     assert "requirepass" in command
-    assert "--appendonly yes" in command and "--appendfsync everysec" in command
+    assert "--appendonly yes" in command and "--appendfsync always" in command
     assert not variables(command), "compose would put a value (the password?) on the command line"
     env = env_of(redis)
     assert env["REDISCLI_AUTH"] == "${REDIS_PASSWORD:?run make compose-env}"  # the healthcheck's redis-cli uses it
     assert "$$REDISCLI_AUTH" in command  # the container's shell writes it into the config file
     assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
     assert any(v.endswith(":/data") and v.split(":")[0] in load(COMPOSE)["volumes"] for v in redis["volumes"])
+
+
+# A password must be usable in redis://:PASSWORD@host URLs and need no quoting in redis.conf.
+def test_the_redis_start_script_refuses_a_password_unsafe_in_a_url(tmp_path):
+    command = load(COMPOSE)["services"]["redis"]["command"]
+    assert command[:2] == ["sh", "-c"] and len(command) == 3
+    script = command[2].replace("$$", "$")  # what compose hands the container's shell
+    p, conf = run_redis_start_script(script, GOOD_REDIS_PASSWORD, tmp_path / "good")
+    assert p.returncode == 0, p.stderr
+    args, config = p.stdout.split("CONFIG:\n")
+    assert f'requirepass "{GOOD_REDIS_PASSWORD}"' in config and GOOD_REDIS_PASSWORD not in args
+    assert "--appendonly yes" in args and "--dir /data" in args
+    for i, bad in enumerate(BAD_REDIS_PASSWORDS):
+        p, conf = run_redis_start_script(script, bad, tmp_path / f"bad{i}")
+        assert p.returncode == 1 and not conf.exists() and "ARGS" not in p.stdout, (bad, p.stdout, p.stderr)
+        assert "REDIS_PASSWORD" in p.stderr and "A-Za-z0-9_-" in p.stderr, p.stderr
+        assert not bad or bad not in p.stdout + p.stderr, "the refused password is printed"
 
 
 def test_only_grafana_and_prometheus_publish_ports_on_loopback():
@@ -504,11 +526,47 @@ def test_compose_env_writes_private_random_secrets_and_keeps_an_existing_file(tm
     assert len(values["OPSD_API_TOKEN"]) >= 32
     assert all(re.fullmatch(r"[A-Za-z0-9_-]+", v) for v in values.values())  # safe inside redis://:PASSWORD@
     before = path.read_text()
-    p = compose_env("--output", str(path))
-    assert p.returncode != 0 and "exists" in p.stderr
+    p = compose_env("--output", str(path))  # a second `make compose-env` changes nothing and succeeds
+    assert p.returncode == 0 and "kept" in p.stdout, p.stderr
     assert path.read_text() == before
     p = compose_env("--output", str(path), "--force")
     assert p.returncode == 0, p.stderr
     assert read_env(path)["OPSD_API_TOKEN"] != values["OPSD_API_TOKEN"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert os.listdir(tmp_path) == [".env"]  # no temporary file left behind
+
+
+def test_compose_env_fills_the_empty_secrets_of_a_copied_template(tmp_path):
+    path = tmp_path / ".env"
+    path.write_text((ROOT / ".env.example").read_text().replace("OPSD_API_TOKEN=", "OPSD_API_TOKEN=mine-mine-mine-mine"))
+    path.chmod(0o644)
+    p = compose_env("--output", str(path))
+    assert p.returncode == 0, p.stderr
+    values = read_env(path)
+    assert values["OPSD_API_TOKEN"] == "mine-mine-mine-mine"  # a value the user set is kept
+    assert len(values["REDIS_PASSWORD"]) >= 32 and len(values["GRAFANA_ADMIN_PASSWORD"]) >= 32
+    assert "OPSD_ROLLOUT_GPU=0" in path.read_text()  # the template's other lines stay
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_compose_env_refuses_a_symlink_or_a_directory(tmp_path):
+    (tmp_path / "target").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    (tmp_path / "dir").mkdir()
+    for name in ("link", "dir"):
+        p = compose_env("--output", str(tmp_path / name))
+        assert p.returncode == 1 and "regular file" in p.stderr
+    assert (tmp_path / "target").read_text() == ""
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_images_verify_tls_with_the_venvs_ca_bundle(role):
+    """rediss:// needs a CA store; debian-slim has none, so SSL_CERT_FILE names certifi's (a dependency of httpx)."""
+    import certifi
+
+    text = (ROOT / "services" / role / "Dockerfile").read_text()
+    m = re.search(r"SSL_CERT_FILE=(\S+)", text)
+    assert m, "no SSL_CERT_FILE in the image"
+    # The same place relative to the venv as in this venv (same Python minor version, same package).
+    here = Path(certifi.where()).resolve().relative_to(Path(sys.prefix).resolve())
+    assert m.group(1) == f"/opt/venv/{here.as_posix()}"

@@ -5,7 +5,10 @@ dashboard may use, below): each metric name it references must be a sample
 name that the services' Prometheus registry exports (or a listed
 dcgm-exporter name), each label it matches on, groups by or names in a
 legend must exist where it is used, and every metric of opsd/metrics.py is
-shown somewhere. Negative controls prove the checker reports mistakes.
+shown somewhere. Each sample's value is also followed by its registry TYPE:
+counters only through rate/irate/increase (or resets), gauges never through
+them, deriv & co. only over gauges, histogram_quantile only over `_bucket`
+series. Negative controls prove the checker reports mistakes.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ FUNCTIONS = {
     "sinh", "tan", "tanh", "deg", "rad", "pi", "info",
 }
 SCALAR_FUNCTIONS = {"scalar", "time", "pi"}
+# How functions treat a sample's value, by its registry type (kinds: "counter" = cumulative, "gauge", "created").
+RATE_FUNCTIONS = {"rate", "irate", "increase", "resets"}  # counters only: on a gauge (or a rate) they mean nothing
+GAUGE_FUNCTIONS = {"deriv", "delta", "idelta", "predict_linear", "holt_winters", "double_exponential_smoothing"}
+# The documented ways a raw counter may be used outside RATE_FUNCTIONS, all of which drop its cumulative value:
+# these functions (only whether/when samples exist), count/group, the right side of and/unless (only its label
+# sets filter), and a `bool` comparison with a scalar (`opsd_groups_total > bool 0`: "has it ever counted").
+VALUE_BLIND = {"absent", "absent_over_time", "present_over_time", "count_over_time", "timestamp"}
+PASS_THROUGH = {"label_replace", "label_join", "sort", "sort_desc", "sort_by_label", "sort_by_label_desc", "last_over_time"}
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or", "unless",
             "atan2", "inf", "nan"}
 PRECEDENCE = {"or": 1, "and": 2, "unless": 2, "==": 3, "!=": 3, "<=": 3, "<": 3, ">=": 3, ">": 3, "+": 4, "-": 4,
@@ -85,20 +96,23 @@ class Value:
     kind: str  # "vector", "scalar" or "string"
     labels: frozenset | None = frozenset()  # labels its series can carry; None: unknown (an error was reported)
     text: str = ""  # a string literal's value
+    src: frozenset = frozenset()  # (sample name, "raw" or the last function applied) for each value reaching here
 
 
 @dataclass
 class PromQL:
     """Parses one expression: the metric names it references, and the problems found on the way.
 
-    `catalog` maps each known sample name to its label names. The output
-    label set of every sub-expression is followed (aggregations keep only
-    their `by` labels, etc.), so a label is checked against what actually
-    reaches the place it is used, not only against the raw metric.
+    `catalog` maps each known sample name to its label names, `kinds` to
+    its value's type (see the `kinds` fixture). The output label set and the
+    value sources of every sub-expression are followed (aggregations keep
+    only their `by` labels, etc.), so a label or a type is checked against
+    what actually reaches the place it is used, not only the raw metric.
     """
 
     expr: str
     catalog: dict[str, frozenset]
+    kinds: dict[str, str] = field(default_factory=dict)
     metrics: set = field(default_factory=set)
     problems: list = field(default_factory=list)
 
@@ -107,6 +121,8 @@ class PromQL:
         self.result = self.parse(0)
         if self.i < len(self.toks):
             raise ValueError(f"unexpected {self.peek()!r} in {self.expr!r}")
+        if raw := self.raw_counters(self.result.src):
+            self.problems.append(f"cumulative counter(s) {raw} shown as they are: wrap them in rate/irate/increase")
 
     # -- token helpers
     def peek(self, k: int = 0) -> str:
@@ -127,6 +143,9 @@ class PromQL:
         if have is not None and missing:
             self.problems.append(f"{where}: label(s) {sorted(missing)} not on the series there ({sorted(have)})")
 
+    def raw_counters(self, src: frozenset) -> list[str]:
+        return sorted(n for n, how in src if how == "raw" and self.kinds.get(n) == "counter")
+
     def label_list(self) -> list[str]:
         self.take("(")
         names = []
@@ -142,7 +161,7 @@ class PromQL:
         left = self.unary()
         while (op := self.peek().lower()) in PRECEDENCE and PRECEDENCE[op] >= min_prec and self.kind() in ("op", "ident"):
             self.take()
-            if self.peek() == "bool":
+            if is_bool := self.peek() == "bool":
                 self.take()
             on = ignoring = include = None
             if self.peek() in ("on", "ignoring"):
@@ -151,7 +170,11 @@ class PromQL:
                 side = self.take()
                 include = (side, self.label_list() if self.peek() == "(" else [])
             right = self.parse(PRECEDENCE[op] + (op != "^"))
+            left_src, left_kind = left.src, left.kind
             left = self.binary(op, left, right, on, ignoring, include)
+            # Which values flow on: and/unless keep the left ones; a bool comparison with a scalar yields 0/1.
+            left.src = (left_src if op in ("and", "unless") else frozenset()
+                        if is_bool and "scalar" in (left_kind, right.kind) else left_src | right.src)
         return left
 
     def unary(self) -> Value:
@@ -222,7 +245,9 @@ class PromQL:
             self.problems.append(f"metric {name!r} is not exported")
         used = self.matchers() if self.peek() == "{" else []
         self.need(used, have, f"matchers of {name}")
-        return Value("vector", have)
+        if self.kinds.get(name) == "created":
+            self.problems.append(f"{name}: a _created series (when the counter was made) must not be queried")
+        return Value("vector", have, src=frozenset({(name, "raw")}))
 
     def args(self) -> list[Value]:
         self.take("(")
@@ -248,7 +273,7 @@ class PromQL:
             out = frozenset(grouping[1]) if grouping[0] == "by" else None if have is None else have - set(grouping[1])
         if name == "count_values" and out is not None:
             out |= {args[0].text}
-        return Value("vector", out)
+        return Value("vector", out, src=frozenset() if name in ("count", "group") else args[-1].src)
 
     def call(self) -> Value:
         name = self.take()
@@ -256,6 +281,24 @@ class PromQL:
             self.problems.append(f"unknown function {name!r}")
         args = self.args()
         vectors = [a for a in args if a.kind == "vector"]
+        out = self.call_labels(name, args, vectors)
+        src = frozenset().union(*(a.src for a in vectors))
+        raw = self.raw_counters(src)
+        if name in RATE_FUNCTIONS:
+            if bad := sorted(n if how == "raw" else f"{how}({n})" for n, how in src
+                             if how != "raw" or self.kinds.get(n) == "gauge"):
+                self.problems.append(f"{name}() over gauge value(s) {bad}: it is for counters (use deriv/delta/*_over_time)")
+        elif name in GAUGE_FUNCTIONS and raw:
+            self.problems.append(f"{name}() over counter(s) {raw}: it is for gauges (use rate/increase)")
+        elif raw and name not in VALUE_BLIND | PASS_THROUGH:
+            self.problems.append(f"cumulative counter(s) {raw} under {name}(): wrap them in rate/irate/increase first")
+        if name == "histogram_quantile" and (not src or any(not n.endswith("_bucket") for n, _ in src)):
+            self.problems.append(f"histogram_quantile over {sorted(n for n, _ in src)}: it needs only _bucket series")
+        out.src = (frozenset() if name in VALUE_BLIND or out.kind != "vector" else src if name in PASS_THROUGH
+                   else frozenset((n, name) for n, _ in src))
+        return out
+
+    def call_labels(self, name: str, args: list[Value], vectors: list[Value]) -> Value:
         if name in SCALAR_FUNCTIONS:
             return Value("scalar")
         if name == "vector" or not vectors:
@@ -296,16 +339,20 @@ class PromQL:
 
 
 # ------------------------------------------------------------------ what the services export
-SAMPLE_SUFFIXES = {  # family type -> (sample suffix, extra label) as prometheus_client writes them
-    "counter": [("_total", None), ("_created", None)],
-    "gauge": [("", None)],
-    "histogram": [("_bucket", "le"), ("_sum", None), ("_count", None), ("_created", None)],
-    "summary": [("", "quantile"), ("_sum", None), ("_count", None), ("_created", None)],
-    "gaugehistogram": [("_bucket", "le"), ("_gsum", None), ("_gcount", None)],
-    "info": [("_info", None)],
-    "stateset": [("", None)],
-    "enum": [("", None)],
-    "unknown": [("", None)],
+# family type -> (sample suffix, extra label, kind of value) as prometheus_client writes them; kind "counter" is
+# cumulative (histogram buckets, _sum and _count too), "created" a creation timestamp.
+SAMPLE_SUFFIXES = {
+    "counter": [("_total", None, "counter"), ("_created", None, "created")],
+    "gauge": [("", None, "gauge")],
+    "histogram": [("_bucket", "le", "counter"), ("_sum", None, "counter"), ("_count", None, "counter"),
+                  ("_created", None, "created")],
+    "summary": [("", "quantile", "gauge"), ("_sum", None, "counter"), ("_count", None, "counter"),
+                ("_created", None, "created")],
+    "gaugehistogram": [("_bucket", "le", "gauge"), ("_gsum", None, "gauge"), ("_gcount", None, "gauge")],
+    "info": [("_info", None, "gauge")],
+    "stateset": [("", None, "gauge")],
+    "enum": [("", None, "gauge")],
+    "unknown": [("", None, "unknown")],
 }
 
 
@@ -332,7 +379,7 @@ def exported() -> dict[str, frozenset]:
             continue
         labels = labelnames.get(fam.name)
         assert labels is not None, f"no label names found for {fam.name} (prometheus_client internals changed?)"
-        for suffix, extra in SAMPLE_SUFFIXES[fam.type]:
+        for suffix, extra, _ in SAMPLE_SUFFIXES[fam.type]:
             out[fam.name + suffix] = frozenset(labels) | TARGET_LABELS | ({extra} if extra else set())
     assert len(out) >= 20, f"only {sorted(out)} found: the service modules' metrics did not register"
     return out
@@ -341,6 +388,19 @@ def exported() -> dict[str, frozenset]:
 @pytest.fixture(scope="module")
 def catalog(exported) -> dict[str, frozenset]:
     return {**exported, **{m: DCGM_LABELS | TARGET_LABELS for m in DCGM_METRICS}}
+
+
+@pytest.fixture(scope="module")
+def kinds(exported) -> dict[str, str]:
+    """Sample name -> kind of value, from the registry families' .type (the listed DCGM fields are all gauges)."""
+    from prometheus_client import REGISTRY
+
+    out = {m: "gauge" for m in DCGM_METRICS}
+    for fam in REGISTRY.collect():
+        if fam.name.startswith("opsd_"):
+            out |= {fam.name + suffix: kind for suffix, _, kind in SAMPLE_SUFFIXES[fam.type]}
+    assert set(out) >= set(exported) and out["opsd_queue_depth"] == "gauge" and out["opsd_groups_total"] == "counter"
+    return out
 
 
 # ------------------------------------------------------------------ the dashboard
@@ -361,9 +421,9 @@ def queries(dash: dict) -> list[tuple[str, dict]]:
     return [(p["title"], t) for p in all_panels(dash) if p["type"] != "row" for t in p.get("targets", [])]
 
 
-def check(expr: str, catalog: dict, legend: str = "") -> tuple[set, list]:
+def check(expr: str, catalog: dict, legend: str = "", kinds: dict | None = None) -> tuple[set, list]:
     """(metric names, problems) of one query; a legend's {{label}} must be on the series the query returns."""
-    q = PromQL(expr, catalog)
+    q = PromQL(expr, catalog, kinds or {})
     problems = list(q.problems)
     used = re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)
     if used and q.result.labels is not None:
@@ -417,10 +477,10 @@ def test_every_target_has_an_expr_on_the_datasource_variable():
             assert t.get("datasource", p["datasource"])["uid"] == DATASOURCE, p["title"]
 
 
-def test_every_query_references_only_exported_metrics_and_labels(exported, catalog):
+def test_every_query_references_only_exported_metrics_labels_and_types(exported, catalog, kinds):
     problems, referenced = [], set()
     for title, target in queries(load()):
-        names, found = check(target["expr"], catalog, target.get("legendFormat", ""))
+        names, found = check(target["expr"], catalog, target.get("legendFormat", ""), kinds)
         referenced |= names
         problems += [f"{title}: {p}" for p in found]
         for name in names:  # opsd names from the registry, anything else from the dcgm-exporter list only
@@ -445,7 +505,7 @@ def test_every_opsd_metric_is_on_the_dashboard(catalog):
     for obj in vars(opsd.metrics).values():
         if isinstance(obj, MetricWrapperBase):
             fam = next(iter(obj.describe()))
-            families[fam.name] = {fam.name + s for s, _ in SAMPLE_SUFFIXES[fam.type]}
+            families[fam.name] = {fam.name + s for s, *_ in SAMPLE_SUFFIXES[fam.type]}
     assert len(families) >= 20
     shown = set()
     for _, target in queries(load()):
@@ -462,11 +522,11 @@ def test_the_extractor_reports_a_misspelt_metric(catalog):
     assert any("opsd_grups_total" in p for p in problems)
 
 
-def test_the_extractor_skips_strings_ranges_label_lists_numbers_and_keywords(catalog):
+def test_the_extractor_skips_strings_ranges_label_lists_numbers_and_keywords(catalog, kinds):
     expr = ('label_replace(histogram_quantile(0.95, sum without (instance) (rate(opsd_job_seconds_bucket{role!="x"}'
             '[5m:1m] offset 1h30m))), "opsd_fake", "$1", "role", "(.*)") '
             '/ on (role) group_left () max by (role) (opsd_policy_version) > bool 2e3 or vector(1)  # opsd_comment')
-    names, problems = check(expr, catalog, legend="{{role}} {{opsd_fake}}")
+    names, problems = check(expr, catalog, legend="{{role}} {{opsd_fake}}", kinds=kinds)
     assert names == {"opsd_job_seconds_bucket", "opsd_policy_version"}
     assert problems == []
 
@@ -482,4 +542,40 @@ def test_the_extractor_skips_strings_ranges_label_lists_numbers_and_keywords(cat
 ])
 def test_the_checker_reports_wrong_labels_and_names(catalog, expr, legend, reported):
     _, problems = check(expr, catalog, legend)
+    assert any(reported in p for p in problems), problems
+
+
+@pytest.mark.parametrize("expr", [  # typed uses that are right, including the documented counter exceptions
+    "resets(opsd_groups_total[1h])", "count by (role) (opsd_groups_total)", "absent(opsd_tokens_total)",
+    "opsd_groups_total > bool 0", "rate(opsd_tokens_total[5m]) and on (role) opsd_groups_total",
+    "sum(rate(opsd_job_seconds_sum[5m])) / sum(rate(opsd_job_seconds_count[5m]))", "deriv(opsd_queue_depth[10m])",
+    "predict_linear(opsd_policy_version[1h], 3600)", "max_over_time(sum(rate(opsd_groups_total[5m]))[1h:1m])",
+])
+def test_the_type_checker_accepts_right_uses(catalog, kinds, expr):
+    assert check(expr, catalog, kinds=kinds)[1] == []
+
+
+@pytest.mark.parametrize(("expr", "reported"), [
+    # rate/irate/increase/resets over a gauge, also through a subquery, or over a rate (a gauge-like value)
+    ("sum by (stream) (rate(opsd_queue_depth[5m]))", "rate() over gauge value(s) ['opsd_queue_depth']"),
+    ("irate(opsd_policy_version[5m])", "irate() over gauge"), ("increase(opsd_step_seconds[1h])", "increase() over gauge"),
+    ("resets(opsd_queue_pending[1h])", "resets() over gauge"), ("rate(max(opsd_queue_depth)[5m:1m])", "rate() over gauge"),
+    ("rate(rate(opsd_groups_total[5m])[10m:])", "rate(opsd_groups_total)"),
+    # a cumulative counter sample used as it is, however wrapped
+    ('sum by (role) (opsd_groups_total{role=~"$role"})', "cumulative counter(s) ['opsd_groups_total'] shown"),
+    ("opsd_groups_total > 0", "shown"), ("rate(opsd_groups_total[5m]) / opsd_tokens_total", "['opsd_tokens_total'] shown"),
+    ("opsd_job_seconds_sum / opsd_job_seconds_count", "['opsd_job_seconds_count', 'opsd_job_seconds_sum'] shown"),
+    ("max_over_time(opsd_groups_total[1h])", "under max_over_time()"), ("opsd_tokens_total and opsd_groups_total", "shown"),
+    ("histogram_quantile(0.9, sum by (le) (opsd_job_seconds_bucket))", "under histogram_quantile()"),
+    ("time() - opsd_groups_created", "opsd_groups_created: a _created series"),
+    # deriv & co. over a counter
+    ("deriv(opsd_tokens_total[5m])", "deriv() over counter"), ("delta(opsd_groups_total[1h])", "delta() over counter"),
+    ("idelta(opsd_job_seconds_count[5m])", "idelta() over counter"),
+    ("predict_linear(opsd_tokens_total[1h], 3600)", "predict_linear() over counter"),
+    # histogram_quantile over anything but _bucket series
+    ('histogram_quantile(0.9, label_replace(rate(opsd_job_seconds_count[5m]), "le", "1", "", ""))', "only _bucket"),
+    ("histogram_quantile(0.5, opsd_queue_depth)", "only _bucket"),
+])
+def test_the_type_checker_reports_misused_counters_gauges_and_histograms(catalog, kinds, expr, reported):
+    _, problems = check(expr, catalog, kinds=kinds)
     assert any(reported in p for p in problems), problems

@@ -11,6 +11,8 @@ the same build contains. NetworkPolicies are checked by evaluating the flows the
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
+import math
 import os
 import re
 import subprocess
@@ -21,7 +23,7 @@ import yaml
 
 from opsd.config import RunConfig
 from opsd.queue import StreamNames
-from tests.deploy_tools import ROOT, run_tool, tool
+from tests.deploy_tools import BAD_REDIS_PASSWORDS, GOOD_REDIS_PASSWORD, ROOT, run_redis_start_script, run_tool, tool
 
 K8S = ROOT / "k8s"
 BUILDS = ("base", "overlays/cpu-demo", "overlays/gpu")
@@ -39,6 +41,8 @@ SECRET = "opsd-secrets"  # created by the user (k8s/README.md), never in the rep
 SECRET_KEYS = {"redis-password", "api-token"}
 GPU = "nvidia.com/gpu"
 CLUSTER_SCOPED = {"Namespace"}
+# The components that need CRDs: an overlay without them must still build (k8s/README.md).
+CRD_COMPONENTS = ("../../components/keda", "../../components/monitoring")
 
 _built: dict[str, str] = {}
 
@@ -179,14 +183,20 @@ def test_the_base_run_config_is_the_quickstart_with_an_explicit_stream_prefix():
     assert RunConfig.load(K8S / "base" / "run.yaml").redis.stream_prefix == prefix
 
 
-def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
+def run_config(build: Build, tmp_path: Path) -> RunConfig:
+    """The run config the build mounts into every role (ConfigMap opsd-config)."""
     config = tmp_path / "run.yaml"
     config.write_text(build.generated("opsd-config")["data"]["run.yaml"])
-    cfg = RunConfig.load(config)
+    return RunConfig.load(config)
+
+
+def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
+    cfg = run_config(build, tmp_path)
     assert cfg.redis.stream_prefix, "the deployed config must name its stream prefix (KEDA needs it)"
     names = StreamNames(cfg.redis.stream_prefix)
     scaled = build.of("ScaledObject")
-    assert sorted(s["spec"]["scaleTargetRef"]["name"] for s in scaled) == sorted(SCALED)
+    # The base holds core kinds only; the overlays add k8s/components/keda.
+    assert sorted(s["spec"]["scaleTargetRef"]["name"] for s in scaled) == ([] if build.path == "base" else sorted(SCALED))
     for s in scaled:
         assert s["apiVersion"] == CRD_KINDS["ScaledObject"]
         spec = s["spec"]
@@ -202,7 +212,8 @@ def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
         assert meta["stream"] == getattr(names, SCALED[role])
         assert meta["consumerGroup"] == role  # opsd's consumer group = the role name
         assert isinstance(meta["lagCount"], str) and int(meta["lagCount"]) >= 1
-        assert isinstance(meta["activationLagCount"], str) and int(meta["activationLagCount"]) >= 0
+        # Activation only decides 0 <-> 1 pods (minReplicaCount is 1); "0" or "1" (kedacore/keda#6478).
+        assert meta["activationLagCount"] in ("0", "1")
         assert re.fullmatch(r"[\w.-]+:\d+", meta["address"]), meta["address"]
         auth = build.get("TriggerAuthentication", trigger["authenticationRef"]["name"])
         assert auth is not None and auth["apiVersion"] == CRD_KINDS["TriggerAuthentication"]
@@ -218,6 +229,23 @@ def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
         assert config_path.name in build.generated("opsd-config")["data"]
         run_dir = Path(args[args.index("--run-dir") + 1])
         assert run_dir.is_relative_to("/data") and f"opsd:{run_dir.name}" == cfg.redis.stream_prefix
+
+
+def test_keda_scale_out_is_reachable(build, tmp_path):
+    """KEDA wants ceil(lag / lagCount) pods; the lag never exceeds what the trainer issues at once.
+
+    The trainer keeps the tasks of steps [n, n + max_staleness] issued, env.num_games groups a step
+    (services/trainer/controller.py), and each task becomes one rollout group: that is the most
+    entries either stream can hold undelivered. Below 2 pods' worth, KEDA could never scale out.
+    """
+    cfg = run_config(build, tmp_path)
+    max_lag = cfg.env.num_games * (cfg.run.max_staleness + 1)
+    for s in build.of("ScaledObject"):
+        lag_count = int(s["spec"]["triggers"][0]["metadata"]["lagCount"])
+        wanted = math.ceil(max_lag / lag_count)
+        assert wanted >= 2, (f"{s['metadata']['name']}: at most {max_lag} waiting entries / lagCount {lag_count} "
+                             f"= {wanted} pod: raise env.num_games or run.max_staleness, or lower lagCount")
+        assert s["spec"]["maxReplicaCount"] >= 2
 
 
 def test_keda_and_the_roles_use_one_redis_address(build):
@@ -240,27 +268,106 @@ def test_keda_and_the_roles_use_one_redis_address(build):
         assert env["REDIS_URL"] == "$(REDIS_SCHEME)://:$(REDIS_PASSWORD)@$(REDIS_ADDRESS)/0"
 
 
-def test_switching_to_an_external_redis_is_one_change(tmp_path):
-    """What k8s/README.md says: drop the component, set opsd-redis in the overlay; KEDA follows."""
-    k = yaml.safe_load((K8S / "overlays" / "gpu" / "kustomization.yaml").read_text())
-    assert k.pop("components") == ["../../components/redis"]
-    k["resources"] = [os.path.relpath(K8S / "base", tmp_path)]
-    address = "my-redis.example.com:6380"
-    k["configMapGenerator"] = [{"name": "opsd-redis", "behavior": "merge",
-                                "literals": [f"address={address}", "scheme=rediss", "tls=true"]}]
+def readme_block(heading: str) -> dict:
+    """The first ```yaml block under the k8s/README.md heading that starts with `heading`, parsed."""
+    text = (K8S / "README.md").read_text()
+    section = re.search(rf"^#+ (?:\d+\. )?{re.escape(heading)}.*?(?=^#+ |\Z)", text, re.M | re.S)
+    assert section, f"k8s/README.md: no section {heading!r}"
+    block = re.search(r"^```yaml\n(.*?)^```", section.group(0), re.M | re.S)
+    assert block, f"k8s/README.md, {heading!r}: no yaml block"
+    return yaml.safe_load(block.group(1))
+
+
+def overlay_copy(tmp_path: Path, overlay: str = "gpu", drop: tuple[str, ...] = (), add: dict | None = None) -> Build:
+    """Build a copy of an overlay with component lines deleted and README fragments appended (as a user would)."""
+    source = K8S / "overlays" / overlay
+    lines = (source / "kustomization.yaml").read_text().splitlines()
+    kept = [line for line in lines if line.strip().removeprefix("- ") not in drop]
+    assert len(lines) - len(kept) == len(drop), f"not every line of {drop} is in the overlay"
+    k = yaml.safe_load("\n".join(kept))
+    k["resources"] = [os.path.relpath((source / r).resolve(), tmp_path) for r in k["resources"]]
+    k["components"] = [os.path.relpath((source / c).resolve(), tmp_path) for c in k.get("components", [])]
+    for key, value in (add or {}).items():
+        k[key] = k.get(key, []) + value  # the README's entries go after the overlay's own
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(k))
-    b = Build(run_tool([tool("kubectl"), "kustomize", str(tmp_path)]).stdout)
+    return Build(run_tool([tool("kubectl"), "kustomize", str(tmp_path)]).stdout, f"copy of overlays/{overlay}")
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu"])
+def test_switching_to_an_external_redis_is_one_file(overlay, tmp_path):
+    """What k8s/README.md says (External managed Redis): drop the component line, add its fragment to the overlay; KEDA follows."""
+    fragment = readme_block("External managed Redis")
+    assert set(fragment) == {"configMapGenerator", "patches"}
+    b = overlay_copy(tmp_path, overlay, drop=("../../components/redis",), add=fragment)
+    literals = dict(x.split("=", 1) for x in fragment["configMapGenerator"][0]["literals"])
+    address = literals["address"]
     assert b.get("Deployment", "redis") is None and b.get("Service", "redis") is None
+    assert b.get("NetworkPolicy", "redis-ingress") is None
     assert [s["spec"]["triggers"][0]["metadata"]["address"] for s in b.of("ScaledObject")] == [address] * len(SCALED)
-    assert {s["spec"]["triggers"][0]["metadata"]["enableTLS"] for s in b.of("ScaledObject")} == {"true"}
+    assert {s["spec"]["triggers"][0]["metadata"]["enableTLS"] for s in b.of("ScaledObject")} == {literals["tls"]}
     env = b.env(container(b.role("trainer")))
-    assert (env["REDIS_SCHEME"], env["REDIS_ADDRESS"]) == ("rediss", address)
+    assert (env["REDIS_SCHEME"], env["REDIS_ADDRESS"]) == (literals["scheme"], address)
+    # The patch lets exactly the Redis users reach the endpoint, on its port, and nothing else outside.
+    policies = b.of("NetworkPolicy")
+    (rule,) = [r for p in policies for r in p["spec"].get("egress", []) if any("ipBlock" in x for x in r["to"])]
+    net = ipaddress.ip_network(rule["to"][0]["ipBlock"]["cidr"])
+    assert net.num_addresses <= 256, f"{net}: allow your Redis endpoint, not a whole network"
+    endpoint = Pod(None, {}, ip=str(net[0]))
+    port = int(address.rsplit(":", 1)[1])
+    for role in ROLES:
+        src = Pod(NAMESPACE, pod_labels(b.role(role)))
+        assert flow_allowed(policies, src, endpoint, port) == (role in REDIS_USERS), role
+        assert not flow_allowed(policies, src, endpoint, 22), role
+        for host in INTERNET:
+            assert not flow_allowed(policies, src, host, 443), (role, host.ip)
+
+
+def test_the_readme_dns_rules_work_as_patches(tmp_path):
+    """NodeLocal DNSCache and OpenShift DNS: the README's extra egress rule, added by an overlay patch."""
+    fragment = readme_block("NetworkPolicy and DNS")
+    b = overlay_copy(tmp_path, "gpu", add=fragment)
+    policies = b.of("NetworkPolicy")
+    nodelocal = Pod(None, {}, ip="169.254.20.10")
+    openshift = Pod("openshift-dns", {"dns.operator.openshift.io/daemonset-dns": "default"})
+    for role in ROLES:
+        src = Pod(NAMESPACE, pod_labels(b.role(role)))
+        assert flow_allowed(policies, src, nodelocal, 53, "UDP") and flow_allowed(policies, src, nodelocal, 53, "TCP")
+        assert flow_allowed(policies, src, openshift, 5353, "UDP") and flow_allowed(policies, src, openshift, 5353, "TCP")
+        assert not flow_allowed(policies, src, nodelocal, 443)
+        for host in INTERNET:
+            assert not flow_allowed(policies, src, host, 53, "UDP"), (role, host.ip)
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu"])
+def test_an_overlay_builds_without_the_crd_components(overlay, tmp_path):
+    """No KEDA or Prometheus Operator: deleting the two component lines leaves core kinds only."""
+    b = overlay_copy(tmp_path, overlay, drop=CRD_COMPONENTS)
+    assert not [d["kind"] for d in b.docs if d["kind"] in CRD_KINDS]
+    for role in ROLES:
+        b.role(role)
+    out = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, "-"], stdin=b.text).stdout
+    assert not [line for line in out.splitlines() if line.startswith(("ERROR", "FATAL", "WARN"))], out
+
+
+def test_the_overlays_include_the_components_and_pin_the_images():
+    for overlay, tag in (("cpu-demo", "0.1.0"), ("gpu", "0.1.0-cuda")):
+        k = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+        assert k["components"] == ["../../components/redis", *CRD_COMPONENTS], overlay
+        images = {i["name"]: i for i in k["images"]}
+        assert set(images) == {f"ghcr.io/opsd-project/opsd-{role}" for role in ROLES}, overlay
+        assert {i.get("newTag") for i in images.values()} == {tag}, overlay
+        b = Build(kustomize(f"k8s/overlays/{overlay}"))
+        for role in ROLES:
+            assert container(b.role(role))["image"] == f"ghcr.io/opsd-project/opsd-{role}:{tag}"
 
 
 # --- monitoring --------------------------------------------------------------------------------
 
 
 def test_the_podmonitor_scrapes_every_role(build):
+    if build.path == "base":  # the overlays add k8s/components/monitoring
+        assert not build.of("PodMonitor")
+        return
     (pm,) = build.of("PodMonitor")
     assert pm["apiVersion"] == CRD_KINDS["PodMonitor"]
     selector = pm["spec"]["selector"]
@@ -288,6 +395,8 @@ def test_every_workload_is_hardened_and_references_what_exists(build):
         assert sc["runAsNonRoot"] is True and sc["runAsUser"] == sc["runAsGroup"] == sc["fsGroup"] == 10001, name
         assert sc["seccompProfile"]["type"] == "RuntimeDefault", name
         assert spec["automountServiceAccountToken"] is False, name
+        for host in ("hostNetwork", "hostPID", "hostIPC"):  # the node's namespaces
+            assert spec.get(host, False) is False, f"{name}: {host}"
         volumes = {v["name"]: v for v in spec["volumes"]}
         for v in volumes.values():
             if "persistentVolumeClaim" in v:
@@ -295,10 +404,19 @@ def test_every_workload_is_hardened_and_references_what_exists(build):
             if "configMap" in v:
                 assert v["configMap"]["name"] in configmaps, (name, v)
             assert set(v) - {"name"} <= {"persistentVolumeClaim", "configMap", "emptyDir"}, (name, v)
-        for c in spec["containers"]:
+        assert spec["containers"]
+        for c in spec["containers"] + spec.get("initContainers", []) + spec.get("ephemeralContainers", []):
             csc = c["securityContext"]
             assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"]["drop"] == ["ALL"], name
+            assert not csc["capabilities"].get("add"), f"{name}: adds capabilities"
             assert csc["readOnlyRootFilesystem"] is True, name
+            # A container's own settings override the pod's: no way back to root or the host from here.
+            assert csc.get("privileged", False) is False, f"{name}: privileged"
+            assert csc.get("runAsNonRoot", True) is True, name
+            assert csc.get("runAsUser", sc["runAsUser"]) == csc.get("runAsGroup", sc["runAsGroup"]) == 10001, name
+            assert csc.get("procMount", "Default") == "Default" and "seLinuxOptions" not in csc, name
+            assert csc.get("seccompProfile", sc["seccompProfile"])["type"] == "RuntimeDefault", name
+            assert not [port for port in c.get("ports", []) if "hostPort" in port], f"{name}: hostPort"
             mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
             assert set(mounts.values()) <= set(volumes), name
             assert "emptyDir" in volumes[mounts["/tmp"]], f"{name}: a read-only root needs a writable /tmp"
@@ -370,10 +488,15 @@ def test_the_in_cluster_redis(build):
     c = container(redis)
     major = re.fullmatch(r"redis:(\d+)\.\d+\.\d+(-alpine)?", c["image"])
     assert major and int(major.group(1)) >= 7, "KEDA's lagCount needs Redis 7+"
-    args = c["args"]
-    assert args[args.index("--appendonly") + 1] == "yes"
-    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    script = c["command"][-1]
+    assert c["command"][:2] == ["sh", "-c"] and "args" not in c
+    assert "--appendonly yes --appendfsync always" in script
+    # The password reaches redis-server through a private config file, never its command line.
+    assert "umask 077" in script and 'requirepass "%s"' in script and '"$REDIS_PASSWORD" > /tmp/redis.conf' in script
+    assert "--requirepass" not in script and "$(REDIS_PASSWORD)" not in script
+    assert "exec redis-server /tmp/redis.conf" in script
     assert build.env(c)["REDIS_PASSWORD"] == f"<secret:{SECRET}/redis-password>"
+    assert build.env(c)["REDISCLI_AUTH"] == f"<secret:{SECRET}/redis-password>"  # the probe's redis-cli
     assert mount(redis, "/data")["persistentVolumeClaim"]["claimName"] == "redis-data"
     assert redis["spec"]["strategy"]["type"] == "Recreate"
     assert build.get("Service", "redis")["spec"]["ports"][0]["port"] == 6379
@@ -406,7 +529,9 @@ def test_gpu_requests_by_overlay(path):
             assert container(w)["image"] == f"ghcr.io/opsd-project/opsd-{role}:0.1.0-cuda"
             assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod_spec(w)["tolerations"]
     if path == "overlays/gpu":
-        base = {s["spec"]["maxReplicaCount"] for s in Build(kustomize("k8s/base")).of("ScaledObject")}
+        # The component's own values (a Component does not build alone).
+        shipped = yaml.safe_load_all((K8S / "components" / "keda" / "keda.yaml").read_text())
+        base = {s["spec"]["maxReplicaCount"] for s in shipped if s["kind"] == "ScaledObject"}
         assert min(max_replicas) > max(base)
         for role in ("rollout", "teacher", "trainer"):
             def gib(build, role=role):
@@ -427,13 +552,30 @@ def test_everything_lives_in_the_namespace(build):
 
 
 class Pod:
-    def __init__(self, ns: str, labels: dict, ports: dict[str, int] | None = None):
-        self.ns, self.labels, self.ports = ns, labels, ports or {}
+    """A pod (namespace, labels), or with ns None and an ip, a host outside the cluster."""
+
+    def __init__(self, ns: str | None, labels: dict, ports: dict[str, int] | None = None, ip: str | None = None):
+        self.ns, self.labels, self.ports, self.ip = ns, labels, ports or {}, ip
+
+
+# Hosts on the internet (documentation ranges): no role may reach them, nor they a role.
+INTERNET = (Pod(None, {}, ip="203.0.113.7"), Pod(None, {}, ip="2001:db8::7"), Pod(None, {}, ip="169.254.169.254"))
 
 
 def _peer_matches(peer: dict, policy_ns: str, pod: Pod) -> bool:
     if "ipBlock" in peer:
-        return False  # the flows checked here are between pods
+        # Checked against outside hosts only (for pod IPs, ipBlock is implementation-defined).
+        if pod.ip is None:
+            return False
+        ip, block = ipaddress.ip_address(pod.ip), peer["ipBlock"]
+
+        def within(cidr: str) -> bool:
+            net = ipaddress.ip_network(cidr, strict=False)
+            return net.version == ip.version and ip in net
+
+        return within(block["cidr"]) and not any(within(e) for e in block.get("except", []))
+    if pod.ns is None:
+        return False  # selectors pick pods, never an outside host
     if "namespaceSelector" in peer:
         ns_ok = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod.ns})
     else:
@@ -502,7 +644,11 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
         assert flow_allowed(policies, p, dns, 53, "UDP"), f"{name}: DNS"
         assert flow_allowed(policies, prometheus, p, 8000), f"Prometheus -> {name}"
         assert not flow_allowed(policies, stranger, p, 8000), f"another namespace -> {name}"
-        assert not flow_allowed(policies, p, web, 443), f"{name} -> anywhere"
+        assert not flow_allowed(policies, p, web, 443), f"{name} -> a pod elsewhere"
+        for host in INTERNET:  # an ipBlock egress (0.0.0.0/0, ...) or a rule without `to` reaches these
+            for port, protocol in ((443, "TCP"), (80, "TCP"), (6379, "TCP"), (53, "UDP")):
+                assert not flow_allowed(policies, p, host, port, protocol), f"{name} -> {host.ip}:{port}/{protocol}"
+            assert not flow_allowed(policies, host, p, 8000), f"{host.ip} -> {name}"
         if redis_w is not None:
             assert flow_allowed(policies, p, redis, 6379) == (name in REDIS_USERS), f"{name} -> redis"
         else:  # the base: only the roles' side (Redis' own ingress rule comes with the component)
@@ -514,10 +660,33 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
         assert flow_allowed(policies, keda, redis, 6379), "the KEDA operator polls the streams"
         assert not flow_allowed(policies, stranger, redis, 6379)
         assert not flow_allowed(policies, prometheus, redis, 6379)
+        for host in INTERNET:
+            assert not flow_allowed(policies, host, redis, 6379) and not flow_allowed(policies, redis, host, 443)
 
 
 def test_the_readme_says_how_to_create_the_secret_and_switch_redis():
     text = (K8S / "README.md").read_text()
     for needle in ("create secret generic opsd-secrets", "redis-password", "api-token", "components/redis",
-                   "kubectl apply -k k8s/overlays/gpu", "opsd-redis", "lagCount"):
+                   "kubectl apply -k k8s/overlays/gpu", "opsd-redis", "lagCount", "KEDA 2.11",
+                   "components/keda", "components/monitoring", "docker build -f services/<role>/Dockerfile",
+                   "kind load docker-image", "minikube image load", "linux/amd64", "10001", "169.254.20.10",
+                   "openshift-dns", "release", "reclaim_idle_ms", "num_games", "max_staleness", "model.threads"):
         assert needle in text, needle
+    for block in re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S):
+        yaml.safe_load(block)  # what users copy must at least parse
+
+
+def test_the_redis_start_script_refuses_a_password_unsafe_in_a_url(tmp_path):
+    """Run k8s/components/redis's start script with /bin/sh and a fake redis-server."""
+    redis = Build(kustomize("k8s/overlays/cpu-demo")).get("Deployment", "redis")
+    script = container(redis)["command"][-1]
+    p, conf = run_redis_start_script(script, GOOD_REDIS_PASSWORD, tmp_path / "good")
+    assert p.returncode == 0, p.stderr
+    args, config = p.stdout.split("CONFIG:\n")
+    assert f'requirepass "{GOOD_REDIS_PASSWORD}"' in config and GOOD_REDIS_PASSWORD not in args
+    assert "--appendonly yes --appendfsync always --dir /data" in args
+    for i, bad in enumerate(BAD_REDIS_PASSWORDS):
+        p, conf = run_redis_start_script(script, bad, tmp_path / f"bad{i}")
+        assert p.returncode == 1 and not conf.exists() and "ARGS" not in p.stdout, (bad, p.stdout, p.stderr)
+        assert "REDIS_PASSWORD" in p.stderr and "A-Za-z0-9_-" in p.stderr, p.stderr
+        assert not bad or bad not in p.stdout + p.stderr, "the refused password is printed"

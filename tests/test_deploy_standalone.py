@@ -131,8 +131,12 @@ def test_the_compose_roles_train_a_step_as_plain_processes(tmp_path):
         # The teacher reached the embedder by OPSD_EMBEDDER_URL: no group fell back to identity views.
         teacher = httpx.get(f"http://127.0.0.1:{ports['teacher']}/metrics", timeout=10).text
         assert not re.search(r'^opsd_embedder_fallbacks_total\{role="teacher"\} [1-9]', teacher, re.M)
-        # The streams carry the prefix derived from the run directory's name.
-        assert redis.Redis.from_url(redis_server.url).exists("opsd:standalone:scored")
+        # The streams carry the prefix derived from the run directory's name; the run owns it, and the
+        # workers checked their config against the one the trainer published.
+        client = redis.Redis.from_url(redis_server.url)
+        assert client.exists("opsd:standalone:scored")
+        assert client.get("opsd:standalone:owner").decode() == (run_dir / "run_id").read_text().strip()
+        assert client.get("opsd:standalone:config_hash")
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -7,7 +7,8 @@ OPSD_EMBEDDER_URL environment variable or `<run_dir>/ports/embedder.json`,
 looked up again for every group: the teacher starts and keeps scoring
 (identity views only, counted in opsd_embedder_fallbacks_total) while the
 embedder is down, and uses it again once it is back. Calls it with the
-run's OPSD_API_TOKEN, without which it refuses to start.
+run's OPSD_API_TOKEN, without which it refuses to start. With a method that
+needs no teacher (grpo) it stays idle: it serves /health and consumes nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ def main() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg = proc.cfg
     log = logging.getLogger(ROLE)
+    if not cfg.needs_teacher:
+        # grpo: rollouts go straight to the trainer. A teacher reading them (a compose or k8s stack that
+        # starts every role) would take and delete the trainer's groups: serve health, consume nothing.
+        proc.status.update(idle=True, reason=f"run.method {cfg.run.method} needs no teacher", ready=True)
+        proc.serve(port=cfg.teacher.metrics_port)
+        log.info("run.method %s needs no teacher: idle (serving /health and /metrics only)", cfg.run.method)
+        while not proc.stop.wait(1.0):
+            pass
+        return
     token = None
     if cfg.run.method == "alignopsd":
         try:

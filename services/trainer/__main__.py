@@ -26,14 +26,17 @@ import numpy as np
 import torch
 
 from opsd import metrics
+from opsd.config import config_hash, hashed_config
 from opsd.envs.textworld import make_games
 from opsd.models import load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import prune_versions, weights_path
-from services.trainer.checkpoint import CheckpointError, TrainerState, config_hash, find_checkpoint, hashed_config, load_checkpoint, save_checkpoint
-from services.trainer.controller import Backoff, Collector, DeadLetters, StepFailed, TaskIssuer, step_tasks, wait_for_groups
+from services.trainer.checkpoint import CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.controller import (
+    Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
+)
 from services.trainer.report import append_metrics, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
 
@@ -53,8 +56,9 @@ def publish(backend, run_dir, client, prefix: str, version: int, keep: int, back
 def main() -> None:
     try:
         train()
-    except (CheckpointError, StepFailed) as e:
-        # Restarting cannot help (a refused checkpoint or config, a group that keeps dying): say so and stop.
+    except (CheckpointError, StepFailed, RunConflict) as e:
+        # Restarting cannot help (a refused checkpoint or config, a group that keeps dying, another run's
+        # prefix or trainer): say so and stop.
         log.error("%s: %s", type(e).__name__, e)
         sys.exit(FATAL_EXIT)
 
@@ -63,6 +67,7 @@ def train() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg, run_dir = proc.cfg, proc.run_dir
     proc.serve(port=cfg.trainer.metrics_port)
+    lock = lock_trainer(run_dir)  # held until train() returns (or the process dies)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
@@ -93,9 +98,10 @@ def train() -> None:
     queue = proc.open_queue(streams.scored if cfg.needs_teacher else streams.rollouts,
                             ScoredGroup if cfg.needs_teacher else RolloutGroup, backend.vocab_size, max_deliveries=1 << 30)
     client = queue.client
+    backoff = Backoff(ROLE, proc.stop)
+    claim_prefix(client, streams, run_dir, config_hash(hashed), backoff)
     issuer = TaskIssuer(client, cfg, games, cfg.redis.max_message_bytes)
     collector = Collector(queue, cfg.run.max_staleness, state.applied, state.counts, ROLE)
-    backoff = Backoff(ROLE, proc.stop)
     dead = DeadLetters(client, streams.dead)
     keep = cfg.run.max_staleness + 2
     step, version = state.step, state.policy_version
@@ -151,6 +157,7 @@ def train() -> None:
         backoff.retry(collector.flush)
     if step < cfg.run.steps:
         log.info("stopped before step %d; resume with the same run dir", step)
+        lock.close()
         return
     # The checkpoint holds the final policy; the per-version files only served the roles.
     shutil.rmtree(run_dir / "weights", ignore_errors=True)
@@ -159,6 +166,7 @@ def train() -> None:
     log.info("finished %d steps; final checkpoint in %s", cfg.run.steps, run_dir / "checkpoint")
     while not proc.stop.wait(1.0):
         pass
+    lock.close()
 
 
 # Credit metrics that count edge cases an estimator handled (spec: degenerate groups and turns), as

@@ -18,7 +18,6 @@ which `find_checkpoint` falls back to.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -34,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from opsd.config import RESUMABLE_FIELDS, config_hash
 from opsd.models.hf import load_state_strict
 from services.trainer.report import write_records
 
@@ -42,12 +42,7 @@ NAME, OLD, TMP = "checkpoint", ".checkpoint-old", ".checkpoint-tmp"
 STATE_FILE = "trainer_state.json"
 # Fields a resumed run may change: how long it runs, where its files and Redis live, its ports.
 # Settings a resumed run may change: none of them changes what is trained (timing, delivery, diagnostics).
-RESUMABLE_FIELDS = (
-    ("run", "steps"), ("run", "output_dir"), ("run", "step_timeout_s"), ("run", "max_restarts"),
-    ("redis", "url"), ("redis", "block_ms"), ("redis", "reclaim_idle_ms"), ("redis", "max_deliveries"),
-    ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
-    ("trainer", "dump_credit"),
-)
+
 
 
 class CheckpointError(ValueError):
@@ -69,22 +64,6 @@ class TrainerState:
     config_hash: str = ""
     applied: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 0})
-
-
-def hashed_config(cfg) -> dict:
-    """The resolved config (a RunConfig) as JSON data, without RESUMABLE_FIELDS and any section's metrics_port."""
-    data = cfg.model_dump(mode="json")
-    for section, name in RESUMABLE_FIELDS:
-        data[section].pop(name, None)
-    for section in data.values():
-        if isinstance(section, dict):
-            section.pop("metrics_port", None)
-    return data
-
-
-def config_hash(hashed: dict) -> str:
-    """sha256 (hex) of a `hashed_config(cfg)` serialized with sorted keys: equal for configs a run may resume under."""
-    return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()
 
 
 def find_checkpoint(run_dir: Path) -> Path | None:

@@ -16,10 +16,14 @@ counts and logs duplicates and stale groups.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import random
+import secrets
 import threading
 import time
+from pathlib import Path
 
 import redis
 
@@ -107,6 +111,62 @@ class TaskIssuer:
 
 class StepFailed(RuntimeError):
     """A step cannot complete: one of its groups keeps failing in a worker (dead-lettered too often)."""
+
+
+class RunConflict(RuntimeError):
+    """Another run (or another trainer) holds this run's stream prefix or run directory."""
+
+
+def lock_trainer(run_dir: Path):
+    """Hold an exclusive lock on `<run_dir>/.trainer.lock` for this process's life (returned: keep it open).
+
+    The trainer is a singleton: a second one on the same run directory (`docker
+    compose up --scale trainer=2`, a stray `docker compose run trainer`) would
+    issue every task twice and interleave checkpoints. Raises RunConflict
+    naming the holder's pid.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / ".trainer.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        raise RunConflict(f"another trainer (pid {f.read().strip() or '?'}) is running on {run_dir}") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def claim_prefix(client: redis.Redis, names: StreamNames, run_dir: Path, config_hash: str, backoff: "Backoff") -> str:
+    """Make this run the owner of `names.prefix` in Redis and publish its config hash; returns the run id.
+
+    The run id is `<run_dir>/run_id` (made on the run's first start, kept
+    across restarts and resumes). `<prefix>:owner` is set to it only if unset;
+    if it holds another id, the prefix's streams and `issued_step` belong to
+    another run whose run directory is gone (a deleted run dir with Redis
+    kept, two run dirs of one name): training on would take that run's groups
+    as this run's, or wait for tasks never issued. Raises RunConflict saying
+    how to start clean. `<prefix>:config_hash` tells the workers which config
+    the run trains with (opsd.service.consume_forever checks it).
+    """
+    id_file = run_dir / "run_id"
+    if not id_file.exists():
+        tmp = run_dir / f".run_id.{os.getpid()}.tmp"
+        tmp.write_text(secrets.token_hex(8))
+        tmp.replace(id_file)
+    run_id = id_file.read_text().strip()
+    backoff.retry(lambda: client.set(names.owner, run_id, nx=True))
+    owner = backoff.retry(lambda: client.get(names.owner))
+    if owner is not None and owner.decode() != run_id:
+        raise RunConflict(
+            f"Redis already holds stream prefix {names.prefix!r} for another run (its run id {owner.decode()}, this run "
+            f"directory's {run_id}): start with another run directory name or set redis.stream_prefix, or delete the "
+            f"old run's keys: redis-cli --scan --pattern '{names.prefix}:*' | xargs redis-cli del"
+        )
+    backoff.retry(lambda: client.set(names.config_hash, config_hash))
+    return run_id
 
 
 class DeadLetters:
