@@ -110,6 +110,8 @@ def train() -> None:
     # The trainer is a singleton: whatever a dead trainer consumer held is ours now.
     backoff.retry(lambda: [collector.offer(d, version, step) for d in queue.reclaim(0, count=RECLAIM_AT_START)])
     metrics.POLICY_VERSION.labels(ROLE).set(version)
+    for event in CREDIT_EVENTS:  # at 0 from the start: the first event must show as an increase
+        metrics.CREDIT_EVENTS.labels(ROLE, event)
     proc.status.update(policy_version=version, step=step, ready=True)
     saved_step = step
 
