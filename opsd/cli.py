@@ -46,7 +46,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opsd.config import RunConfig
-from opsd.service import FATAL_EXIT, read_port
+from opsd.service import FATAL_EXIT, read_port, service_url
 
 app = typer.Typer(add_completion=False, help="opsd: RL + on-policy self-distillation for LLM agents.")
 console = Console(soft_wrap=True)  # one line per step, also when piped to a file
@@ -198,14 +198,14 @@ class Services:
             info = read_port(self.run_dir, role)
             ok = False
             if info:
-                host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
                 try:
-                    m = httpx.get(f"http://{host}:{info['port']}/metrics", timeout=10, headers=headers)
-                    h = httpx.get(f"http://{host}:{info['port']}/health", timeout=10, headers=headers)
+                    url = service_url(info)
+                    m = httpx.get(f"{url}/metrics", timeout=10, headers=headers)
+                    h = httpx.get(f"{url}/health", timeout=10, headers=headers)
                     ok = m.status_code == 200 and h.status_code == 200
                     (self.run_dir / "scrapes" / f"{role}.prom").write_text(m.text)
                     (self.run_dir / "scrapes" / f"{role}.health.json").write_text(h.text)
-                except httpx.HTTPError:
+                except (httpx.HTTPError, httpx.InvalidURL, KeyError, ValueError):  # a dead role, a bad port file
                     ok = False
             out[role] = ok
         return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -328,9 +329,14 @@ def connect(url: str, block_ms: int) -> redis.Redis:
         raise ValueError(f"block_ms must be >= 0, got {block_ms}")
     try:
         password = parse_url(url).get("password")
-    except ValueError:  # redis-py's message quotes a piece of the URL: maybe of the password
-        raise ValueError("the Redis URL cannot be parsed (a password with / ? # @ : % breaks redis://:PASSWORD@host:port/db; "
-                         "use letters, digits, - and _)") from None
+    except ValueError:  # redis-py's message may quote a piece of the password: never show it
+        masked = re.sub(r"^([a-z]+://[^:/@]*:)[^@]*@", r"\1PASSWORD@", url)
+        try:
+            parse_url(masked)
+        except ValueError as e:
+            raise ValueError(f"the Redis URL cannot be parsed: {e}") from None
+        raise ValueError("the Redis URL cannot be parsed because of its password (a password with / ? # @ : % breaks "
+                         "redis://:PASSWORD@host:port/db; use letters, digits, - and _)") from None
     if not password and os.environ.get(ALLOW_NO_AUTH_ENV) != "1":
         raise ValueError(
             "the Redis URL has no password (or a # in it ended the URL): use redis://:PASSWORD@host:port/db "

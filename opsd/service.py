@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import redis
 import uvicorn
@@ -61,10 +61,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on (host, port); port 0 picks a free one (read it from getsockname).
 
     The address family follows `host` (IPv4 or IPv6, e.g. "::" on IPv6-only
-    clusters, which then also accepts IPv4 where the kernel allows dual stack).
+    clusters, which then also accepts IPv4 where the kernel allows dual stack);
+    "" means every IPv4 interface.
     Raises OSError (socket.gaierror) for a host that does not resolve.
     """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
@@ -100,6 +102,17 @@ def read_port(run_dir: Path, role: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def service_url(info: dict[str, Any]) -> str:
+    """`http://host:port` of a port file's record (`read_port`), for a client on this machine.
+
+    A wildcard bind address becomes the loopback of its family; an IPv6
+    address is bracketed. Raises KeyError/ValueError for a record without a
+    host or an integer port.
+    """
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(info["host"], info["host"])
+    return f"http://{f'[{host}]' if ':' in host else host}:{int(info['port'])}"
+
+
 @dataclass
 class RoleProcess:
     """One role's process-wide state: config, run dir, stop flag, health fields."""
@@ -127,9 +140,7 @@ class RoleProcess:
             if os.environ.get(PORT_ENV):
                 env_port(os.environ[PORT_ENV])
         except (OSError, ValueError, yaml.YAMLError) as e:  # pydantic's ValidationError is a ValueError
-            # A restart cannot fix a missing or invalid config or environment: say so and stop.
-            print(f"{role}: cannot start: {e}", file=sys.stderr, flush=True)
-            sys.exit(FATAL_EXIT)
+            fatal(role, str(e))
         # `opsd run` sets the prefix in the resolved config; a role started by a container platform
         # derives the same one from its run directory, so every role of a deployment agrees on it.
         cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{Path(run_dir).resolve().name}"
@@ -174,7 +185,12 @@ class RoleProcess:
         from opsd.redis_server import connect
 
         r = self.cfg.redis
-        client = connect(os.environ["REDIS_URL"], r.block_ms)
+        try:
+            client = connect(os.environ["REDIS_URL"], r.block_ms)
+        except KeyError:
+            fatal(self.role, "REDIS_URL is not set (redis://:PASSWORD@host:port/db)")
+        except ValueError as e:  # a URL without a password, or one that does not parse
+            fatal(self.role, str(e))
         names = StreamNames(r.stream_prefix)
         queue = StreamQueue(
             client, stream, group=self.role, consumer=f"{self.role}-{socket.gethostname()}-{os.getpid()}", cls=cls,
@@ -182,8 +198,13 @@ class RoleProcess:
             max_deliveries=max_deliveries or r.max_deliveries, vocab_size=vocab_size, counts_key=names.counts,
         )
         metrics.MESSAGES_RECLAIMED.labels(role=self.role, stream=stream)
+        for reason in ("malformed", "oversized", "too_many_deliveries", "stale_policy_version"):
+            metrics.MESSAGES_REJECTED.labels(role=self.role, stream=stream, reason=reason)
         # In a cluster, Redis may come up after the roles (no start order): wait for it, do not crash-loop.
-        retry_redis(self, f"creating consumer group {self.role} on {stream}", queue.ensure_group)
+        try:
+            retry_redis(self, f"creating consumer group {self.role} on {stream}", queue.ensure_group)
+        except redis.AuthenticationError as e:  # a wrong password is not an outage: waiting cannot fix it
+            fatal(self.role, f"Redis refused the password in REDIS_URL: {e}")
         return queue
 
     def serve(self, app: FastAPI | None = None, port: int = 0) -> int:
@@ -205,6 +226,12 @@ class RoleProcess:
         bound = sock.getsockname()[1]
         write_port(self.run_dir, self.role, host, bound)
         return bound
+
+
+def fatal(role: str, reason: str) -> NoReturn:
+    """Stop a role that a restart cannot help (bad config or environment): one line on stderr, exit FATAL_EXIT."""
+    print(f"{role}: cannot start: {reason}", file=sys.stderr, flush=True)
+    sys.exit(FATAL_EXIT)
 
 
 def env_port(text: str) -> int:
@@ -293,20 +320,22 @@ def consume_forever(
         value = queue.client.get(config_key)
         return value.decode() if value is not None else None
 
+    if out_group is not None:
+        metrics.BACKPRESSURE_SECONDS.labels(role=proc.role, stream=out_stream)
     while not proc.stop.is_set():
+        # Before taking anything: a worker with another config than the trainer's must not claim (and so
+        # count a delivery of) a job it will not do. Each container reads its own config file.
+        ok, published = retry_redis(proc, "reading the trainer's config hash", trainer_config)
+        if not ok:
+            return
+        if published is not None and published != own_hash:
+            log.error("this %s's config differs from the one the trainer published (config hash %s != %s): in "
+                      "containers give every role the run's config file; after `opsd run --resume`, config.yaml was "
+                      "changed in a field a run cannot resume with; stopping", proc.role, own_hash[:12], published[:12])
+            sys.exit(FATAL_EXIT)
         ok, deliveries = retry_redis(proc, "reading jobs", take)
         if not ok:
             return
-        if deliveries:
-            ok, published = retry_redis(proc, "reading the trainer's config hash", trainer_config)
-            if not ok:
-                return
-            if published is not None and published != own_hash:
-                # Each container reads its own config file: one edited (or mounted) apart from the
-                # trainer's would produce groups the run never asked for. The job stays pending.
-                log.error("this %s's config differs from the trainer's (config hash %s != %s): give every role "
-                          "the run's config file; stopping", proc.role, own_hash[:12], published[:12])
-                sys.exit(FATAL_EXIT)
         for d in deliveries:
             if proc.stop.is_set():
                 return
@@ -359,7 +388,7 @@ def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bo
     retries) waits REDIS_RETRY_FIRST_S, doubling up to REDIS_RETRY_MAX_S, and
     calls `fn` again; REDIS_RECONNECTS{role} counts one per outage, not per
     attempt. Returns (False, None) if `proc.stop` is set while waiting. Any
-    other exception propagates. `fn` must be safe to repeat (its effect may
+    other exception propagates, redis.AuthenticationError included. `fn` must be safe to repeat (its effect may
     have happened with only the reply lost).
     """
     log = logging.getLogger(proc.role)
@@ -368,6 +397,8 @@ def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bo
     while True:
         try:
             return True, fn()
+        except redis.AuthenticationError:  # a ConnectionError subclass, but retrying cannot fix it
+            raise
         except (redis.ConnectionError, redis.TimeoutError) as e:
             if first:
                 REDIS_RECONNECTS.labels(role=proc.role).inc()

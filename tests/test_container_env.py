@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from opsd.cli import Services
 from opsd.config import RunConfig
 from opsd.queue import StreamNames, StreamQueue
-from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, env_port, read_port
+from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, env_port, read_port, service_url
 from opsd.types import TaskGroup
 from services.trainer.controller import Backoff, RunConflict, claim_prefix, lock_trainer
 from tests.factories import make_rollout_group, make_task
@@ -154,7 +154,7 @@ def test_a_worker_with_another_config_than_the_trainers_takes_no_job(redis_clien
     with pytest.raises(SystemExit) as exit_:
         consume_forever(worker, queue, names.rollouts, handled.append, 60_000, 200)
     assert exit_.value.code == FATAL_EXIT and handled == []
-    assert queue.depth() == (0, 1)  # the job stays pending for a worker with the right config
+    assert queue.depth() == (1, 0)  # not even claimed: no delivery counted against the job
     assert redis_client.xlen(names.rollouts) == 0
 
 
@@ -189,11 +189,20 @@ def test_a_run_dir_owns_its_prefix_across_restarts_and_another_is_refused(redis_
 def test_a_second_trainer_on_a_run_dir_is_refused(tmp_path):
     held = lock_trainer(tmp_path / "run")
     try:
+        t0 = time.monotonic()
         with pytest.raises(RunConflict, match=f"pid {os.getpid()}"):
-            lock_trainer(tmp_path / "run")
+            lock_trainer(tmp_path / "run", wait_s=1.0, poll_s=0.1)
+        assert time.monotonic() - t0 >= 1.0  # it waited for the holder first
     finally:
         held.close()
-    lock_trainer(tmp_path / "run").close()  # free again once the first is gone
+    lock_trainer(tmp_path / "run", wait_s=0).close()  # free again once the first is gone
+
+
+def test_a_trainer_waits_for_the_one_still_finishing_its_step(tmp_path):
+    """`opsd run --resume` right after a crash: the old trainer may still be checkpointing."""
+    held = lock_trainer(tmp_path / "run")
+    threading.Timer(1.0, held.close).start()
+    lock_trainer(tmp_path / "run", wait_s=30, poll_s=0.1).close()
 
 
 def test_a_worker_waits_for_a_redis_that_is_not_up_yet(tmp_path, monkeypatch):
@@ -239,3 +248,55 @@ def test_the_teacher_of_a_grpo_run_consumes_nothing(redis_url, redis_client, str
         teacher.terminate()
         teacher.wait(20)
     assert teacher.returncode == 0
+
+
+@pytest.mark.parametrize("info, url", [
+    ({"host": "0.0.0.0", "port": 8000}, "http://127.0.0.1:8000"),
+    ({"host": "", "port": 8000}, "http://127.0.0.1:8000"),
+    ({"host": "::", "port": 8000}, "http://[::1]:8000"),
+    ({"host": "fd00::5", "port": 80}, "http://[fd00::5]:80"),
+    ({"host": "embedder", "port": "8000"}, "http://embedder:8000"),
+])
+def test_a_port_file_gives_a_url_a_client_can_use(info, url):
+    assert service_url(info) == url
+
+
+def test_an_empty_bind_host_means_every_ipv4_interface(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPSD_BIND_HOST", "")
+    monkeypatch.delenv("OPSD_PORT", raising=False)
+    proc = RoleProcess(role="rollout", cfg=RunConfig(), run_dir=tmp_path)
+    port = proc.serve(port=0)
+    assert httpx.get(service_url(read_port(tmp_path, "rollout")) + "/health", timeout=5).json()["role"] == "rollout"
+    assert read_port(tmp_path, "rollout")["port"] == port
+
+
+@pytest.mark.parametrize("url, reason", [
+    (None, "REDIS_URL is not set"),
+    ("redis://127.0.0.1:6379/0", "has no password"),
+    ("redis://:Zq7/secret-xK9@127.0.0.1:6379/0", "because of its password"),
+    ("http://:pw@127.0.0.1:6379/0", "schemes"),
+])
+def test_a_worker_without_a_usable_redis_url_stops_fatal(tmp_path, monkeypatch, capsys, url, reason):
+    monkeypatch.delenv("OPSD_REDIS_ALLOW_NO_AUTH", raising=False)
+    if url is None:
+        monkeypatch.delenv("REDIS_URL", raising=False)
+    else:
+        monkeypatch.setenv("REDIS_URL", url)
+    with pytest.raises(SystemExit) as exit_:
+        proc_for(tmp_path, "test-x").open_queue("test-x:tasks", TaskGroup)
+    assert exit_.value.code == FATAL_EXIT
+    err = capsys.readouterr().err
+    assert reason in err and "Zq7" not in err and "secret" not in err
+
+
+@pytest.mark.redis
+def test_a_wrong_redis_password_is_fatal_not_an_outage(redis_url, tmp_path, monkeypatch, capsys):
+    wrong = redis_url.replace("redis://:", "redis://:wrong-", 1)
+    monkeypatch.setenv("REDIS_URL", wrong)
+    proc = proc_for(tmp_path, "test-auth")
+    threading.Timer(20.0, proc.stop.set).start()  # were it retried as an outage, the call would return at 20 s
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        proc.open_queue("test-auth:tasks", TaskGroup)
+    assert exit_.value.code == FATAL_EXIT and time.monotonic() - t0 < 15
+    assert "refused the password" in capsys.readouterr().err

@@ -6,10 +6,9 @@ Needs OPSD_API_TOKEN (set by `opsd run`): without it the embedder refuses to sta
 from __future__ import annotations
 
 import logging
-import sys
 
 from opsd.auth import api_token
-from opsd.service import RoleProcess
+from opsd.service import RoleProcess, fatal
 from services.embedder.app import ROLE, Encoder, build_app
 
 
@@ -19,7 +18,7 @@ def main() -> None:
     try:
         token = api_token()
     except RuntimeError as e:  # before loading the encoder: fail in a second, with the reason
-        sys.exit(f"embedder: {e}")
+        fatal(ROLE, str(e))
     encoder = Encoder(cfg.encoder)
     proc.status.update(encoder=cfg.encoder, dim=encoder.dim)
     port = proc.serve(build_app(cfg, encoder, token), cfg.port)

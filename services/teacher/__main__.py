@@ -23,7 +23,7 @@ from opsd.auth import api_token
 from opsd.chat import ChatFormat
 from opsd.models import load_backend
 from opsd.queue import StreamNames
-from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, read_port
+from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, fatal, read_port, service_url
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ensure_version
 from services.teacher.scoring import EmbedderAuthError, EmbedderClient, score_group
@@ -39,8 +39,7 @@ def embedder_url(run_dir: Path) -> str | None:
         info = read_port(run_dir, "embedder")
         if not info:
             return None
-        host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
-        return f"http://{host}:{int(info['port'])}"
+        return service_url(info)
     except (OSError, ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
         logging.getLogger(ROLE).warning("unreadable embedder port file (%s)", e)
         return None
@@ -64,7 +63,7 @@ def main() -> None:
         try:
             token = api_token()
         except RuntimeError as e:  # before loading the model: fail in a second, with the reason
-            sys.exit(f"teacher: {e}")
+            fatal(ROLE, str(e))
     proc.serve(port=cfg.teacher.metrics_port)
 
     backend = load_backend(cfg.model)

@@ -66,8 +66,9 @@ def main() -> None:
 def train() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg, run_dir = proc.cfg, proc.run_dir
-    proc.serve(port=cfg.trainer.metrics_port)
+    # Locked before serving: a refused second trainer must not overwrite the running one's port file.
     lock = lock_trainer(run_dir)  # held until train() returns (or the process dies)
+    proc.serve(port=cfg.trainer.metrics_port)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)

@@ -117,21 +117,31 @@ class RunConflict(RuntimeError):
     """Another run (or another trainer) holds this run's stream prefix or run directory."""
 
 
-def lock_trainer(run_dir: Path):
+def lock_trainer(run_dir: Path, wait_s: float = 300.0, poll_s: float = 0.5):
     """Hold an exclusive lock on `<run_dir>/.trainer.lock` for this process's life (returned: keep it open).
 
     The trainer is a singleton: a second one on the same run directory (`docker
     compose up --scale trainer=2`, a stray `docker compose run trainer`) would
-    issue every task twice and interleave checkpoints. Raises RunConflict
-    naming the holder's pid.
+    issue every task twice and interleave checkpoints. A trainer that is still
+    finishing its step and checkpoint after a stop (`opsd run --resume` right
+    after the CLI died) is waited for, up to `wait_s` seconds. Raises
+    RunConflict naming the holder's pid when the lock stays taken.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     f = open(run_dir / ".trainer.lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        raise RunConflict(f"another trainer (pid {f.read().strip() or '?'}) is running on {run_dir}") from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            if time.monotonic() >= deadline:
+                f.close()
+                raise RunConflict(f"another trainer (pid {holder}) is running on {run_dir}") from None
+            log.info("waiting for the trainer (pid %s) still running on %s to stop", holder, run_dir)
+            time.sleep(poll_s)
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
@@ -163,7 +173,8 @@ def claim_prefix(client: redis.Redis, names: StreamNames, run_dir: Path, config_
         raise RunConflict(
             f"Redis already holds stream prefix {names.prefix!r} for another run (its run id {owner.decode()}, this run "
             f"directory's {run_id}): start with another run directory name or set redis.stream_prefix, or delete the "
-            f"old run's keys: redis-cli --scan --pattern '{names.prefix}:*' | xargs redis-cli del"
+            f"old run's keys: redis-cli --scan --pattern '{names.prefix}:*' | xargs redis-cli del (if it is this "
+            f"same run and its run_id file was lost: redis-cli get {names.owner} > {id_file})"
         )
     backoff.retry(lambda: client.set(names.config_hash, config_hash))
     return run_id
