@@ -178,8 +178,10 @@ class RoleProcess:
 
         Connects to REDIS_URL (set by `opsd run`, or by the deployment) and
         creates the group if missing; outputs are counted in the run's counts
-        hash. Raises KeyError without REDIS_URL, ValueError for a URL without
-        a password (see `connect`).
+        hash. Waits (retry_redis) for a Redis that is not up yet. Exits the
+        process with FATAL_EXIT (`fatal`) without REDIS_URL, for a URL without a
+        password or one that does not parse (see `connect`), and when Redis
+        refuses the password.
         """
         from opsd.queue import StreamQueue
         from opsd.redis_server import connect
@@ -213,7 +215,7 @@ class RoleProcess:
         `port` is the config's (0 = a free one); the OPSD_PORT environment
         variable, when set, wins (containers: 8000 for every role, which
         Prometheus, probes and the teacher's embedder URL rely on). Raises
-        ValueError for an OPSD_PORT that is not an integer in 0..65535.
+        ValueError for an OPSD_PORT that is not an integer in 1..65535.
         """
         # A metrics-only app has no API to document: no /docs or /openapi.json to leave unauthenticated.
         app = app or FastAPI(title=f"opsd {self.role}", docs_url=None, redoc_url=None, openapi_url=None)
@@ -388,8 +390,8 @@ def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bo
     retries) waits REDIS_RETRY_FIRST_S, doubling up to REDIS_RETRY_MAX_S, and
     calls `fn` again; REDIS_RECONNECTS{role} counts one per outage, not per
     attempt. Returns (False, None) if `proc.stop` is set while waiting. Any
-    other exception propagates, redis.AuthenticationError included. `fn` must be safe to repeat (its effect may
-    have happened with only the reply lost).
+    other exception propagates, redis.AuthenticationError included. `fn` must
+    be safe to repeat (its effect may have happened with only the reply lost).
     """
     log = logging.getLogger(proc.role)
     delay = REDIS_RETRY_FIRST_S
