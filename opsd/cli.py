@@ -135,13 +135,15 @@ class Services:
     Every role gets REDIS_URL, OPSD_API_TOKEN and OPSD_PARENT_PID (it stops
     when this process dies) in its environment; `command`
     maps a role to its command line (default `python -m services.<role>
-    --config C --run-dir D`); a role that exits is started again by
+    --config C --run-dir D`, the trainer under torchrun with
+    `trainer_ranks` > 1); a role that exits is started again by
     `supervise`, at most `max_restarts` times.
     """
 
     def __init__(self, run_dir: Path, config_path: Path, redis_url: str, api_token: str, max_restarts: int = 0,
-                 command: Callable[[str], list[str]] | None = None):
+                 command: Callable[[str], list[str]] | None = None, trainer_ranks: int = 1):
         self.run_dir = run_dir
+        self.trainer_ranks = trainer_ranks
         self.config_path = config_path
         # OPSD_PARENT_PID: a role stops when this process dies, even by SIGKILL (opsd.service.die_with_parent).
         self.env = {**os.environ, "REDIS_URL": redis_url, "OPSD_API_TOKEN": api_token, "PYTHONUNBUFFERED": "1",
@@ -153,7 +155,12 @@ class Services:
         self.restarts: dict[str, int] = {}
 
     def role_command(self, role: str) -> list[str]:
-        return [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
+        """The command line of `role`; the trainer runs under torchrun when `trainer.nproc_per_node` > 1."""
+        args = ["-m", f"services.{role}", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
+        if role == "trainer" and self.trainer_ranks > 1:
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={self.trainer_ranks}", *args]
+        return [sys.executable, *args]
 
     def start(self, role: str) -> None:
         with open(self.run_dir / "logs" / f"{role}.log", "ab") as log:
@@ -336,7 +343,8 @@ def run(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     token = os.environ.get("OPSD_API_TOKEN") or secrets.token_urlsafe(32)
-    services = Services(run_dir, resolved, redis_url, token, cfg.run.max_restarts)
+    services = Services(run_dir, resolved, redis_url, token, cfg.run.max_restarts,
+                        trainer_ranks=cfg.trainer.nproc_per_node)
     roles = (["embedder"] if cfg.run.method == "alignopsd" else []) + ["rollout"] + (["teacher"] if cfg.needs_teacher else []) + ["trainer"]
     t0 = time.perf_counter()
     ok = False

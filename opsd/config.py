@@ -346,6 +346,8 @@ class TrainerSection(_Section):
     # Under torchrun with several ranks (services/trainer/distributed.py): "auto" = FSDP2 (sharded) on CUDA,
     # DDP (replicated) on CPU; "fsdp2" / "ddp" force one. Ignored by a single process.
     data_parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
+    # `opsd run` starts the trainer as `torchrun --nproc-per-node N` when N > 1 (one rank per GPU).
+    nproc_per_node: int = Field(1, ge=1, le=64)
 
 
 class RunConfig(_Section):
@@ -417,15 +419,22 @@ RESUMABLE_FIELDS = (
     ("run", "steps"), ("run", "output_dir"), ("run", "step_timeout_s"), ("run", "max_restarts"),
     ("redis", "url"), ("redis", "block_ms"), ("redis", "reclaim_idle_ms"), ("redis", "max_deliveries"),
     ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
-    ("trainer", "dump_credit"),
+    ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"),
 )
+# Fields added after runs already existed: at their defaults they are left out of the hash, so a
+# checkpoint written before they existed still resumes.
+ADDED_FIELDS = (("model", "device"), ("model", "vllm"), ("trainer", "lora"))
 
 
 def hashed_config(cfg) -> dict:
-    """The resolved config (a RunConfig) as JSON data, without RESUMABLE_FIELDS and any section's metrics_port."""
+    """The resolved config (a RunConfig) as JSON data, without RESUMABLE_FIELDS, ADDED_FIELDS at their defaults and any section's metrics_port."""
     data = cfg.model_dump(mode="json")
     for section, name in RESUMABLE_FIELDS:
         data[section].pop(name, None)
+    defaults = type(cfg)().model_dump(mode="json")
+    for section, name in ADDED_FIELDS:
+        if data[section].get(name) == defaults[section][name]:
+            data[section].pop(name, None)
     for section in data.values():
         if isinstance(section, dict):
             section.pop("metrics_port", None)

@@ -263,7 +263,9 @@ def die_with_parent(stop: threading.Event) -> bool:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):  # it died before prctl: no signal will come
+    # Under torchrun (`trainer.nproc_per_node` > 1) the parent is torchrun's agent, which the CLI
+    # stops and which stops its ranks: the signal then comes when the agent dies.
+    if "TORCHELASTIC_RUN_ID" not in os.environ and os.getppid() != int(parent):  # it died before prctl
         stop.set()
     return True
 

@@ -10,6 +10,10 @@ Started on a run dir that holds a checkpoint (`opsd run --resume`, or a
 restart after a crash), it resumes from it by itself: weights, optimizer,
 RNG, counters and the applied groups, at the checkpoint's step. After the
 last step it writes <run_dir>/DONE and keeps serving /metrics until stopped.
+
+Several GPUs: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`.
+Rank 0 does all of the above; ranks > 0 only take part in each PPO update
+(FSDP2 on CUDA, DDP on CPU; services/trainer/distributed.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from services.trainer.checkpoint import CheckpointError, TrainerState, find_chec
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
 )
+from services.trainer.distributed import follow, init_from_env, parallelize, share_checkpoint
 from services.trainer.report import append_metrics, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
 
@@ -46,7 +51,11 @@ log = logging.getLogger(ROLE)
 
 
 def publish(backend, run_dir, client, prefix: str, version: int, keep: int, backoff: Backoff) -> None:
-    """Write policy `version`'s weights file, delete those no in-flight task can carry, set the Redis version key."""
+    """Write policy `version`'s weights file, delete those no in-flight task can carry, set the Redis version key.
+
+    With trainer.lora the file holds the adapter only (opsd-lora format, `backend.save_weights`); workers
+    merge it onto their base weights, so names and pruning are the same in both modes.
+    """
     backend.policy_version = version
     backend.save_weights(weights_path(run_dir, version))
     prune_versions(run_dir, version, keep)
@@ -66,28 +75,42 @@ def main() -> None:
 def train() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg, run_dir = proc.cfg, proc.run_dir
-    # Locked before serving: a refused second trainer must not overwrite the running one's port file.
-    lock = lock_trainer(run_dir)  # held until train() returns (or the process dies)
-    proc.serve(port=cfg.trainer.metrics_port)
+    world = init_from_env(cfg.model.device)  # torchrun's ranks; a plain process is rank 0 of 1
+    main = world.rank == 0
+    if main:
+        # Locked before serving: a refused second trainer must not overwrite the running one's port file.
+        lock = lock_trainer(run_dir)  # held until train() returns (or the process dies)
+        proc.serve(port=cfg.trainer.metrics_port)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
 
-    backend = load_backend(cfg.model)
+    backend = load_backend(cfg.model, backend="hf")  # the trainer needs the transformers model
     model = backend.model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    if cfg.trainer.lora is not None:  # in place: only the adapters train; save_weights then publishes them alone
+        from opsd.lora import apply_lora
+
+        apply_lora(model, cfg.trainer.lora)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     # ExOPD extrapolates from the initial policy: keep a frozen copy of it (before a resume loads newer weights).
     base_model = None
-    if cfg.run.method == "ex_opd" and cfg.credit.ex_opd.base == "initial":
+    if main and cfg.run.method == "ex_opd" and cfg.credit.ex_opd.base == "initial":
         base_model = copy.deepcopy(model).eval().requires_grad_(False)
     hashed = hashed_config(cfg)
     state = TrainerState(method=cfg.run.method, config_hash=config_hash(hashed))
-    ckpt = find_checkpoint(run_dir)
+    ckpt = share_checkpoint(world, find_checkpoint(run_dir) if main else None)  # every rank loads rank 0's
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer, hashed)
         log.info("resuming from %s at step %d (policy version %d)", ckpt, state.step, state.policy_version)
+    par = parallelize(world, model, optimizer, cfg.trainer.data_parallel)
+    if not main:
+        follow(par, cfg)
+        return
+    if par.mirror is not None:  # FSDP2 sharded `model`: publish the full copy `par.gather` keeps current
+        backend.model = par.mirror
     records = read_metrics(ckpt) if ckpt is not None else []
     write_records(run_dir / "metrics.jsonl", records)  # records of steps after the checkpoint: those steps run again
     if state.step < cfg.run.steps:
@@ -126,7 +149,7 @@ def train() -> None:
         scored = ordered if cfg.needs_teacher else None
         groups = [s.rollout for s in ordered] if cfg.needs_teacher else ordered
         dump = run_dir / "credit" / f"step_{step:05d}.json" if cfg.trainer.dump_credit else None
-        result = learn(cfg, model, optimizer, groups, scored, base_model, dump)
+        result = learn(cfg, par.module, optimizer, groups, scored, base_model, dump, world)
         record = {"step": step, "policy_version": version + 1, **summarize(groups, scored)}
         step, version = step + 1, version + 1
         state.step, state.policy_version, state.applied, state.counts = step, version, collector.applied, dict(collector.counts)
@@ -142,8 +165,10 @@ def train() -> None:
             advantage_abs_mean=float(np.abs(result.advantages_ML[mask]).mean()) if mask.any() else 0.0,
         )
         records.append(record)
-        if step % cfg.trainer.checkpoint_every == 0 or step == cfg.run.steps:
-            save_checkpoint(run_dir, model, optimizer, state, hashed, records, backend.tokenizer)
+        due = step % cfg.trainer.checkpoint_every == 0 or step == cfg.run.steps
+        full_model, full_optimizer = par.gather(optimizer=due)  # FSDP2: all-gathered (into backend.model); else the model
+        if due:
+            save_checkpoint(run_dir, full_model, full_optimizer, state, hashed, records, backend.tokenizer)
             collector.release_trained()
             saved_step = step
         publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff)
@@ -155,9 +180,10 @@ def train() -> None:
         log.info("step %d done: %s", step - 1, json.dumps({k: record[k] for k in ("success_rate", "reward_mean", "loss", "step_seconds")}))
 
     if step > saved_step:  # stopped between checkpoints: keep the finished steps
-        save_checkpoint(run_dir, model, optimizer, state, hashed, records, backend.tokenizer)
+        save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer)
         collector.release_trained()
         backoff.retry(collector.flush)
+    par.stop()  # the other ranks' `follow` returns
     if step < cfg.run.steps:
         log.info("stopped before step %d; resume with the same run dir", step)
         lock.close()

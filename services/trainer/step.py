@@ -17,6 +17,7 @@ from opsd.config import RunConfig
 from opsd.credit import compute_advantages
 from opsd.types import CreditBatch, RolloutGroup, ScoredGroup
 from services.trainer.batch import build_credit_batch, scatter_advantages
+from services.trainer.distributed import Message, World, send
 from services.trainer.dump import write_credit_dump
 from services.trainer.update import Sequence, ppo_update, sequence_logprobs
 
@@ -37,6 +38,7 @@ def learn(
     scored: list[ScoredGroup] | None,
     base_model: torch.nn.Module | None = None,
     dump_path: Path | None = None,
+    world: World | None = None,
 ) -> StepResult:
     """Advantages of `groups` with `cfg.run.method`, then `ppo_update` on them.
 
@@ -45,6 +47,9 @@ def learn(
     With `dump_path` the step's credit inputs are written there first
     (services/trainer/dump.py). The SDAR term uses each trajectory's identity
     teacher log-probs when `cfg.credit.sdar.coef > 0`.
+    With a distributed `world` (rank 0 of torchrun; `model` wrapped by
+    services.trainer.distributed.parallelize) the step's sequences are first
+    sent to the other ranks, which run the update with it (`follow`).
     Raises ValueError when the method needs data the step lacks.
     """
     keys = [(g, i) for g, grp in enumerate(groups) for i in range(len(grp.trajectories))]
@@ -65,5 +70,7 @@ def learn(
                  scored[key[0]].teacher_logprobs_S[key[1]] if scored else None)
         for key, t in trajs.items()
     ]
-    update = ppo_update(model, optimizer, seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature, cfg.credit.sdar)
+    if world is not None:
+        send(world, Message("update", seqs))
+    update = ppo_update(model, optimizer, seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature, cfg.credit.sdar, world)
     return StepResult(batch, advantages_ML, credit_metrics, update)

@@ -4,20 +4,28 @@ Each trajectory is one sequence (all its turns); the loss covers its loss
 tokens only. The step's trajectories form one mini-batch split into
 micro-batches; the token-mean divides by the loss tokens of the WHOLE
 mini-batch, so micro-batch boundaries do not change the update.
+
+Across torchrun ranks (`services.trainer.distributed`) the same holds: each
+rank trains its share of the step's trajectories, divides by the loss tokens
+of ALL ranks, and the ranks' gradients are summed, so N ranks make the update
+one process would.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from opsd.config import SDARSection, TrainerSection
 from opsd.credit.policy_loss import (
     entropy_from_logits, ppo_loss, sampler_mismatch_k3, sdar_loss, token_logprobs, truncated_is_weight,
 )
 from opsd.models.hf import autocast
+from services.trainer.distributed import World, all_reduce, shard
 
 
 @dataclass
@@ -31,7 +39,7 @@ class Sequence:
     teacher_logprobs_S: np.ndarray | None = None  # identity privileged view; needed by the SDAR term
 
 
-def _pad(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+def _pad(seqs: list[Sequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     S = max(len(s.token_ids_S) for s in seqs)
     B = len(seqs)
     out = {
@@ -51,12 +59,24 @@ def _pad(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         out["sampler"][b, :n] = torch.from_numpy(s.sampler_logprobs_S)
         if s.teacher_logprobs_S is not None:
             out["teacher"][b, :n] = torch.from_numpy(s.teacher_logprobs_S)
-    return out
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _placeholder(with_teacher: bool) -> Sequence:
+    """A 2-token sequence without loss tokens: a rank with fewer micro-batches than the others runs it so every
+    rank makes the same forward/backward collectives; it adds exactly 0 to the loss, gradients and metrics."""
+    z = np.zeros(2, np.float32)
+    return Sequence(np.zeros(2, np.int64), np.zeros(2, np.uint8), z, z, z if with_teacher else None)
+
+
+def _accumulating(model: torch.nn.Module, last: bool):
+    """DDP: no gradient all-reduce before the last micro-batch (the gradients accumulate locally, then one sum)."""
+    return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
 
 
 def ppo_update(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[Sequence], cfg: TrainerSection,
-    dtype: str = "float32", temperature: float = 1.0, sdar: SDARSection | None = None,
+    dtype: str = "float32", temperature: float = 1.0, sdar: SDARSection | None = None, world: World | None = None,
 ) -> dict[str, float]:
     """Run `cfg.ppo_epochs` epochs of dual-clip PPO over `seqs`; returns step metrics.
 
@@ -84,6 +104,17 @@ def ppo_update(
     With `sdar.coef > 0` the SDAR auxiliary loss (`opsd.credit.policy_loss.sdar_loss`)
     against each sequence's `teacher_logprobs_S` is added (`sdar_loss` metric);
     ValueError if a sequence lacks teacher log-probs then.
+
+    With a distributed `world` (torchrun), every rank passes the SAME `seqs`
+    (the whole step) and `model` wrapped by `services.trainer.distributed`
+    (DDP or FSDP2, gradients summed over ranks). Each rank trains its `shard`;
+    the token-mean divides by the loss tokens of all ranks; ranks with fewer
+    micro-batches run loss-free placeholder ones so the collectives match
+    (a rank with no sequence too); the non-finite skip is decided on all
+    ranks at once; every rank returns the metrics one process would (sums
+    and maxima reduced over ranks). Collective: all ranks must call it.
+    RuntimeError if the ranks' `seqs` differ (their loss tokens disagree).
+    Batch tensors go to the model's device.
     """
     use_sdar = sdar is not None and sdar.coef > 0
     if use_sdar and any(s.teacher_logprobs_S is None for s in seqs):
@@ -93,14 +124,26 @@ def ppo_update(
     seqs = [s for s in usable if vocab is None or _ids_in_range(s.token_ids_S, vocab)]
     dropped = len(usable) - len(seqs)
     total_tokens = float(sum(float(s.loss_mask_S.sum()) for s in seqs))
+    parallel = world is not None and world.distributed
+    local = shard(seqs, world.rank, world.size) if parallel else seqs
+    micro = [local[j : j + cfg.micro_batch_size] for j in range(0, len(local), cfg.micro_batch_size)]
+    if parallel:
+        # The token-mean's denominator: all ranks' loss tokens. Each rank also holds the whole step, so each
+        # must count the same total; the max/min check catches ranks given different batches.
+        (summed,) = all_reduce([sum(float(s.loss_mask_S.sum()) for s in local)], "sum", world)
+        n_micro, hi, neg_lo = all_reduce([len(micro), total_tokens, -total_tokens], "max", world)
+        if not hi == -neg_lo == summed:  # every rank sees it: all raise, none is left waiting in a collective
+            raise RuntimeError(f"the ranks were given different batches ({-neg_lo} to {hi} loss tokens, {summed} summed)")
+        total_tokens = summed
+        micro += [[_placeholder(use_sdar)]] * (int(n_micro) - len(micro))
     if total_tokens == 0:
         return dict.fromkeys(
             ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "mismatch_kl", "loss_tokens",
              "sdar_loss"), 0.0
         ) | {"dropped_sequences": float(dropped), "skipped_steps": 0.0}
     model.train()
-    micro = [seqs[j : j + cfg.micro_batch_size] for j in range(0, len(seqs), cfg.micro_batch_size)]
-    batches = [_pad(mb) for mb in micro]
+    device = next(model.parameters()).device
+    batches = [_pad(mb, device) for mb in micro]
     old: list[torch.Tensor | None] = [None] * len(batches)
     is_weight: list[torch.Tensor | None] = [None] * len(batches)
     sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0, "sdar": 0.0}
@@ -111,39 +154,43 @@ def ppo_update(
         optimizer.zero_grad(set_to_none=True)
         epoch = dict.fromkeys(sums, 0.0)  # merged into sums only if the epoch's gradient is finite
         for j, b in enumerate(batches):
-            with autocast(dtype):
-                logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
-            logits = logits[:, :-1].float()
-            # Position t's log-prob comes from the logits at t-1; position 0 is always prompt.
-            lp = token_logprobs(logits, b["ids"][:, 1:], temperature)
-            ent = entropy_from_logits(logits, temperature)
-            mask = b["mask"][:, 1:]
-            if old[j] is None:
-                old[j] = lp.detach()
-                sampler = b["sampler"][:, 1:]
-                n = mask.sum().clamp_min(1)
-                epoch["mismatch"] += float(((lp.detach() - sampler).abs() * mask).sum() / n) * float(mask.sum()) / max(total_tokens, 1)
-                # A NaN trainer log-prob (its epoch is skipped, see skipped_steps) adds 0, not NaN.
-                kl_sum += float(sampler_mismatch_k3(old[j], sampler, mask).nan_to_num(nan=0.0).sum())
-                if cfg.truncated_is:
-                    is_weight[j] = truncated_is_weight(old[j], sampler, cfg.tis_cap)
-            loss, m = ppo_loss(
-                lp, old[j], b["adv"][:, 1:], mask, total_tokens,
-                cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                entropy_BT=ent, entropy_coef=cfg.entropy_coef, is_weight_BT=is_weight[j],
-            )
-            if use_sdar:
-                aux, _ = sdar_loss(lp, b["teacher"][:, 1:], mask, total_tokens, sdar.coef, sdar.beta)
-                epoch["sdar"] += float(aux.detach())
-                loss = loss + aux
-            loss.backward()
-            epoch["loss"] += float(loss.detach())
-            share = float(mask.sum()) / max(total_tokens, 1)
-            epoch["clip_frac"] += float(m["ppo/clip_frac"]) * share
-            epoch["entropy"] += float((ent.detach() * mask).sum()) / max(total_tokens, 1)
-            epoch["ratio_dev_max"] = max(epoch["ratio_dev_max"], float(m["ppo/ratio_dev_max"]))
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        if not np.isfinite(norm):
+            with _accumulating(model, last=j == len(batches) - 1):
+                with autocast(dtype, device):
+                    logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
+                logits = logits[:, :-1].float()
+                # Position t's log-prob comes from the logits at t-1; position 0 is always prompt.
+                lp = token_logprobs(logits, b["ids"][:, 1:], temperature)
+                ent = entropy_from_logits(logits, temperature)
+                mask = b["mask"][:, 1:]
+                if old[j] is None:
+                    old[j] = lp.detach()
+                    sampler = b["sampler"][:, 1:]
+                    n = mask.sum().clamp_min(1)
+                    mean_abs = float(((lp.detach() - sampler).abs() * mask).sum() / n)
+                    epoch["mismatch"] += mean_abs * float(mask.sum()) / max(total_tokens, 1)
+                    # A NaN trainer log-prob (its epoch is skipped, see skipped_steps) adds 0, not NaN.
+                    kl_sum += float(sampler_mismatch_k3(old[j], sampler, mask).nan_to_num(nan=0.0).sum())
+                    if cfg.truncated_is:
+                        is_weight[j] = truncated_is_weight(old[j], sampler, cfg.tis_cap)
+                loss, m = ppo_loss(
+                    lp, old[j], b["adv"][:, 1:], mask, total_tokens,
+                    cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
+                    entropy_BT=ent, entropy_coef=cfg.entropy_coef, is_weight_BT=is_weight[j],
+                )
+                if use_sdar:
+                    aux, _ = sdar_loss(lp, b["teacher"][:, 1:], mask, total_tokens, sdar.coef, sdar.beta)
+                    epoch["sdar"] += float(aux.detach())
+                    loss = loss + aux
+                loss.backward()
+                epoch["loss"] += float(loss.detach())
+                share = float(mask.sum()) / max(total_tokens, 1)
+                epoch["clip_frac"] += float(m["ppo/clip_frac"]) * share
+                epoch["entropy"] += float((ent.detach() * mask).sum()) / max(total_tokens, 1)
+                epoch["ratio_dev_max"] = max(epoch["ratio_dev_max"], float(m["ppo/ratio_dev_max"]))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a replicated DTensor
+        # The same decision on every rank, or one would step while another waits in the next collective.
+        if all_reduce([0.0 if np.isfinite(norm) else 1.0], "max", world)[0] > 0:
             # A NaN gradient must never reach the weights: skip this optimizer step, count it.
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
@@ -153,6 +200,11 @@ def ppo_update(
         for k, v in epoch.items():
             sums[k] = max(sums[k], v) if k == "ratio_dev_max" else sums[k] + v
     model.eval()
+    if parallel:  # each rank's sums are over its own tokens, already divided by the step's total
+        keys = ("loss", "clip_frac", "entropy", "mismatch", "sdar")
+        *reduced, kl_sum = all_reduce([sums[k] for k in keys] + [kl_sum], "sum", world)
+        sums.update(zip(keys, reduced))
+        sums["ratio_dev_max"] = all_reduce([sums["ratio_dev_max"]], "max", world)[0]
     e = float(max(cfg.ppo_epochs - skipped, 1))
     return {
         "loss": sums["loss"] / e,
@@ -180,20 +232,22 @@ def sequence_logprobs(
     """
     out: list[np.ndarray] = []
     model.eval()
+    device = next(model.parameters()).device
     for j in range(0, len(seqs), micro_batch_size):
         mb = seqs[j : j + micro_batch_size]
-        b = _pad(mb)
-        with autocast(dtype):
+        b = _pad(mb, device)
+        with autocast(dtype, device):
             logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
         lp = token_logprobs(logits[:, :-1].float(), b["ids"][:, 1:], temperature)
         for r, s in enumerate(mb):
             arr = np.zeros(len(s.token_ids_S), dtype=np.float32)
-            arr[1:] = lp[r, : len(s.token_ids_S) - 1].numpy()
+            arr[1:] = lp[r, : len(s.token_ids_S) - 1].cpu().numpy()
             out.append(arr)
     return out
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
+    model = model.module if isinstance(model, DDP) else model
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return int(emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else None
 

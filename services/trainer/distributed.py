@@ -1,0 +1,432 @@
+"""Data-parallel trainer across torchrun ranks: process group, model wrapping, batch sharding, rank 0's messages.
+
+Launch: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`.
+Rank 0 is the trainer service (Redis, credit assignment, checkpoints,
+publishing, /metrics). Ranks > 0 run `follow`: they receive each step's
+sequences from rank 0, run their share of the PPO update (`ppo_update` with
+a `World`), and take part in gathering the full weights when rank 0 saves or
+publishes. Without torchrun (WORLD_SIZE unset or 1) no process group starts:
+the trainer is the plain single process it always was.
+
+Wrapping (`wrap_model`): FSDP2 (`fully_shard`, parameters sharded across
+ranks) on CUDA, DDP (parameters replicated) on CPU; `trainer.data_parallel`
+forces either. Gradients are SUMMED across ranks, never averaged: every
+rank's loss is already divided by the loss tokens of the whole step (all
+ranks), so the sum is the single-process gradient.
+
+Wire: rank 0's messages are msgpack (never pickle) in a uint8 tensor,
+broadcast over a gloo group (`World.control`) as length, then payload.
+Arrays travel as raw bytes + dtype + shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+if TYPE_CHECKING:
+    from opsd.config import RunConfig
+    from services.trainer.update import Sequence
+
+log = logging.getLogger("trainer")
+Strategy = Literal["auto", "fsdp2", "ddp"]
+# Ranks > 0 wait on rank 0's next message while it waits for a step's groups (up to run.step_timeout_s and
+# beyond, for Redis): no deadline there. torchrun ends them when rank 0 dies.
+CONTROL_TIMEOUT = timedelta(days=7)
+SEQUENCE_FIELDS = ("token_ids_S", "loss_mask_S", "advantages_S", "sampler_logprobs_S", "teacher_logprobs_S")
+_WIRE_KINDS = "biuf"  # bool, signed/unsigned int, float: the only array kinds a message may carry
+
+
+@dataclass
+class World:
+    """This process's place among the trainer's ranks; the default `World()` is a single process.
+
+    device: where the model trains (cuda:LOCAL_RANK on GPUs). control: the
+    gloo group carrying rank 0's messages (None in a single process).
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    control: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
+    """The trainer's device for model.device `setting` ("auto" | "cpu" | "cuda") on local rank `local_rank`.
+
+    "auto" is cuda when torch sees a GPU, else cpu; cuda means cuda:`local_rank`.
+    Raises RuntimeError for "cuda" without a usable GPU or a local rank beyond the GPUs.
+    """
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if setting not in ("auto", "cuda"):
+        raise ValueError(f"unknown model.device {setting!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("model.device is cuda but torch sees no GPU")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", local_rank)
+
+
+def init_from_env(device: str = "auto") -> World:
+    """The `World` torchrun describes in RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+
+    WORLD_SIZE unset or 1: no process group (a single process). Otherwise the
+    default process group starts (nccl on CUDA, gloo on CPU; env:// rendezvous),
+    the CUDA device is set to cuda:LOCAL_RANK (so "cuda" means this rank's GPU),
+    and a gloo group is made for rank 0's messages. `device` is model.device.
+    Raises ValueError for non-integer or inconsistent variables; the process
+    group's own errors (RuntimeError, DistNetworkError) for a failed rendezvous.
+    """
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError as e:
+        raise ValueError(f"torchrun variables must be integers: {e}") from e
+    if size < 1 or not 0 <= rank < size or local_rank < 0:
+        raise ValueError(f"bad torchrun variables: RANK={rank} WORLD_SIZE={size} LOCAL_RANK={local_rank}")
+    dev = resolve_device(device, local_rank)
+    if size == 1:
+        return World(device=dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    log.info("rank %d of %d on %s (%s)", rank, size, dev, dist.get_backend())
+    return World(rank=rank, size=size, local_rank=local_rank, device=dev, control=control)
+
+
+# ---------------------------------------------------------------------------
+# Collectives the update uses
+
+
+def all_reduce(values: list[float], op: Literal["sum", "max"], world: World | None) -> list[float]:
+    """`values` summed (or maxed) element-wise over all ranks, in float64; unchanged in a single process.
+
+    A collective: every rank must call it with as many values, in the same order.
+    """
+    if world is None or not world.distributed:
+        return [float(v) for v in values]
+    dev = world.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def shard(seqs: list[Sequence], rank: int, world_size: int) -> list[Sequence]:
+    """Rank `rank`'s share of `seqs`: a deterministic split balanced by sequence length (tokens).
+
+    Longest first, each sequence goes to the rank with the fewest tokens so far
+    (ties: the lower rank); a rank keeps its sequences in their original order.
+    Every sequence lands on exactly one rank; a rank may get none (fewer
+    sequences than ranks). Raises ValueError for a rank outside [0, world_size).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a world of {world_size}")
+    loads = [0] * world_size
+    owner = [0] * len(seqs)
+    for i in sorted(range(len(seqs)), key=lambda i: (-len(seqs[i].token_ids_S), i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += len(seqs[i].token_ids_S)
+    return [s for s, r in zip(seqs, owner) if r == rank]
+
+
+# ---------------------------------------------------------------------------
+# Rank 0's messages: msgpack bytes in a uint8 tensor
+
+
+@dataclass
+class Message:
+    """What rank 0 tells the other ranks: op "update" (run ppo_update on `seqs`), "gather"
+    (collect the full weights, and the optimizer state when args["optimizer"]), "checkpoint"
+    (args["path"]: the checkpoint dir to resume from, or None) or "stop"."""
+
+    op: str
+    seqs: list[Sequence] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _encode_array(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    if a.dtype.kind not in _WIRE_KINDS:
+        raise ValueError(f"cannot send a {a.dtype} array")
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _decode_array(d: dict) -> np.ndarray:
+    dtype = np.dtype(d["dtype"])
+    shape = tuple(int(n) for n in d["shape"])
+    if dtype.kind not in _WIRE_KINDS or any(n < 0 for n in shape) or len(d["data"]) != int(np.prod(shape)) * dtype.itemsize:
+        raise ValueError(f"malformed array: {dtype} {shape} in {len(d['data'])} bytes")
+    return np.frombuffer(d["data"], dtype=dtype).reshape(shape).copy()  # copy: writable, owns its memory
+
+
+def encode_message(msg: Message) -> bytes:
+    """`msg` as msgpack bytes: arrays as {dtype, shape, data}; `args` values must be msgpack types.
+
+    Raises ValueError for an array of another kind than bool/int/float.
+    """
+    seqs = [{f: None if getattr(s, f) is None else _encode_array(getattr(s, f)) for f in SEQUENCE_FIELDS} for s in msg.seqs]
+    return msgpack.packb({"op": msg.op, "seqs": seqs, "args": msg.args}, use_bin_type=True)
+
+
+def decode_message(payload: bytes) -> Message:
+    """The `Message` of `encode_message` bytes (arrays are fresh copies). Raises ValueError for malformed bytes."""
+    from services.trainer.update import Sequence
+
+    try:
+        d = msgpack.unpackb(payload, raw=False)
+        seqs = [Sequence(**{f: None if s.get(f) is None else _decode_array(s[f]) for f in SEQUENCE_FIELDS}) for s in d["seqs"]]
+        return Message(op=str(d["op"]), seqs=seqs, args=dict(d["args"]))
+    except (msgpack.UnpackException, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"malformed trainer message: {e!r}") from e
+
+
+def broadcast_bytes(payload: bytes | None, world: World) -> bytes:
+    """Rank 0's `payload` on every rank (the others pass None): its length, then the bytes, over world.control.
+
+    A collective: every rank must call it.
+    """
+    n = torch.tensor([len(payload) if world.rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(n, src=0, group=world.control)
+    if int(n) == 0:
+        return b""
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if world.rank == 0 else torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=world.control)
+    return payload if world.rank == 0 else buf.numpy().tobytes()
+
+
+def send(world: World, msg: Message) -> None:
+    """Rank 0: broadcast `msg` to the other ranks (each must be in `receive`). Nothing in a single process."""
+    if world.distributed:
+        broadcast_bytes(encode_message(msg), world)
+
+
+def receive(world: World) -> Message:
+    """Ranks > 0: the next message of rank 0 (blocks until it comes)."""
+    return decode_message(broadcast_bytes(None, world))
+
+
+def share_checkpoint(world: World, path: os.PathLike | None):
+    """Rank 0's resume checkpoint on every rank: each loads the same one (run_dir must be visible to all ranks)."""
+    from pathlib import Path
+
+    if not world.distributed:
+        return path
+    if world.rank == 0:
+        send(world, Message("checkpoint", args={"path": None if path is None else str(path)}))
+        return path
+    msg = receive(world)
+    if msg.op != "checkpoint":
+        raise RuntimeError(f"rank {world.rank}: expected the checkpoint message, got {msg.op!r}")
+    return None if msg.args["path"] is None else Path(msg.args["path"])
+
+
+# ---------------------------------------------------------------------------
+# Wrapping the model
+
+
+def _sum_hook(_state, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """DDP communication hook (bucket: dist.GradBucket): all-reduce SUM (DDP's default divides by the world size)."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def pick_strategy(world: World, strategy: Strategy = "auto") -> Literal["fsdp2", "ddp"]:
+    """"auto": FSDP2 on CUDA when torch has `fully_shard`, else DDP; "fsdp2"/"ddp" as asked."""
+    if strategy != "auto":
+        return strategy
+    import torch.distributed.fsdp as fsdp
+
+    return "fsdp2" if world.device.type == "cuda" and hasattr(fsdp, "fully_shard") else "ddp"  # fully_shard: torch >= 2.6
+
+
+def wrap_model(model: torch.nn.Module, world: World, strategy: Literal["fsdp2", "ddp"]) -> torch.nn.Module:
+    """`model` moved to world.device and wrapped for data parallelism, gradients summed over ranks.
+
+    "ddp": a DistributedDataParallel around `model` (same parameters, replicated;
+    broadcast from rank 0 at construction). "fsdp2": `fully_shard` on every
+    block named in the model's `_no_split_modules` (transformers' decoder layers)
+    and on the root, IN PLACE: `model`'s parameters become DTensor shards, so an
+    optimizer built on the old ones must be re-pointed (`parallelize` does it).
+    A collective: every rank must call it.
+    """
+    model.to(world.device)
+    if strategy == "ddp":
+        ddp = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None, forward_sync_buffers=False)
+        ddp.register_comm_hook(None, _sum_hook)
+        return ddp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for sub in list(model.modules())[1:]:
+        if type(sub).__name__ in blocks:
+            fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for sub in model.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)  # sum, not mean (module docstring)
+            sub.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+def _cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` on the CPU, built tensor by tensor (never a second full copy on the GPU); ties kept."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        c = t.detach().to("cpu", copy=True)
+        memo[id(t)] = torch.nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
+    return copy.deepcopy(model, memo).eval()
+
+
+class FullOptimizerState:
+    """Rank 0's gathered optimizer state in torch.optim's index-keyed form; `state_dict()` is all it offers
+    (what services.trainer.checkpoint.save_checkpoint reads)."""
+
+    def __init__(self, fqn_state: dict):
+        flat = [fqn for g in fqn_state["param_groups"] for fqn in g["params"]]
+        index = {fqn: i for i, fqn in enumerate(flat)}
+        self._sd = {
+            "state": {index[fqn]: st for fqn, st in fqn_state["state"].items()},
+            "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in fqn_state["param_groups"]],
+        }
+
+    def state_dict(self) -> dict:
+        return self._sd
+
+
+class Parallel:
+    """The model and optimizer of one rank, wrapped for data parallelism (see `parallelize`).
+
+    module: what `ppo_update` runs (DDP wrapper, FSDP2 module, or the plain model
+    in a single process). mirror: rank 0 under FSDP2, a CPU copy of the full
+    weights that `gather` refreshes (publishing and checkpoints write it).
+    """
+
+    def __init__(self, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: str | None):
+        self.world, self.plain, self.optimizer, self.strategy = world, model, optimizer, strategy
+        self.module: torch.nn.Module = model
+        self.mirror: torch.nn.Module | None = None
+
+    def gather(self, optimizer: bool = False) -> tuple[torch.nn.Module | None, Any]:
+        """Rank 0: (a module holding the full current weights, the full optimizer state or None).
+
+        Single process and DDP: the model and optimizer themselves (replicated,
+        nothing to gather). FSDP2: tells the other ranks to join (`follow`), then
+        all-gathers the weights into `mirror` (and the optimizer state, as a
+        `FullOptimizerState`, when `optimizer`). Ranks > 0 get (None, None).
+        """
+        if self.strategy != "fsdp2":
+            return self.plain, self.optimizer
+        if self.world.rank == 0:
+            send(self.world, Message("gather", args={"optimizer": optimizer}))
+        return self._collect(optimizer)
+
+    def _collect(self, optimizer: bool) -> tuple[torch.nn.Module | None, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors on rank 0's CPU only
+        weights = get_model_state_dict(self.module, options=opts)
+        opt_state = get_optimizer_state_dict(self.module, self.optimizer, options=opts) if optimizer else None
+        if self.world.rank != 0:
+            return None, None
+        self.mirror.load_state_dict(weights)
+        return self.mirror, FullOptimizerState(opt_state) if optimizer else None
+
+    def stop(self) -> None:
+        """Rank 0: let the other ranks' `follow` return."""
+        if self.world.rank == 0:
+            send(self.world, Message("stop"))
+
+
+def parallelize(world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy = "auto") -> Parallel:
+    """Wrap `model` (weights and `optimizer` state already loaded, e.g. from a checkpoint) for `world`.
+
+    Single process: nothing changes. DDP: `model` moves to world.device (with
+    the optimizer's state) and gets a DDP wrapper. FSDP2: rank 0 first keeps a
+    CPU copy (`Parallel.mirror`, one more copy of the weights in host memory),
+    then `model` is sharded in place and `optimizer` re-pointed at the shards,
+    its state (if any) sharded the same way. A collective.
+    """
+    if not world.distributed:
+        return Parallel(world, model, optimizer, None)
+    kind = pick_strategy(world, strategy)
+    par = Parallel(world, model, optimizer, kind)
+    model.to(world.device)
+    _move_optimizer_state(optimizer)
+    if kind == "ddp":
+        par.module = wrap_model(model, world, kind)
+        return par
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if world.rank == 0:
+        par.mirror = _cpu_copy(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    fqns = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
+    par.module = wrap_model(model, world, kind)
+    shards = dict(model.named_parameters())
+    for g, group_fqns in zip(optimizer.param_groups, fqns):
+        g["params"] = [shards[n] for n in group_fqns]
+    optimizer.state.clear()
+    if state:
+        full = {"state": state, "param_groups": [{**g, "params": f} for g, f in zip(optimizer.param_groups, fqns)]}
+        set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+    return par
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Put the optimizer's per-parameter tensors on their parameter's device (after `model.to(device)`)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.device != p.device:  # AdamW's scalar step stays on the CPU
+                    optimizer.state[p][k] = v.to(p.device)
+
+
+# ---------------------------------------------------------------------------
+# Ranks > 0
+
+
+def follow(par: Parallel, cfg: RunConfig) -> int:
+    """Ranks > 0: run rank 0's messages until "stop"; returns the number of updates run.
+
+    "update": ppo_update on the step's sequences with the run's settings
+    (this rank trains its `shard`); "gather": join `Parallel.gather`.
+    Raises RuntimeError for an unknown message; ppo_update's errors propagate
+    (rank 0 raises the same one on the same batch).
+    """
+    from services.trainer.update import ppo_update
+
+    updates = 0
+    while True:
+        msg = receive(par.world)
+        if msg.op == "stop":
+            return updates
+        if msg.op == "update":
+            ppo_update(par.module, par.optimizer, msg.seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature,
+                       cfg.credit.sdar, par.world)
+            updates += 1
+        elif msg.op == "gather":
+            par._collect(bool(msg.args.get("optimizer")))
+        else:
+            raise RuntimeError(f"rank {par.world.rank}: unknown message {msg.op!r} from rank 0")

@@ -1,0 +1,336 @@
+"""The multi-rank trainer (services/trainer/distributed.py) on CPU: a gloo world of 2 ranks makes the update 1 rank makes.
+
+One world of 2 worker processes (this file run as `python -m tests.test_distributed --worker OUT`, with
+the variables torchrun sets) runs every scenario once per session; the tests compare what rank 0 wrote
+(weights, optimizer state, metrics) with a single process running the same batches. A world that
+deadlocks is killed after WORLD_TIMEOUT_S and every test fails.
+
+Model: a 2-layer tied-embedding Llama (vocab 64, hidden 32). Batches: 5 sequences of unequal
+lengths and loss-token counts (the token-mean over both ranks matters), and a 1-sequence batch (one
+rank trains nothing but must still join every collective). Each scenario runs two steps: step 1 with
+both ranks calling ppo_update, step 2 as the trainer does it (rank 0 sends the sequences, rank 1
+`follow`s), then rank 0 gathers the full weights and optimizer state (FSDP2: all-gathered) and stops
+rank 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+T0 = time.perf_counter()
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the worker runs as `python -m tests.test_distributed`
+    sys.path.insert(0, str(REPO))
+
+from services.trainer.distributed import Message, decode_message, encode_message, shard  # noqa: E402
+from services.trainer.update import Sequence, ppo_update  # noqa: E402
+
+WORLD_TIMEOUT_S = 100  # both ranks' whole run; measured 25-45 s on 2 cores, most of it importing transformers
+# Weights (and optimizer state) 1 vs 2 ranks, max abs difference. The ranks' gradients are summed in
+# another order than one process accumulates its micro-batches (DDP: each rank's sum, then the two), so
+# float32 rounding differs: measured 1.5e-8 with SGD. SGD keeps that difference linear in the gradient's;
+# AdamW divides by sqrt(v) + 1e-8 and turns rounding noise on near-zero gradients into steps of up to lr
+# (measured 7e-7 at lr 1e-3 with DDP), so AdamW runs only where the order is the same (fsdp2-resume: FSDP2
+# reduces every micro-batch, and this sharding gives each rank the single process's micro-batches): 0 there.
+WEIGHT_ATOL = 1e-6
+SCENARIOS = {  # name: (strategy, batch, resume, optimizer)
+    "ddp-odd": ("ddp", "odd", False, "sgd"),
+    "ddp-single": ("ddp", "single", False, "sgd"),
+    "fsdp2-odd": ("fsdp2", "odd", False, "sgd"),
+    "fsdp2-single": ("fsdp2", "single", False, "sgd"),
+    # Step 1 runs before wrapping (as a resumed checkpoint's state): FSDP2 shards the existing AdamW state.
+    "fsdp2-resume": ("fsdp2", "odd", True, "adamw"),
+}
+TRAINER = {"micro_batch_size": 2, "ppo_epochs": 2, "entropy_coef": 0.01, "truncated_is": True}
+
+
+def run_config():
+    from opsd.config import RunConfig
+
+    return RunConfig.model_validate({"trainer": TRAINER, "credit": {"sdar": {"coef": 0.1}}})
+
+
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def batch(kind: str, step: int) -> list[Sequence]:
+    """Step `step`'s sequences: "odd" = 5 of lengths 9..23 with 1 to 3 loss spans each, "single" = 1."""
+    rng = np.random.default_rng(10 * step + (kind == "single"))
+    lengths = (9, 23, 14, 6, 17) if kind == "odd" else (13,)
+    out = []
+    for n in lengths:
+        mask = np.zeros(n, np.uint8)
+        for _ in range(rng.integers(1, 4)):
+            a = int(rng.integers(1, n - 1))
+            mask[a : a + int(rng.integers(1, 5))] = 1
+        out.append(Sequence(
+            token_ids_S=rng.integers(0, 64, n).astype(np.int32),
+            loss_mask_S=mask,
+            advantages_S=np.where(mask == 1, rng.normal(0, 1, n), 0).astype(np.float32),
+            sampler_logprobs_S=np.where(mask == 1, -rng.uniform(2, 5, n), 0).astype(np.float32),
+            teacher_logprobs_S=np.where(mask == 1, -rng.uniform(2, 5, n), 0).astype(np.float32),
+        ))
+    return out
+
+
+def optimizer_of(model: torch.nn.Module, kind: str = "sgd") -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def flat_state(optimizer_state: dict) -> dict[str, torch.Tensor]:
+    """An optimizer state dict's tensors as "<param index>.<name>" (the checkpoint's layout)."""
+    return {f"{i}.{k}": v for i, st in optimizer_state["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+
+
+def update(model, opt, seqs, world=None) -> dict[str, float]:
+    cfg = run_config()
+    return ppo_update(model, opt, seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature, cfg.credit.sdar, world)
+
+
+# ---------------------------------------------------------------------------
+# The worker (one rank)
+
+
+def worker(out: Path) -> None:
+    from safetensors.torch import save_file
+
+    from services.trainer.distributed import follow, init_from_env, parallelize, receive, send
+
+    torch.set_num_threads(1)
+    print(f"{time.perf_counter() - T0:.1f}s: imported", flush=True)
+    world = init_from_env("cpu")
+    assert world.distributed and world.device.type == "cpu"
+    # The wire: rank 0's message as rank 1 decodes it, written back for the test to compare.
+    wire = Message("update", batch("odd", 1) + [Sequence(*(np.zeros(0, np.float32),) * 4)], {"n": 7, "s": "x"})
+    if world.rank == 0:
+        send(world, wire)
+    else:
+        (out / "wire.msgpack").write_bytes(encode_message(receive(world)))
+
+    for name, (strategy, kind, resume, optimizer) in SCENARIOS.items():
+        print(f"{time.perf_counter() - T0:.1f}s: {name}", flush=True)
+        model = tiny_model()
+        opt = optimizer_of(model, optimizer)
+        metrics = {}
+        if resume:
+            metrics["step1"] = update(model, opt, batch(kind, 1))  # every rank alone, as each loads the checkpoint
+        par = parallelize(world, model, opt, strategy)
+        assert par.strategy == strategy
+        if not resume:
+            metrics["step1"] = update(par.module, opt, batch(kind, 1), world)
+        if world.rank == 0:
+            send(world, Message("update", batch(kind, 2)))
+            metrics["step2"] = update(par.module, opt, batch(kind, 2), world)
+            full_model, full_opt = par.gather(optimizer=True)
+            par.stop()
+            save_file({k: v.detach().clone() for k, v in full_model.state_dict().items()}, str(out / f"{name}.safetensors"))
+            save_file(flat_state(full_opt.state_dict()), str(out / f"{name}.opt.safetensors"))
+        else:
+            metrics["updates_followed"] = follow(par, run_config())
+        (out / f"{name}.rank{world.rank}.json").write_text(json.dumps(metrics))
+
+    # Ranks given different batches: every rank raises, none hangs.
+    model = tiny_model()
+    par = parallelize(world, model, optimizer_of(model), "ddp")
+    try:
+        update(par.module, par.optimizer, batch("odd", world.rank), world)
+        outcome = "no error"
+    except RuntimeError as e:
+        outcome = str(e)
+    (out / f"mismatch.rank{world.rank}.json").write_text(json.dumps(outcome))
+    torch.distributed.destroy_process_group()
+    print(f"{time.perf_counter() - T0:.1f}s: done", flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The tests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world_run(tmp_path_factory) -> tuple[Path, float]:
+    """Run the 2-rank world once; returns (its output dir, its wall time in s). Fails on a deadlock or a crash."""
+    out = tmp_path_factory.mktemp("world")
+    port = free_port()
+    procs = []
+    t0 = time.perf_counter()
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_distributed", "--worker", str(out)], cwd=REPO, env=env,
+                                      stdout=open(out / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        hung = [p for p in procs if p.poll() is None]
+        for p in hung:
+            p.kill()
+            p.wait()
+    logs = "\n".join(f"--- rank {r}\n{(out / f'rank{r}.log').read_text()[-3000:]}" for r in range(2))
+    assert not hung, f"the 2-rank world did not finish in {WORLD_TIMEOUT_S} s (deadlock?)\n{logs}"
+    assert all(p.returncode == 0 for p in procs), logs
+    return out, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """One process, no process group: per (batch, optimizer), (metrics per step, weights, optimizer state) after two steps."""
+    ref = {}
+    for kind, optimizer in {s[1::2] for s in SCENARIOS.values()}:
+        model = tiny_model()
+        opt = optimizer_of(model, optimizer)
+        metrics = {"step1": update(model, opt, batch(kind, 1)), "step2": update(model, opt, batch(kind, 2))}
+        ref[kind, optimizer] = (metrics, model.state_dict(), flat_state(opt.state_dict()))
+    return ref
+
+
+def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_make_the_update_one_rank_makes(name, world_run, reference):
+    from safetensors.torch import load_file
+
+    out, seconds = world_run
+    _, kind, resume, optimizer = SCENARIOS[name]
+    ref_metrics, ref_weights, ref_opt = reference[kind, optimizer]
+    weights = load_file(str(out / f"{name}.safetensors"))
+    diff = _max_abs_diff(weights, ref_weights)
+    opt_diff = _max_abs_diff(load_file(str(out / f"{name}.opt.safetensors")), ref_opt)
+    print(f"{name}: max |w_2ranks - w_1rank| = {diff:.3g}, optimizer state {opt_diff:.3g} (world ran {seconds:.1f} s)")
+    assert diff < WEIGHT_ATOL
+    assert _max_abs_diff(ref_weights, tiny_model().state_dict()) > 1e-3  # the update did move the weights
+    assert opt_diff < WEIGHT_ATOL  # momentum / AdamW moments and step count, in torch's index order
+    rank0 = json.loads((out / f"{name}.rank0.json").read_text())
+    rank1 = json.loads((out / f"{name}.rank1.json").read_text())
+    assert rank1["updates_followed"] == 1
+    steps = ("step2",) if resume else ("step1", "step2")
+    for step in steps:
+        ranks = (rank0[step], rank1[step]) if step == "step1" else (rank0[step],)
+        for got in ranks:
+            assert set(got) == set(ref_metrics[step])
+            for k, v in ref_metrics[step].items():
+                assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (step, k)
+    assert ref_metrics["step1"]["loss_tokens"] > 0 and ref_metrics["step2"]["sdar_loss"] != 0.0
+
+
+def test_ranks_given_different_batches_all_raise(world_run):
+    out, _ = world_run
+    for rank in range(2):
+        assert "different batches" in json.loads((out / f"mismatch.rank{rank}.json").read_text())
+
+
+def test_a_message_survives_the_broadcast(world_run):
+    out, _ = world_run
+    got = decode_message((out / "wire.msgpack").read_bytes())
+    sent = batch("odd", 1)
+    assert got.op == "update" and got.args == {"n": 7, "s": "x"} and len(got.seqs) == len(sent) + 1
+    for a, b in zip(got.seqs, sent):
+        for f in ("token_ids_S", "loss_mask_S", "advantages_S", "sampler_logprobs_S", "teacher_logprobs_S"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f
+    empty = got.seqs[-1]
+    assert empty.token_ids_S.shape == (0,) and empty.teacher_logprobs_S is None
+
+
+def test_message_encoding_round_trip_and_refusals():
+    seqs = batch("odd", 3)
+    seqs[0].teacher_logprobs_S = None
+    msg = decode_message(encode_message(Message("update", seqs, {"optimizer": True})))
+    assert msg.args == {"optimizer": True} and msg.seqs[0].teacher_logprobs_S is None
+    assert all(np.array_equal(a.advantages_S, b.advantages_S) and a.token_ids_S.dtype == np.int32 for a, b in zip(msg.seqs, seqs))
+    assert msg.seqs[1].token_ids_S.flags.writeable  # a copy, not a view of the payload
+    with pytest.raises(ValueError, match="cannot send"):
+        encode_message(Message("update", [Sequence(np.array(["a"], dtype=object), *(np.zeros(1),) * 3)]))
+    import msgpack
+
+    bad = msgpack.packb({"op": "update", "args": {}, "seqs": [{f: {"dtype": "<f4", "shape": [3], "data": b"\0" * 8} for f in
+                         ("token_ids_S", "loss_mask_S", "advantages_S", "sampler_logprobs_S")}]})
+    with pytest.raises(ValueError, match="malformed"):
+        decode_message(bad)  # 3 float32 need 12 bytes
+    with pytest.raises(ValueError, match="malformed"):
+        decode_message(b"\xc1")
+
+
+def test_shard_is_a_balanced_deterministic_partition():
+    seqs = batch("odd", 1)  # lengths 9, 23, 14, 6, 17
+    parts = [shard(seqs, r, 2) for r in range(2)]
+    assert [[len(s.token_ids_S) for s in p] for p in parts] == [[9, 23], [14, 6, 17]]  # 32 vs 37 tokens
+    assert sorted(id(s) for p in parts for s in p) == sorted(id(s) for s in seqs)
+    assert parts == [shard(seqs, r, 2) for r in range(2)]
+    assert [len(shard(seqs[:1], r, 3)) for r in range(3)] == [1, 0, 0]  # more ranks than sequences
+    with pytest.raises(ValueError):
+        shard(seqs, 2, 2)
+
+
+def test_single_process_world_starts_no_process_group(monkeypatch):
+    from services.trainer.distributed import init_from_env, parallelize
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    world = init_from_env("cpu")
+    assert not world.distributed and not torch.distributed.is_initialized()
+    model = tiny_model()
+    opt = optimizer_of(model)
+    par = parallelize(world, model, opt)
+    assert par.module is model and par.gather(optimizer=True) == (model, opt)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match="RANK=2"):
+        init_from_env("cpu")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--worker"]:
+        sys.exit("usage: python -m tests.test_distributed --worker OUT_DIR (started by the tests)")
+    worker(Path(sys.argv[2]))
+
+
+@pytest.mark.e2e
+def test_opsd_run_starts_the_trainer_under_torchrun(tmp_path):
+    """`trainer.nproc_per_node: 2`: `opsd run` launches torchrun; rank 0 is the service, rank 1 follows."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "tests/configs/tiny.yaml").read_text())
+    cfg["run"]["method"] = "grpo"
+    cfg["trainer"].update(nproc_per_node=2, threads=1)
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.run([sys.executable, "-m", "opsd.cli", "run", str(path), "--output-dir", str(tmp_path / "runs")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["policy_version"] == 1 and record["loss_tokens"] > 0
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log, log[-3000:]
+    assert (run_dir / "checkpoint" / "trainer_state.json").is_file()
