@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm clean compose-env
+.PHONY: demo test test-main test-vllm install install-vllm gpu-check clean compose-env
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
@@ -49,6 +49,10 @@ test-main: $(STAMP)
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+# The GPU check's stages on this CPU, small sizes (on a GPU: see scripts/gpu_check.sh's header).
+gpu-check: $(STAMP)
+	PYTHON=$(PY) scripts/gpu_check.sh --device cpu --quick
 
 # docker compose: write .env (Redis password, API token, Grafana admin password; mode 0600) once.
 compose-env:
