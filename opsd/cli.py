@@ -25,6 +25,7 @@ run, unless OPSD_API_TOKEN is already set).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -87,8 +88,10 @@ def load_config(path: Path, backend: str | None = None, **run_overrides) -> RunC
             model = {**cfg.model.model_dump(), **({"backend": backend} if backend is not None else {})}
             cfg = RunConfig.model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(), **overrides}, "model": model})
     except pydantic.ValidationError as e:
+        # A check across sections (loc empty) names its fields in its message; its input is the whole config.
         _config_error(path, [
-            f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']} (got {repr(err.get('input'))[:120]})"
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {repr(err.get('input'))[:120]})" if err["loc"]
+            else err["msg"].removeprefix("Value error, ")
             for err in e.errors()
         ])
     return cfg
@@ -261,6 +264,14 @@ def finished_steps(run_dir: Path) -> int | None:
         return None
 
 
+def _installed(cfg: RunConfig) -> RunConfig:
+    """`cfg`, after checking that its model backend is importable here (usage error, exit 2, if not)."""
+    if cfg.model.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        _usage_error("model.backend=vllm needs vLLM in this environment: `make install-vllm`, then "
+                     "`.venv-vllm/bin/opsd run ...` (or --backend hf)")
+    return cfg
+
+
 def _usage_error(message: str) -> None:
     console.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(2)
@@ -291,7 +302,7 @@ def run(
         if not resolved.is_file():
             _usage_error(f"{run_dir} is not a run directory: it has no config.yaml")
         lock = lock_run_dir(run_dir)
-        cfg = load_config(resolved, steps=steps)
+        cfg = _installed(load_config(resolved, steps=steps))
         done = finished_steps(run_dir)
         if done is not None and done >= cfg.run.steps:
             console.print(f"run {run_dir} already finished: {done} steps (run.steps {cfg.run.steps}); nothing to do")
@@ -301,7 +312,8 @@ def run(
         shutil.rmtree(run_dir / "ports", ignore_errors=True)
         (run_dir / "logs").mkdir(exist_ok=True)
     else:
-        cfg = load_config(config, backend=backend, steps=steps, output_dir=None if output_dir is None else str(output_dir))
+        cfg = _installed(load_config(config, backend=backend, steps=steps,
+                                     output_dir=None if output_dir is None else str(output_dir)))
         run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
         resolved = run_dir / "config.yaml"
         lock = lock_run_dir(run_dir)
@@ -313,7 +325,7 @@ def run(
     tmp.replace(resolved)
     done_before = len(complete_lines(run_dir / "metrics.jsonl"))
     verb = f"resuming after {done_before} logged steps" if resume is not None else "->"
-    console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} steps {verb} {run_dir}")
+    console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} steps, {cfg.model.backend} backend {verb} {run_dir}")
 
     if os.environ.get("OPSD_API_TOKEN"):  # a user's own token: refuse a weak one here, not in every role
         from opsd.auth import api_token

@@ -236,6 +236,20 @@ def fatal(role: str, reason: str) -> NoReturn:
     sys.exit(FATAL_EXIT)
 
 
+def load_worker_backend(role: str, cfg) -> Any:
+    """`opsd.models.load_backend(cfg.model)` for rollout and teacher; a backend that is not installed is fatal.
+
+    An ImportError (model.backend vllm without vLLM in this environment) exits
+    FATAL_EXIT with the install hint: restarting the role cannot install it.
+    """
+    from opsd.models import load_backend
+
+    try:
+        return load_backend(cfg.model)
+    except ImportError as e:
+        fatal(role, str(e))
+
+
 def env_port(text: str) -> int:
     """OPSD_PORT's value as a port number (ASCII digits, 1-65535, spaces around allowed).
 

@@ -12,9 +12,12 @@ The latest published version is also stored under the Redis key
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 _NAME = re.compile(r"policy-v(\d+)\.safetensors")
 
 
@@ -71,7 +74,9 @@ def ensure_version(backend, run_dir: Path, version: int) -> bool:
         return False
     path = weights_path(run_dir, version)
     try:
+        t0 = time.perf_counter()
         backend.load_weights(path, version)
+        log.info("loaded policy version %d from %s in %.2f s", version, path, time.perf_counter() - t0)
         return True
     except FileNotFoundError:
         pass  # deleted between publishing and now, or never published: tell which

@@ -830,6 +830,12 @@ def test_config_rejects_values_that_fail_mid_run(tmp_path, text, where):
     ("model:\n  dtype: '[bold]fp8'\n", [], "model.dtype"),
     ("run:\n  steps: 2\n", ["--steps", "0"], "run.steps: Input should be greater than or equal to 1"),
     ("trainer:\n  lr: .nan\n", [], "trainer.lr: Input should be a finite number"),
+    # Checks across sections print their own message, not the whole config.
+    ("model:\n  backend: vllm\nrollout:\n  top_p: 0.9\n", [], "model.backend=vllm reports nucleus-renormalized"),
+    ("run:\n  method: fire_opd\nmodel:\n  backend: vllm\n", [], "fire_opd needs the teacher's entropies"),
+    # The main environment has no vLLM: refused before any directory or process is made.
+    ("run:\n  steps: 1\n", ["--backend", "vllm"], "needs vLLM in this environment: `make install-vllm`"),
+    ("run:\n  steps: 1\n", ["--backend", "vlm"], "model.backend: Input should be 'hf' or 'vllm'"),
 ])
 def test_cli_bad_config_gives_a_short_message_not_a_traceback(tmp_path, text, args, expect):
     from typer.testing import CliRunner
@@ -843,6 +849,34 @@ def test_cli_bad_config_gives_a_short_message_not_a_traceback(tmp_path, text, ar
     assert expect in result.output and "Traceback" not in result.output
     assert len(result.output.splitlines()) <= 8
     assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_trainer_refuses_to_run_alone_when_configured_for_several_ranks(tmp_path):
+    # trainer.nproc_per_node 2 started without torchrun would silently train on one device.
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  nproc_per_node: 2\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(path), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "torchrun --nproc-per-node 2 -m services.trainer" in proc.stderr
+
+
+@pytest.mark.parametrize("role", ["rollout", "teacher"])
+def test_worker_without_the_configured_backend_stops_instead_of_restarting(tmp_path, role):
+    # A container image without vLLM given a config with model.backend: vllm: a restart cannot install it.
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  method: gc_opd\nmodel:\n  backend: vllm\n")
+    proc = subprocess.run([sys.executable, "-m", f"services.{role}", "--config", str(path), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert f"{role}: cannot start: model.backend=vllm needs vLLM: `make install-vllm`" in proc.stderr
 
 
 def test_cli_progress_reader_skips_a_half_written_metrics_line(tmp_path):

@@ -11,9 +11,8 @@ import zlib
 
 from opsd import metrics
 from opsd.chat import ChatFormat
-from opsd.models import load_backend
 from opsd.queue import StreamNames
-from opsd.service import RoleProcess, consume_forever
+from opsd.service import RoleProcess, consume_forever, load_worker_backend
 from opsd.types import RolloutGroup, TaskGroup
 from opsd.weights import ensure_version
 from services.rollout.episodes import run_group
@@ -27,7 +26,7 @@ def main() -> None:
     log = logging.getLogger(ROLE)
     proc.serve(port=cfg.rollout.metrics_port)
 
-    backend = load_backend(cfg.model)
+    backend = load_worker_backend(ROLE, cfg)
     chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     streams = StreamNames(cfg.redis.stream_prefix)

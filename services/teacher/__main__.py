@@ -21,9 +21,8 @@ from pathlib import Path
 from opsd import metrics
 from opsd.auth import api_token
 from opsd.chat import ChatFormat
-from opsd.models import load_backend
 from opsd.queue import StreamNames
-from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, fatal, read_port, service_url
+from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, fatal, load_worker_backend, read_port, service_url
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ensure_version
 from services.teacher.scoring import EmbedderAuthError, EmbedderClient, score_group
@@ -66,7 +65,7 @@ def main() -> None:
             fatal(ROLE, str(e))
     proc.serve(port=cfg.teacher.metrics_port)
 
-    backend = load_backend(cfg.model)
+    backend = load_worker_backend(ROLE, cfg)
     chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     embedder = None

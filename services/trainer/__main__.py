@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import random
 import shutil
 import sys
@@ -34,7 +35,7 @@ from opsd.config import config_hash, hashed_config
 from opsd.envs.textworld import make_games
 from opsd.models import load_backend
 from opsd.queue import StreamNames
-from opsd.service import FATAL_EXIT, RoleProcess
+from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import prune_versions, weights_path
 from services.trainer.checkpoint import CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
@@ -75,6 +76,11 @@ def main() -> None:
 def train() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg, run_dir = proc.cfg, proc.run_dir
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
+    if local != cfg.trainer.nproc_per_node:  # a silent single process would train N times slower
+        fatal(ROLE, f"trainer.nproc_per_node is {cfg.trainer.nproc_per_node} but {local} rank(s) run on this node: "
+                    f"start it as `torchrun --nproc-per-node {cfg.trainer.nproc_per_node} -m services.trainer ...` "
+                    "(`opsd run` does)")
     world = init_from_env(cfg.model.device)  # torchrun's ranks; a plain process is rank 0 of 1
     main = world.rank == 0
     if main:
