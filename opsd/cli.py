@@ -161,7 +161,7 @@ class Services:
         """The command line of `role`; the trainer runs under torchrun when `trainer.nproc_per_node` > 1."""
         args = ["-m", f"services.{role}", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
         if role == "trainer" and self.trainer_ranks > 1:
-            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            return [sys.executable, "-m", "services.trainer.torchrun", "--standalone",
                     f"--nproc-per-node={self.trainer_ranks}", *args]
         return [sys.executable, *args]
 

@@ -393,6 +393,9 @@ class RunConfig(_Section):
             )
         if self.run.method == "fire_opd":
             raise ValueError("run.method=fire_opd needs the teacher's entropies, which model.backend=vllm does not report: use hf")
+        if not 0.01 <= self.rollout.temperature <= 2.0:  # vLLM clamps below 0.01 and refuses above 2
+            raise ValueError(f"model.backend=vllm samples at temperatures in [0.01, 2] (got rollout.temperature "
+                             f"{self.rollout.temperature})")
         return self
 
     @property

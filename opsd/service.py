@@ -277,8 +277,8 @@ def die_with_parent(stop: threading.Event) -> bool:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    # Under torchrun (`trainer.nproc_per_node` > 1) the parent is torchrun's agent, which the CLI
-    # stops and which stops its ranks: the signal then comes when the agent dies.
+    # Under torchrun (`trainer.nproc_per_node` > 1) the parent is torchrun's agent, which dies with
+    # the CLI (services/trainer/torchrun.py) and stops its ranks: the signal comes when the agent dies.
     if "TORCHELASTIC_RUN_ID" not in os.environ and os.getppid() != int(parent):  # it died before prctl
         stop.set()
     return True

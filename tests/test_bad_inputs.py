@@ -864,6 +864,15 @@ def test_trainer_refuses_to_run_alone_when_configured_for_several_ranks(tmp_path
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "torchrun --nproc-per-node 2 -m services.trainer" in proc.stderr
 
+    # Under the launcher `opsd run` uses, a rank's fatal exit stays fatal (torchrun alone exits 1 for
+    # any failure, and the supervisor would restart a trainer that cannot start).
+    path.write_text("trainer:\n  nproc_per_node: 3\n")
+    proc = subprocess.run([sys.executable, "-m", "services.trainer.torchrun", "--standalone", "--nproc-per-node=2",
+                           "-m", "services.trainer", "--config", str(path), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "trainer.nproc_per_node is 3 but 2 rank(s) run on this node" in proc.stdout + proc.stderr
+
 
 @pytest.mark.parametrize("role", ["rollout", "teacher"])
 def test_worker_without_the_configured_backend_stops_instead_of_restarting(tmp_path, role):

@@ -280,6 +280,26 @@ def test_message_encoding_round_trip_and_refusals():
     with pytest.raises(ValueError, match="malformed"):
         decode_message(b"\xc1")
 
+    def arr(x):
+        x = np.asarray(x)
+        return {"dtype": x.dtype.str, "shape": list(x.shape), "data": x.tobytes()}
+
+    good = {f: arr(np.zeros(3, np.float32)) for f in ("token_ids_S", "loss_mask_S", "advantages_S", "sampler_logprobs_S")}
+    assert len(decode_message(msgpack.packb({"op": "update", "args": {}, "seqs": [good]})).seqs) == 1
+    for broken in (  # the breaker's list: each would crash ppo_update on one rank, or worse
+        {"op": "update", "args": {}, "seqs": [{}]},  # every field missing
+        {"op": "update", "args": {}, "seqs": [{**good, "advantages_S": arr(np.zeros(4, np.float32))}]},  # lengths differ
+        {"op": "update", "args": {}, "seqs": [{**good, "advantages_S": arr(np.zeros((3, 1), np.float32))}]},  # 2-D
+        {"op": "update", "args": {}, "seqs": [{**good, "advantages_S": {**good["advantages_S"], "dtype": None}}]},
+        {"op": "update", "args": {}, "seqs": [{**good, "advantages_S": {**good["advantages_S"], "shape": [3.0]}}]},
+        {"op": "update", "args": {}, "seqs": [{**good, "extra": arr([1])}]},
+        {"op": {"x": 1}, "args": {}, "seqs": []},
+        {"op": "update", "args": {"a": msgpack.ExtType(1, b"x")}, "seqs": []},
+        {"op": "update", "seqs": []},
+    ):
+        with pytest.raises(ValueError, match="malformed"):
+            decode_message(msgpack.packb(broken))
+
 
 def test_shard_is_a_balanced_deterministic_partition():
     seqs = batch("odd", 1)  # lengths 9, 23, 14, 6, 17

@@ -908,9 +908,9 @@ def load_state_strict(model: torch.nn.Module, loaded: dict[str, torch.Tensor], s
     """Copy the tensors `loaded` into `model` in place, checking everything before touching a weight.
 
     `loaded` must hold every parameter/buffer of the model with the same
-    shape and no other key; a tied tensor (LM head = embedding) may be stored
+    shape and dtype, finite values, and no other key; a tied tensor (LM head = embedding) may be stored
     once under either name, or under both with equal values. Raises KeyError
-    (missing/unexpected keys) or ValueError (shape or tie mismatch), naming
+    (missing/unexpected keys) or ValueError (shape, dtype or tie mismatch, NaN/inf), naming
     `source`; the model is then unchanged.
     """
     own = model.state_dict()
@@ -936,4 +936,11 @@ def load_state_strict(model: torch.nn.Module, loaded: dict[str, torch.Tensor], s
     bad = [n for n, t in full.items() if t.shape != own[n].shape]
     if bad:
         raise ValueError(f"{source}: shape mismatch for {bad}")
+    # load_state_dict would cast an int or half file silently, and a NaN weight poisons every answer.
+    bad = [n for n, t in full.items() if t.dtype != own[n].dtype]
+    if bad:
+        raise ValueError(f"{source}: dtype differs from the model's for {bad[:5]} ({full[bad[0]].dtype} vs {own[bad[0]].dtype})")
+    bad = [n for n, t in full.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"{source}: non-finite values in {bad[:5]}")
     model.load_state_dict(full, strict=True)  # copies in place: ties survive

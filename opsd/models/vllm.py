@@ -39,6 +39,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # nothing leaves the machine
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from opsd.config import ModelSection  # noqa: E402
 from opsd.lora import FORMAT as LORA_FORMAT  # noqa: E402
@@ -47,6 +48,9 @@ from opsd.models.hf import END_OF_TURN_TOKEN, BranchResult, Generation, NonFinit
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "opsd.models.vllm_worker.WeightSync"
+# vLLM raises a temperature below 0.01 to 0.01 (its log-probs would then not be at the T the trainer
+# uses) and refuses one above 2.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0
 
 
 def _cpu_engine_env(cfg: ModelSection) -> None:
@@ -127,9 +131,28 @@ class VLLMBackend:
 
     # -- helpers -----------------------------------------------------------
 
-    def _check_ids(self, seq: Sequence[int], what: str) -> None:
-        if len(seq) and (min(seq) < 0 or max(seq) >= self.vocab_size):
+    def _ids(self, seq: Sequence[int], what: str) -> list[int]:
+        """`seq` as a list of Python ints in [0, vocab_size). ValueError otherwise (a float, a bool or a
+        numpy scalar would reach the engine's request decoder and kill its input thread: a hang)."""
+        out = []
+        for t in seq:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{what}: token ids must be integers, got {type(t).__name__} {t!r}")
+            out.append(int(t))
+        if out and (min(out) < 0 or max(out) >= self.vocab_size):
             raise ValueError(f"{what}: token id out of range [0, {self.vocab_size})")
+        return out
+
+    @staticmethod
+    def _seed(seed: int | None, offset: int) -> int | None:
+        """The request seed ``(seed + offset) mod 2**63``: vLLM's range (a seed outside it failed inside the
+        engine and hung the next request; a negative one silently meant "unseeded"). ValueError for a
+        non-integer seed."""
+        if seed is None:
+            return None
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed must be an integer or None, got {type(seed).__name__} {seed!r}")
+        return (int(seed) + offset) % 2**63
 
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
         """True when a prompt of `prompt_len` tokens may be sent with this token budget."""
@@ -152,8 +175,9 @@ class VLLMBackend:
                   stops: list[int]):
         from vllm import SamplingParams
 
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0 (greedy is not supported), got {temperature}")
+        if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] with vLLM "
+                             f"(it clamps lower ones and refuses higher ones), got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_p != 1.0:
@@ -194,7 +218,7 @@ class VLLMBackend:
         A row stops when it samples a stop id (``<|im_end|>`` plus any
         `stop_token_ids`; kept, finish "stop") or after max_new_tokens
         (finish "length", from the sampler, bad-input case 16). `seed`: row i
-        is drawn with seed + i (reproducible per row, whatever the batch);
+        is drawn with (seed + i) mod 2**63 (reproducible per row, whatever the batch);
         None draws from the engine's generator. `entropies` is None.
 
         Raises ValueError for an empty prompt, an out-of-vocabulary id,
@@ -212,11 +236,11 @@ class VLLMBackend:
                     f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} "
                     f"exceeds max_model_len {self.max_model_len} (or the prompt is empty)"
                 )
-            self._check_ids(p, f"prompt {i}")
-        stops = sorted({self.eos_token_id, *(int(t) for t in stop_token_ids or ())})
-        params = [self._sampling(max_new_tokens, temperature, top_p, None if seed is None else seed + i, stops)
+        prompts = [self._ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        stops = sorted({self.eos_token_id, *self._ids(stop_token_ids or (), "stop_token_ids")})
+        params = [self._sampling(max_new_tokens, temperature, top_p, self._seed(seed, i), stops)
                   for i in range(len(prompts))]
-        outs = self._run([list(p) for p in prompts], params)
+        outs = self._run(prompts, params)
         return [self._generation(o, "prompt", i) for i, o in enumerate(outs)]
 
     # -- scoring -----------------------------------------------------------
@@ -282,10 +306,11 @@ class VLLMBackend:
                 raise ValueError(f"sequence {i}: start {st} outside [1, {len(s)}]")
             if len(s) + 1 > self.max_positions:
                 raise ValueError(f"sequence {i}: {len(s)} tokens + 1 > model limit {self.max_positions}")
-            self._check_ids(s, f"sequence {i}")
+        sequences = [self._ids(s, f"sequence {i}") for i, s in enumerate(sequences)]
+        starts = [int(st) for st in starts]
         results = [np.zeros(0, dtype=np.float32) for _ in sequences]
         todo = [i for i in range(len(sequences)) if starts[i] < len(sequences[i])]
-        for i, arr in zip(todo, self._prompt_logprobs([list(sequences[i]) for i in todo], [starts[i] for i in todo])):
+        for i, arr in zip(todo, self._prompt_logprobs([sequences[i] for i in todo], [starts[i] for i in todo])):
             results[i] = arr
         bad = sorted(i for i in todo if not np.isfinite(results[i]).all())
         if bad:
@@ -331,7 +356,7 @@ class VLLMBackend:
             raise ValueError("branch: empty base")
         if L + 1 > self.max_positions:
             raise ValueError(f"branch: base of {L} tokens + 1 > model limit {self.max_positions}")
-        self._check_ids(base, "base")
+        base = self._ids(base, "base")
         if not 1 <= start <= L:
             raise ValueError(f"branch: start {start} outside [1, {L}]")
         cuts = [int(c) for c in cuts]
@@ -340,7 +365,8 @@ class VLLMBackend:
                 raise ValueError(f"branch: cut {i} ({c}) outside (0, {L}]")
         if continuations is not None and len(continuations) != len(cuts):
             raise ValueError(f"branch: {len(continuations)} continuation lists for {len(cuts)} cuts")
-        conts = [[[int(t) for t in cont] for cont in cs] for cs in continuations] if continuations else [[] for _ in cuts]
+        conts = ([[self._ids(cont, f"cut {i} continuation {j}") for j, cont in enumerate(cs)] for i, cs in enumerate(continuations)]
+                 if continuations else [[] for _ in cuts])
         for i, cs in enumerate(conts):
             for j, cont in enumerate(cs):
                 if cuts[i] + len(cont) + 1 > self.max_positions:
@@ -348,13 +374,12 @@ class VLLMBackend:
                         f"branch: cut {i} (at {cuts[i]}): continuation {j} of {len(cont)} tokens "
                         f"overflows the model limit {self.max_positions}"
                     )
-                self._check_ids(cont, f"cut {i} continuation {j}")
         if generate_tokens < 0:
             raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
         self._check_score_temperature(score_temperature)
         stops = [self.eos_token_id]
         if generate_tokens > 0:
-            self._sampling(generate_tokens, temperature, top_p, seed, stops)  # argument checks only
+            self._sampling(generate_tokens, temperature, top_p, self._seed(seed, len(cuts)), stops)  # argument checks only
 
         base_lp = np.zeros(0, dtype=np.float32)
         if start < L:
@@ -372,8 +397,7 @@ class VLLMBackend:
             for i, c in enumerate(cuts):
                 if self.fits(c, generate_tokens):
                     prompts.append(list(base[:c]))
-                    params.append(self._sampling(generate_tokens, temperature, top_p,
-                                                 None if seed is None else seed + i, stops))
+                    params.append(self._sampling(generate_tokens, temperature, top_p, self._seed(seed, i), stops))
                     gen_rows.append(i)
         outs = self._run(prompts, params)
         generations: list[Generation | None] = [None] * len(cuts)
@@ -401,10 +425,10 @@ class VLLMBackend:
     def load_weights(self, path: Path, version: int) -> None:
         """Load policy `version` from a safetensors file in place (no engine restart), then reset the prefix cache.
 
-        The file is checked first against the initial model's tensors (every
-        name, shape and dtype-compatible; a tied LM head may be absent):
-        KeyError for missing/unexpected names, ValueError for a shape
-        mismatch; the engine and policy_version are then unchanged. A LoRA
+        The file is checked first against the initial model's tensors (see
+        `_stage`: names, shapes, dtypes, finite values, the tied head):
+        KeyError for missing/unexpected names, ValueError for the rest; the
+        engine and policy_version are then unchanged. A LoRA
         adapter file (opsd.lora) is merged onto the initial weights first.
         The engine reloads in place (vLLM's layer-wise reload through
         `opsd.models.vllm_worker.WeightSync`), then every cached prefix of
@@ -431,52 +455,64 @@ class VLLMBackend:
         log.info("loaded policy version %d into the vLLM engine in %.2f s", version, time.perf_counter() - t0)
 
     def _stage(self, path: Path, staged: Path) -> None:
-        """Check `path` against the initial model and place a full-weights file at `staged` for the engine."""
+        """Check `path` against the initial model and place a full-weights file at `staged` for the engine.
+
+        Checked before the engine sees anything: every name of the initial
+        model (a tied LM head may be stored under either name, or under both
+        with equal values), the same shapes and dtypes, finite values.
+        KeyError / ValueError otherwise (a NaN tensor, once served, left the
+        engine returning NaN even after clean weights were loaded again).
+        """
         from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") == LORA_FORMAT:
-                from safetensors.torch import save_file
-
-                from opsd.lora import merged_weights
-
-                merged = merged_weights(self._initial_state(), path)
-                save_file({**self._initial_state(), **merged}, str(staged), metadata={"format": "pt"})
-                return
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        expected = self._initial_shapes()
-        rename = {}
-        # A tied LM head may be stored once under either name (HFBackend.save_weights keeps
-        # lm_head.weight); vLLM loads the tie from the embedding's name only.
-        if "lm_head.weight" in shapes and "lm_head.weight" not in expected:
-            absent = sorted(set(expected) - set(shapes))
-            if len(absent) == 1 and expected[absent[0]] == shapes["lm_head.weight"]:
-                rename = {"lm_head.weight": absent[0]}
-        named = {rename.get(k, k): v for k, v in shapes.items()}
-        tied = {"lm_head.weight"} if "lm_head.weight" not in named else set()
-        missing = sorted(set(expected) - set(named) - tied)
-        unexpected = sorted(set(named) - set(expected) - {"lm_head.weight"})
-        if missing or unexpected:
-            raise KeyError(f"{path}: missing {missing}, unexpected {unexpected}")
-        bad = sorted(k for k in named if k in expected and named[k] != expected[k])
-        if bad:
-            raise ValueError(f"{path}: shape mismatch for {bad}")
-        if not rename:
-            os.symlink(path.resolve(), staged)
-            return
         from safetensors.torch import load_file, save_file
 
-        save_file({rename.get(k, k): v for k, v in load_file(str(path)).items()}, str(staged), metadata={"format": "pt"})
+        with safe_open(str(path), "pt") as f:
+            is_adapter = (f.metadata() or {}).get("format") == LORA_FORMAT
+            specs = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        if is_adapter:
+            from opsd.lora import merged_weights
 
-    def _initial_shapes(self) -> dict[str, tuple[int, ...]]:
+            merged = merged_weights(self._initial_state(), path)  # checks names, shapes and finite values
+            save_file({**self._initial_state(), **merged}, str(staged), metadata={"format": "pt"})
+            return
+        expected = self._initial_specs()
+        tensors = load_file(str(path))  # the values are checked too
+        tied_head = "lm_head.weight" in specs and "lm_head.weight" not in expected
+        if tied_head:  # vLLM reads a tied head from the embedding's name only
+            head, spec = tensors.pop("lm_head.weight"), specs.pop("lm_head.weight")
+            twins = [k for k in expected if expected[k][0] == tuple(head.shape)]  # the embedding [vocab, hidden]
+            if len(twins) != 1:
+                raise ValueError(f"{path}: lm_head.weight {tuple(head.shape)} is tied to the embedding but differs "
+                                 f"from it in shape (or the tie is ambiguous: {twins})")
+            if twins[0] not in specs:  # stored once, under the head's name
+                tensors[twins[0]], specs[twins[0]] = head, spec
+            elif not torch.equal(tensors[twins[0]], head):
+                raise ValueError(f"{path}: lm_head.weight is tied to {twins[0]} but differs from it")
+        missing = sorted(set(expected) - set(specs))
+        unexpected = sorted(set(specs) - set(expected))
+        if missing or unexpected:
+            raise KeyError(f"{path}: missing {missing}, unexpected {unexpected}")
+        bad = sorted(k for k in specs if specs[k] != expected[k])
+        if bad:
+            raise ValueError(f"{path}: shape or dtype differs from the model for {bad[:5]} "
+                             f"(e.g. {specs[bad[0]]} instead of {expected[bad[0]]})")
+        nonfinite = sorted(k for k, t in tensors.items() if not bool(torch.isfinite(t).all()))
+        if nonfinite:
+            raise ValueError(f"{path}: non-finite values in {nonfinite[:5]}")
+        if tied_head:
+            save_file(tensors, str(staged), metadata={"format": "pt"})
+        else:
+            os.symlink(path.resolve(), staged)
+
+    def _initial_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{name: (shape, safetensors dtype)} of the initial model's files."""
         from safetensors import safe_open
 
-        shapes: dict[str, tuple[int, ...]] = {}
+        specs: dict[str, tuple[tuple[int, ...], str]] = {}
         for file in sorted(self.path.glob("*.safetensors")):
             with safe_open(str(file), "pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-        return shapes
+                specs.update({k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()})
+        return specs
 
     def _initial_state(self) -> dict:
         if self._base_state is None:

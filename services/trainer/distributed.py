@@ -172,11 +172,32 @@ def _encode_array(a: np.ndarray) -> dict:
 
 
 def _decode_array(d: dict) -> np.ndarray:
+    if not isinstance(d.get("dtype"), str) or not isinstance(d.get("shape"), list) or not isinstance(d.get("data"), bytes):
+        raise ValueError("malformed array: needs dtype (str), shape (list) and data (bytes)")
     dtype = np.dtype(d["dtype"])
-    shape = tuple(int(n) for n in d["shape"])
-    if dtype.kind not in _WIRE_KINDS or any(n < 0 for n in shape) or len(d["data"]) != int(np.prod(shape)) * dtype.itemsize:
+    if len(d["shape"]) != 1 or not all(type(n) is int for n in d["shape"]):  # every field is one value per token
+        raise ValueError(f"malformed array: shape {d['shape']!r} is not one integer length")
+    shape = (d["shape"][0],)
+    if dtype.kind not in _WIRE_KINDS or shape[0] < 0 or len(d["data"]) != shape[0] * dtype.itemsize:
         raise ValueError(f"malformed array: {dtype} {shape} in {len(d['data'])} bytes")
     return np.frombuffer(d["data"], dtype=dtype).reshape(shape).copy()  # copy: writable, owns its memory
+
+
+REQUIRED_FIELDS = SEQUENCE_FIELDS[:4]  # teacher_logprobs_S may be absent (no SDAR term)
+
+
+def _decode_sequence(s: dict):
+    """One `Sequence` of a message; ValueError unless the required fields are there with one length."""
+    from services.trainer.update import Sequence
+
+    if not isinstance(s, dict) or set(s) - set(SEQUENCE_FIELDS):
+        raise ValueError(f"malformed sequence: fields {sorted(s) if isinstance(s, dict) else type(s).__name__}")
+    arrays = {f: None if s.get(f) is None else _decode_array(s[f]) for f in SEQUENCE_FIELDS}
+    missing = [f for f in REQUIRED_FIELDS if arrays[f] is None]
+    lengths = {len(a) for a in arrays.values() if a is not None}
+    if missing or len(lengths) > 1:
+        raise ValueError(f"malformed sequence: missing {missing}, lengths {sorted(lengths)}")
+    return Sequence(**arrays)
 
 
 def encode_message(msg: Message) -> bytes:
@@ -190,14 +211,16 @@ def encode_message(msg: Message) -> bytes:
 
 def decode_message(payload: bytes) -> Message:
     """The `Message` of `encode_message` bytes (arrays are fresh copies). Raises ValueError for malformed bytes."""
-    from services.trainer.update import Sequence
-
     try:
-        d = msgpack.unpackb(payload, raw=False)
-        seqs = [Sequence(**{f: None if s.get(f) is None else _decode_array(s[f]) for f in SEQUENCE_FIELDS}) for s in d["seqs"]]
-        return Message(op=str(d["op"]), seqs=seqs, args=dict(d["args"]))
-    except (msgpack.UnpackException, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"malformed trainer message: {e!r}") from e
+        d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        if not isinstance(d, dict) or set(d) != {"op", "seqs", "args"} or not isinstance(d["op"], str) \
+                or not isinstance(d["seqs"], list) or not isinstance(d["args"], dict):
+            raise ValueError("needs op (str), seqs (list) and args (map)")
+        if any(isinstance(v, msgpack.ExtType) for v in d["args"].values()):
+            raise ValueError("args hold an extension type")
+        return Message(op=d["op"], seqs=[_decode_sequence(s) for s in d["seqs"]], args=d["args"])
+    except (msgpack.UnpackException, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"malformed trainer message: {e}") from e
 
 
 def broadcast_bytes(payload: bytes | None, world: World) -> bytes:

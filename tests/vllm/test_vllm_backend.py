@@ -128,6 +128,26 @@ def test_weight_update_in_place_equals_a_fresh_engine(hf_backend, vllm_backend, 
     assert all(np.array_equal(a, b) for a, b in zip(after, vllm_backend.score(seqs, starts)))
     with pytest.raises(FileNotFoundError):
         vllm_backend.load_weights(tmp_path / "absent.safetensors", 2)
+    # Refused before the engine sees them (a served NaN left the engine answering NaN for good,
+    # a wrongly shaped tied head killed it, other dtypes were cast silently).
+    state = load_file(path)
+    some = next(k for k in state if k.endswith("mlp.up_proj.weight"))
+    for name, edit, err in (
+        ("nan", lambda d: d[some].view(-1).__setitem__(0, float("nan")), "non-finite"),
+        ("half", lambda d: d.__setitem__(some, d[some].to(torch.bfloat16)), "dtype"),
+        ("int", lambda d: d.__setitem__(some, d[some].to(torch.int32)), "dtype"),
+        ("head", lambda d: (d.__setitem__("model.embed_tokens.weight", d["lm_head.weight"]),
+                            d.__setitem__("lm_head.weight", torch.zeros(7, 3))), "differs"),
+        ("untied", lambda d: d.__setitem__("model.embed_tokens.weight", d["lm_head.weight"] + 1), "differs"),
+    ):
+        broken = {k: v.clone() for k, v in state.items()}
+        edit(broken)
+        file = tmp_path / f"{name}.safetensors"
+        save_file(broken, file)
+        with pytest.raises(ValueError, match=err):
+            vllm_backend.load_weights(file, 2)
+    assert vllm_backend.policy_version == 1
+    assert all(np.array_equal(a, b) for a, b in zip(after, vllm_backend.score(seqs, starts)))
 
     vllm_backend.load_weights(_initial_weights(vllm_backend, tmp_path), 0)  # back to the initial policy
     assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(before, vllm_backend.score(seqs, starts)))
@@ -183,6 +203,17 @@ def test_limits_are_checked_before_any_request(vllm_backend):
         vllm_backend.score([[1, 2, 3]], [1], temperature=0.7)
     with pytest.raises(ValueError, match="model limit"):
         vllm_backend.score([[1] * vllm_backend.max_positions], [1])
+    # Ids and seeds of the wrong type are refused here: inside the engine they killed its request
+    # thread (every later call hung).
+    for bad in ([[1.0, 2]], [[True, 2]], [["1", 2]]):
+        with pytest.raises(ValueError, match="integers"):
+            vllm_backend.generate(bad, max_new_tokens=2, temperature=1.0)
+    with pytest.raises(ValueError, match="seed"):
+        vllm_backend.generate([[1, 2]], max_new_tokens=2, temperature=1.0, seed=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        vllm_backend.generate([[1, 2]], max_new_tokens=2, temperature=2.5)
+    big = vllm_backend.generate([np.array([1, 2], dtype=np.int64)], max_new_tokens=2, temperature=1.0, seed=2**64 + 5)
+    assert big[0].token_ids == vllm_backend.generate([[1, 2]], max_new_tokens=2, temperature=1.0, seed=5)[0].token_ids
     # A budget that runs out is the sampler's "length", never a guess from the last id.
     (g,) = vllm_backend.generate([[1] * (cap - 2)], max_new_tokens=2, temperature=1.0, seed=0)
     assert len(g.token_ids) <= 2
