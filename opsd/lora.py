@@ -331,3 +331,44 @@ def merged_weights(base_state: dict[str, torch.Tensor], adapter_path: Path) -> d
         m = name[: -len(".weight")]
         out[name] = merge_one(base_state[name], adapter.tensors[m + _A], adapter.tensors[m + _B], adapter.scale)
     return out
+
+
+def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
+    """Save the policy of a LoRA model as a plain transformers model directory (base + adapters merged).
+
+    `model` is prepared by `apply_lora` (peft names: "<m>.base_layer.weight",
+    "<m>.lora_{A,B}.default.weight"); the directory holds safetensors weights
+    under the model's own names ("<m>.weight" = W0 + (B @ A) * alpha / rank,
+    as workers serve it), its config and `tokenizer`, so
+    `AutoModelForCausalLM.from_pretrained(directory)` loads the trained policy.
+    `model` is not modified. Written aside and renamed (never half a directory).
+    Raises ValueError when the model has no adapters; OSError on write failure.
+    """
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    adapters, rank, alpha, _ = adapter_state_dict(model)
+    state = {}
+    for name, t in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            module = name.split(".base_layer.")[0]
+            name = name.replace(".base_layer.", ".")
+            if name.endswith(".weight"):
+                t = merge_one(t, adapters[module + _A], adapters[module + _B], alpha / rank)
+        state[name] = t
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype)
+    plain.load_state_dict(state, strict=False)  # a tied LM head is absent from `state` by name only
+    missing = set(plain.state_dict()) - set(state) - ({"lm_head.weight"} if plain.config.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"save_merged: weights not found in the LoRA model: {sorted(missing)[:5]}")
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)

@@ -328,3 +328,23 @@ def test_full_files_still_load_and_adapters_after_them_use_the_kept_base(trainer
     ensure_version(worker, tmp_path, 3)
     v3 = merged_weights(base, weights_path(tmp_path, 3))
     assert all(torch.equal(t, v3.get(n, base[n])) for n, t in worker.model.state_dict().items())
+
+
+def test_save_merged_leaves_a_plain_model_of_the_adapted_policy(trainer, tmp_path):
+    """A LoRA run's checkpoint keeps peft's names; `final_model/` loads with from_pretrained as the trained policy."""
+    from transformers import AutoModelForCausalLM
+
+    from opsd.lora import save_merged
+
+    _randomize_adapters(trainer.model, 3)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    save_merged(trainer.model, trainer.tokenizer, tmp_path / "final_model")
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())  # not modified
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model", local_files_only=True)
+    assert not any(".lora_" in k or ".base_layer." in k for k in plain.state_dict())
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids).logits
+        got = plain(input_ids=ids).logits
+    assert float((want - got).abs().max()) < 1e-5
+    assert float((want - torch.zeros_like(want)).abs().max()) > 0  # a real forward

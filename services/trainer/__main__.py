@@ -196,6 +196,10 @@ def train() -> None:
         return
     # The checkpoint holds the final policy; the per-version files only served the roles.
     shutil.rmtree(run_dir / "weights", ignore_errors=True)
+    if cfg.trainer.lora is not None:  # the checkpoint keeps peft's names: also leave a plain model of the policy
+        from opsd.lora import save_merged
+
+        save_merged(backend.model, backend.tokenizer, run_dir / "final_model")
     (run_dir / "DONE").write_text(json.dumps({"steps": cfg.run.steps, "policy_version": version}))
     proc.status["finished"] = True
     log.info("finished %d steps; final checkpoint in %s", cfg.run.steps, run_dir / "checkpoint")
