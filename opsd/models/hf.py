@@ -246,6 +246,51 @@ class BranchResult:
     base_entropies: np.ndarray | None = None
 
 
+def check_branch_args(
+    base: Sequence[int],
+    start: int,
+    cuts: Sequence[int],
+    continuations: Sequence[Sequence[Sequence[int]]] | None,
+    limit: int,
+    ids,
+) -> tuple[list[int], list[int], list[list[list[int]]]]:
+    """The argument checks of `branch`, shared by both backends; returns (base, cuts, continuations) as int lists.
+
+    limit: the most tokens the base, or a cut's prefix plus a continuation,
+    may hold (the model's position limit; vLLM keeps one slot for its dummy
+    output token). ids(seq, what) -> list[int] checks one id sequence
+    (vocabulary range, integer type) and raises ValueError naming `what`.
+    Raises ValueError for an empty or over-long base, start outside
+    [1, len(base)], a cut outside (0, len(base)], a continuation list per
+    cut that does not match `cuts`, or a continuation past `limit` (the
+    message names the cut index and value).
+    """
+    L = len(base)
+    if L == 0:
+        raise ValueError("branch: empty base")
+    if L > limit:
+        raise ValueError(f"branch: base of {L} tokens > model limit {limit}")
+    base = ids(base, "base")
+    if not 1 <= start <= L:
+        raise ValueError(f"branch: start {start} outside [1, {L}]")
+    cuts = [int(c) for c in cuts]
+    for i, c in enumerate(cuts):
+        if not 0 < c <= L:
+            raise ValueError(f"branch: cut {i} ({c}) outside (0, {L}]")
+    if continuations is not None and len(continuations) != len(cuts):
+        raise ValueError(f"branch: {len(continuations)} continuation lists for {len(cuts)} cuts")
+    conts: list[list[list[int]]] = [[] for _ in cuts]
+    for i, cs in enumerate(continuations or []):
+        for j, cont in enumerate(cs):
+            if cuts[i] + len(cont) > limit:
+                raise ValueError(
+                    f"branch: cut {i} (at {cuts[i]}): continuation {j} of {len(cont)} tokens "
+                    f"overflows the model limit {limit}"
+                )
+            conts[i].append(ids(cont, f"cut {i} continuation {j}"))
+    return base, cuts, conts
+
+
 class HFBackend:
     """A causal LM served with transformers on one device (the vLLM backend keeps this interface).
 
@@ -286,6 +331,10 @@ class HFBackend:
     def _check_ids(self, seq: Sequence[int], what: str) -> None:
         if len(seq) and (min(seq) < 0 or max(seq) >= self.vocab_size):
             raise ValueError(f"{what}: token id out of range [0, {self.vocab_size})")
+
+    def _ids(self, seq: Sequence[int], what: str) -> list[int]:
+        self._check_ids(seq, what)
+        return [int(t) for t in seq]
 
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
         """True when a prompt of `prompt_len` tokens may be sent with this token budget."""
@@ -597,28 +646,7 @@ class HFBackend:
         indices (empty for the base itself).
         """
         L = len(base)
-        if L == 0:
-            raise ValueError("branch: empty base")
-        if L > self.max_positions:
-            raise ValueError(f"branch: base of {L} tokens > model limit {self.max_positions}")
-        self._check_ids(base, "base")
-        if not 1 <= start <= L:
-            raise ValueError(f"branch: start {start} outside [1, {L}]")
-        cuts = [int(c) for c in cuts]
-        for i, c in enumerate(cuts):
-            if not 0 < c <= L:
-                raise ValueError(f"branch: cut {i} ({c}) outside (0, {L}]")
-        if continuations is not None and len(continuations) != len(cuts):
-            raise ValueError(f"branch: {len(continuations)} continuation lists for {len(cuts)} cuts")
-        conts = [[[int(t) for t in cont] for cont in cs] for cs in continuations] if continuations else [[] for _ in cuts]
-        for i, cs in enumerate(conts):
-            for j, cont in enumerate(cs):
-                if cuts[i] + len(cont) > self.max_positions:
-                    raise ValueError(
-                        f"branch: cut {i} (at {cuts[i]}): continuation {j} of {len(cont)} tokens "
-                        f"overflows the model limit {self.max_positions}"
-                    )
-                self._check_ids(cont, f"cut {i} continuation {j}")
+        base, cuts, conts = check_branch_args(base, start, cuts, continuations, self.max_positions, self._ids)
         if generate_tokens < 0:
             raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
         if generate_tokens > 0:

@@ -42,7 +42,9 @@ import torch  # noqa: E402
 
 from opsd.config import ModelSection  # noqa: E402
 from opsd.lora import FORMAT as LORA_FORMAT  # noqa: E402
-from opsd.models.hf import END_OF_TURN_TOKEN, BranchResult, Generation, NonFiniteLogitsError, ensure_model  # noqa: E402
+from opsd.models.hf import (  # noqa: E402
+    END_OF_TURN_TOKEN, BranchResult, Generation, NonFiniteLogitsError, check_branch_args, ensure_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -350,29 +352,8 @@ class VLLMBackend:
         """
         from vllm import SamplingParams
 
+        base, cuts, conts = check_branch_args(base, start, cuts, continuations, self.max_positions - 1, self._ids)
         L = len(base)
-        if L == 0:
-            raise ValueError("branch: empty base")
-        if L + 1 > self.max_positions:
-            raise ValueError(f"branch: base of {L} tokens + 1 > model limit {self.max_positions}")
-        base = self._ids(base, "base")
-        if not 1 <= start <= L:
-            raise ValueError(f"branch: start {start} outside [1, {L}]")
-        cuts = [int(c) for c in cuts]
-        for i, c in enumerate(cuts):
-            if not 0 < c <= L:
-                raise ValueError(f"branch: cut {i} ({c}) outside (0, {L}]")
-        if continuations is not None and len(continuations) != len(cuts):
-            raise ValueError(f"branch: {len(continuations)} continuation lists for {len(cuts)} cuts")
-        conts = ([[self._ids(cont, f"cut {i} continuation {j}") for j, cont in enumerate(cs)] for i, cs in enumerate(continuations)]
-                 if continuations else [[] for _ in cuts])
-        for i, cs in enumerate(conts):
-            for j, cont in enumerate(cs):
-                if cuts[i] + len(cont) + 1 > self.max_positions:
-                    raise ValueError(
-                        f"branch: cut {i} (at {cuts[i]}): continuation {j} of {len(cont)} tokens "
-                        f"overflows the model limit {self.max_positions}"
-                    )
         if generate_tokens < 0:
             raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
         self._check_score_temperature(score_temperature)
