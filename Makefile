@@ -8,9 +8,18 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm gpu-check clean compose-env
+.PHONY: demo test test-main test-vllm install install-vllm java gpu-check clean compose-env
 
-$(STAMP): pyproject.toml
+# TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none.
+java:
+	@command -v java >/dev/null || { echo "no java: installing default-jre-headless"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends default-jre-headless; } \
+	  || { echo "TextWorld-Express and ScienceWorld need Java 11+: install a JRE (apt-get install default-jre-headless)"; exit 1; }
+
+# alfworld's planner (fast-downward-textworld) builds with `python build.py`: the venv's python goes first on PATH.
+$(STAMP): export PATH := $(abspath $(VENV))/bin:$(PATH)
+$(STAMP): pyproject.toml | java
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -23,7 +32,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py
+$(VLLM_STAMP): export PATH := $(abspath $(VLLM_VENV))/bin:$(PATH)
+$(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py | java
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip

@@ -34,17 +34,22 @@ class ChatTemplateError(ValueError):
 class ChatFormat:
     """Build prompt and continuation ids for one prompt format with one tokenizer.
 
-    prompt_format "action": the assistant turn is prefilled with ``<action>``;
+    prompt_format "action": the assistant turn is prefilled with the env's
+    action tag (``<action>``; ``<answer>`` for single-turn answers; nothing
+    when the env has several, as Search's ``<search>``/``<answer>``);
     "think": with ``<think>``. Prefilled tokens are prompt (loss mask 0).
     A system message is always rendered (SmolLM2's template otherwise inserts
     its own default system prompt).
     """
 
-    def __init__(self, tokenizer, prompt_format: Literal["action", "think"]):
+    def __init__(self, tokenizer, prompt_format: Literal["action", "think"], action_tags: Sequence[str] = ("action",)):
         if prompt_format not in PREFILLS:
             raise ValueError(f"unknown prompt_format {prompt_format!r} (expected one of {sorted(PREFILLS)})")
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format
+        self.action_tags = tuple(action_tags)
+        if not self.action_tags or not all(re.fullmatch(r"[a-z_]+", t) for t in self.action_tags):
+            raise ValueError(f"action_tags must be lower-case tag names, got {action_tags!r}")
         # Special tokens by text, longest first so a regex split prefers the longest match.
         specials = {
             tok.content: int(idx)
@@ -139,10 +144,20 @@ class ChatFormat:
 
     # -- public API ------------------------------------------------------------
 
+    @classmethod
+    def for_env(cls, tokenizer, env_cfg) -> "ChatFormat":
+        """The ChatFormat of an EnvSection: its prompt format and its env adapter's ACTION_TAGS."""
+        from opsd.envs import get_adapter  # the adapters import this module's users, not the reverse
+
+        return cls(tokenizer, env_cfg.prompt_format, get_adapter(env_cfg.name).ACTION_TAGS)
+
     @property
     def prefill_text(self) -> str:
-        """The text prefilled at the start of every assistant turn ("<action>" or "<think>")."""
-        return PREFILLS[self.prompt_format]
+        """The text prefilled at the start of every assistant turn: "<think>" (think format), else
+        the action tag ("<action>", "<answer>"), or "" when the env has several action tags."""
+        if self.prompt_format == "think":
+            return PREFILLS["think"]
+        return f"<{self.action_tags[0]}>" if len(self.action_tags) == 1 else ""
 
     def initial_prompt_ids(
         self, system: str, user: str, one_shot: Sequence[tuple[str, str]] = ()
@@ -227,19 +242,23 @@ _THINK_RE = re.compile(r"<think>(.*?)</think>", re.IGNORECASE | re.DOTALL)
 @dataclass
 class ParsedResponse:
     """thinking: stripped think content ("" when absent); action: stripped action ("" when
-    invalid); valid: format-valid; reason: why invalid ("" when valid)."""
+    invalid); valid: format-valid; reason: why invalid ("" when valid); tag: the action's
+    tag ("action", "search", "answer"; "" when invalid)."""
 
     thinking: str
     action: str
     valid: bool
     reason: str
+    tag: str = ""
 
 
 def _count(tag: str, text: str) -> int:
     return len(re.findall(re.escape(tag), text, re.IGNORECASE))
 
 
-def parse_response(text: str, prompt_format: str, env: str = "textworld") -> ParsedResponse:
+def parse_response(
+    text: str, prompt_format: str, env: str = "textworld", action_tags: Sequence[str] | None = None
+) -> ParsedResponse:
     """Parse a decoded response (spec §0).
 
     `text` must include the prefilled opening tag (callers pass prefill +
@@ -249,7 +268,9 @@ def parse_response(text: str, prompt_format: str, env: str = "textworld") -> Par
     thinking block (case 11); each tag must appear exactly once (case 13),
     open and closed (case 12); the "think" format requires the think block,
     the "action" format only allows it; empty action, or any CJK character
-    anywhere, is invalid. Actions are not lower-cased.
+    anywhere, is invalid. Actions are not lower-cased. `action_tags` (an env
+    adapter's ACTION_TAGS) overrides the tags chosen by `env`; with several,
+    exactly one of them must appear.
     """
     if prompt_format not in PREFILLS:
         raise ValueError(f"unknown prompt_format {prompt_format!r}")
@@ -271,7 +292,7 @@ def parse_response(text: str, prompt_format: str, env: str = "textworld") -> Par
         return bad("missing <think>...</think> block")
     outside = text if m is None else text[: m.start()] + text[m.end() :]
 
-    tags = ("search", "answer") if env == "search" else ("action",)
+    tags = tuple(action_tags) if action_tags else (("search", "answer") if env == "search" else ("action",))
     found: list[tuple[str, str]] = []
     for tag in tags:
         o, c = _count(f"<{tag}>", outside), _count(f"</{tag}>", outside)
@@ -286,10 +307,10 @@ def parse_response(text: str, prompt_format: str, env: str = "textworld") -> Par
     if not found:
         return bad(f"missing <{'>/<'.join(tags)}>...</...> block outside thinking")
     if len(found) > 1:
-        return bad("both <search> and <answer> blocks")
-    action = found[0][1]
+        return bad(f"both {' and '.join(f'<{t}>' for t, _ in found)} blocks")
+    tag, action = found[0]
     if not action:
         return bad("empty action")
     if _CJK_RE.search(text):
         return bad("contains CJK characters")
-    return ParsedResponse(thinking, action, True, "")
+    return ParsedResponse(thinking, action, True, "", tag)

@@ -123,13 +123,13 @@ def format_step(record: dict) -> str:
 
 def prepare(cfg: RunConfig) -> None:
     """Build the caches every role needs (model conversion, game files) once, before the roles start."""
-    from opsd.envs.textworld import make_games
+    from opsd.envs import EnvContext, get_adapter
     from opsd.models.hf import ensure_model
 
     t0 = time.perf_counter()
     ensure_model(cfg.model)
-    games = make_games(cfg.env, cfg.cache_root)
-    console.print(f"[dim]model and {len(games)} games ready in {time.perf_counter() - t0:.1f}s (cache {cfg.cache_root})[/dim]")
+    games = get_adapter(cfg.env.name).make_tasks(cfg.env, EnvContext(cache_dir=cfg.cache_root), "train")
+    console.print(f"[dim]model and {len(games)} {cfg.env.name} tasks ready in {time.perf_counter() - t0:.1f}s (cache {cfg.cache_root})[/dim]")
 
 
 class Services:
@@ -357,7 +357,7 @@ def run(
     token = os.environ.get("OPSD_API_TOKEN") or secrets.token_urlsafe(32)
     services = Services(run_dir, resolved, redis_url, token, cfg.run.max_restarts,
                         trainer_ranks=cfg.trainer.nproc_per_node)
-    roles = (["embedder"] if cfg.run.method == "alignopsd" else []) + ["rollout"] + (["teacher"] if cfg.needs_teacher else []) + ["trainer"]
+    roles = (["embedder"] if cfg.run.method == "alignopsd" or cfg.env.name == "search" else []) + ["rollout"] + (["teacher"] if cfg.needs_teacher else []) + ["trainer"]
     t0 = time.perf_counter()
     ok = False
     answered: dict[str, bool] = {}
@@ -494,6 +494,108 @@ def credit_check(
 def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False)) -> None:
     """Convert the model and generate the games into the cache (what `run` does first)."""
     prepare(load_config(config))
+
+
+@app.command("eval")
+def eval_cmd(
+    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="run config (YAML): env, eval section, model"),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="a run directory, an HF model directory (a run's "
+                                    "checkpoint/ or final_model/) or a published weights file (.safetensors)"),
+    backend: Optional[str] = typer.Option(None, help="override model.backend: hf or vllm"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: <run dir>/eval/<timestamp>/)"),
+    episodes: Optional[int] = typer.Option(None, "--episodes", min=1, max=64, help="override eval.episodes_per_task"),
+    max_tasks: Optional[int] = typer.Option(None, "--max-tasks", min=1, help="play only the first N eval tasks"),
+) -> None:
+    """Validate a policy: the env's eval split at eval.temperature, metric per category with 95% bootstrap
+    intervals; writes eval.json and eval.png."""
+    from rich.table import Table
+
+    from opsd.envs import local_context
+    from opsd.models import load_backend
+    from services.rollout.evaluate import SHORT, resolve_checkpoint
+
+    cfg = _installed(load_config(config, backend=backend))
+    if episodes is not None:
+        cfg.eval = cfg.eval.model_copy(update={"episodes_per_task": episodes})
+    try:
+        src = resolve_checkpoint(checkpoint)
+    except ValueError as e:
+        _usage_error(str(e))
+    if src.model_dir is not None:
+        cfg.model = cfg.model.model_copy(update={"name": str(src.model_dir)})
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    if out is not None:
+        out_dir = out
+    elif src.run_dir is not None:
+        out_dir = src.run_dir / "eval" / stamp
+    else:
+        out_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-eval-{stamp}"
+    if out is None:
+        base, n = out_dir, 2
+        while out_dir.exists():  # two evals in the same second
+            out_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+
+    console.print(f"[bold]opsd eval[/bold] {escape(str(src.path))} ({src.kind}) on {cfg.env.name}, "
+                  f"T={cfg.eval.temperature}, {cfg.eval.episodes_per_task} episode(s) per task -> {escape(str(out_dir))}")
+    t0 = time.perf_counter()
+    try:
+        model = load_backend(cfg.model)
+        if src.weights_file is not None:
+            model.load_weights(src.weights_file, src.policy_version or 0)
+        elif src.policy_version is not None:
+            model.policy_version = src.policy_version
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        console.print(f"[red]error:[/red] cannot load the policy from {escape(str(src.path))}: {escape(str(e))}")
+        raise typer.Exit(1)
+    console.print(f"[dim]policy loaded in {time.perf_counter() - t0:.1f}s[/dim]")
+
+    def progress(result: dict) -> None:
+        if result["error"]:
+            console.print(f"  [red]{escape(result['task_id'])}: {escape(result['error'])}[/red]")
+        else:
+            wins = sum(e["won"] for e in result["episodes"])
+            console.print("  " + escape(f"{result['task_id']} [{result['category']}]: {wins}/{len(result['episodes'])} won, "
+                                        f"{result['seconds']:.1f}s"))
+
+    from services.rollout.evaluate import evaluate
+
+    try:
+        report = evaluate(cfg, model, local_context(cfg), out_dir, checkpoint=str(src.path), max_tasks=max_tasks,
+                          on_task=progress)
+    except (OSError, ValueError, RuntimeError) as e:  # no eval task could be built (a missing data file, a dead server)
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(1)
+
+    table = Table(title=f"{cfg.env.name} eval, policy v{report['policy_version']}")
+    table.add_column("category", no_wrap=True)
+    table.add_column("n", justify="right")
+    for m in report["metrics"]:
+        table.add_column(SHORT[m], justify="right")
+        table.add_column("95% CI", justify="right", no_wrap=True)
+    table.add_column("turns", justify="right")
+    table.add_column("valid", justify="right")
+    table.add_column("failed", justify="right")
+    pct = report["metric"] == "score"
+    for name, row in [*report["categories"].items(), ("overall", report["overall"])]:
+        cells = []
+        for m in report["metrics"]:
+            v = row[m]
+            if v["value"] is None:
+                cells += ["-", "-"]
+            else:
+                f = "{:.1f}" if pct else "{:.3f}"
+                cells += [f.format(v["value"]), escape(f"[{f.format(v['ci95'][0])}, {f.format(v['ci95'][1])}]")]
+        table.add_row(escape(name), str(row["episodes"]), *cells,
+                      "-" if row["mean_turns"] is None else f"{row['mean_turns']:.2f}",
+                      "-" if row["format_valid_rate"] is None else f"{row['format_valid_rate']:.2f}", str(row["errors"]),
+                      style="bold" if name == "overall" else None)
+    console.print(table)
+    console.print(f"wrote {escape(report['paths']['json'])} and {escape(report['paths']['png'])} "
+                  f"in {time.perf_counter() - t0:.0f}s")
+    if report["errors"]:
+        console.print(f"[yellow]{report['errors']} of {len(report['tasks'])} task(s) failed; their errors are in eval.json[/yellow]")
+    if report["tasks"] and report["errors"] == len(report["tasks"]):
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -78,14 +78,89 @@ class ModelSection(_Section):
     threads: int = Field(0, ge=0)
 
 
+ENV_NAMES = ("textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym")
+
+
+class TWXSection(_Section):
+    """TextWorld-Express (opsd/envs/twx.py): games drawn round-robin from `games`."""
+
+    games: list[Literal["coin", "cookingworld", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder"]] = Field(
+        ["coin"], min_length=1
+    )
+    # TWX's own parameter string ("" = the game's defaults), or one per game {game: string}. A shared
+    # string's keys that a game does not know are dropped for that game (mapreader: maxDistanceApart < numLocations).
+    game_params: str | dict[str, str] = "numLocations=1,includeDoors=0"
+
+
+class ScienceWorldSection(_Section):
+    """ScienceWorld (opsd/envs/scienceworld.py): tasks round-robin from `tasks`, each on its train
+    variations (pool: game_pool) or its dev variations (eval_pool)."""
+
+    tasks: list[str] = Field(["find-living-thing"], min_length=1)  # ScienceWorld task names
+    simplifications: str = "easy"  # comma-separated: easy, teleportAction, openDoors, openContainers, ...
+
+
+class AlfWorldSection(_Section):
+    """ALFWorld (opsd/envs/alfworld.py) on the `alfworld` package's engine."""
+
+    # A directory holding the real ALFWorld game files (json_2.1.1/...: game.tw-pddl + traj_data.json);
+    # None = tasks built offline from the PDDL domain, grammar and layouts the package ships.
+    data_dir: str | None = None
+    eval_split: Literal["valid_seen", "valid_unseen"] = "valid_seen"  # data_dir's folder the eval split plays
+    # Categories to play (reported per category): subset of pick, look, clean, heat, cool, pick2.
+    task_types: list[Literal["pick", "look", "clean", "heat", "cool", "pick2"]] = Field(
+        ["pick", "look", "clean", "heat", "cool", "pick2"], min_length=1)
+
+
+class SearchSection(_Section):
+    """Search-QA (opsd/envs/search.py), Search-R1 protocol; retrieval by the embedder over `corpus`."""
+
+    corpus: str | None = None  # JSONL {"id", "contents"}; None = the small corpus shipped in opsd/envs/data/search/
+    questions: str | None = None  # JSONL {"id", "question", "golden_answers", "data_source"}; None = the shipped set
+    # Eval questions in their own file (e.g. Search-R1's test split); None = a deterministic third of `questions`
+    eval_questions: str | None = None
+    top_k: int = Field(3, ge=1, le=50)
+    max_passage_chars: int = Field(600, ge=16)
+
+
+class WebShopSection(_Section):
+    """WebShop (opsd/envs/webshop.py): a client for a running WebShop server (its text env over HTTP).
+
+    Setup and the goal-index conventions: opsd/envs/WEBSHOP.md. Goals 0-499 are
+    WebShop's test goals; train from 500+ (WebShop's own baseline: 500-1499 dev, 1500+ train).
+    """
+
+    url: str = "http://127.0.0.1:3000"  # the WebShop Flask app (python -m web_agent_site.app serves port 3000)
+    goals: list[int] = list(range(500, 600))  # goal (session fixed_<i>) indices to train on; the first game_pool
+    eval_goals: list[int] = list(range(0, 100))  # the first eval_pool are evaluated; must not meet `goals`
+    timeout_s: float = Field(30.0, gt=0)  # per HTTP request
+
+    @model_validator(mode="after")
+    def _check(self) -> "WebShopSection":
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"env.webshop.url must be an http(s) URL, got {self.url!r}")
+        if any(g < 0 for g in [*self.goals, *self.eval_goals]):
+            raise ValueError("env.webshop goal indices must be >= 0")
+        return self
+
+
+class ReasoningGymSection(_Section):
+    """Single-turn verifiable tasks from reasoning-gym (opsd/envs/reasoning_gym.py)."""
+
+    datasets: list[str] = Field(["basic_arithmetic"], min_length=1)  # reasoning_gym.factory.DATASETS names
+    # Items generated per dataset and split (indices 0..size-1); the pools draw from them round-robin.
+    size: int = Field(64, ge=1, le=1_000_000)
+
+
 class EnvSection(_Section):
-    name: Literal["textworld"] = "textworld"
+    name: Literal[ENV_NAMES] = "textworld"  # type: ignore[valid-type]
     num_games: int = Field(2, ge=1)  # distinct games (task groups) per step
-    game_pool: int = Field(8, ge=1)  # games generated from seeds seed..seed+game_pool-1
+    game_pool: int = Field(8, ge=1)  # tasks in the training pool (textworld: seeds seed..seed+game_pool-1)
+    eval_pool: int = Field(16, ge=1)  # tasks `opsd eval` plays (the env's validation split where it has one)
     seed: int = 1234
-    world_size: int = Field(1, ge=1)  # rooms
-    nb_objects: int = Field(3, ge=1)
-    quest_length: int = Field(1, ge=1)
+    world_size: int = Field(1, ge=1)  # textworld: rooms
+    nb_objects: int = Field(3, ge=1)  # textworld
+    quest_length: int = Field(1, ge=1)  # textworld
     max_turns: int = Field(4, ge=1)
     prompt_format: Literal["action", "think"] = "action"
     list_admissible: bool = True
@@ -94,6 +169,15 @@ class EnvSection(_Section):
         "Invalid response. Reply with exactly one command inside <action></action>."
     )
     max_observation_chars: int = Field(2000, ge=16)
+    # What the teacher's privileged context holds (spec section 0): the SkillBank's skills
+    # (opsd/skills/<env>/), the environment's walkthrough / gold path where it has one, or both.
+    privileged: Literal["skills", "walkthrough", "both"] = "both"
+    twx: TWXSection = TWXSection()
+    scienceworld: ScienceWorldSection = ScienceWorldSection()
+    alfworld: AlfWorldSection = AlfWorldSection()
+    search: SearchSection = SearchSection()
+    webshop: WebShopSection = WebShopSection()
+    reasoning_gym: ReasoningGymSection = ReasoningGymSection()
 
 
 class RolloutSection(_Section):
@@ -350,6 +434,15 @@ class TrainerSection(_Section):
     nproc_per_node: int = Field(1, ge=1, le=64)
 
 
+class EvalSection(_Section):
+    """`opsd eval` (services/rollout/evaluate.py): the eval split of the env at the papers' validation temperature."""
+
+    temperature: float = Field(0.4, gt=0)
+    episodes_per_task: int = Field(1, ge=1, le=64)
+    bootstrap_samples: int = Field(1000, ge=100)  # resamples for the 95% intervals
+    seed: int = 0
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     redis: RedisSection = RedisSection()
@@ -360,6 +453,7 @@ class RunConfig(_Section):
     embedder: EmbedderSection = EmbedderSection()
     credit: CreditSection = CreditSection()
     trainer: TrainerSection = TrainerSection()
+    eval: EvalSection = EvalSection()
 
     @model_validator(mode="after")
     def _known_method(self) -> "RunConfig":
@@ -426,12 +520,20 @@ RESUMABLE_FIELDS = (
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.
-ADDED_FIELDS = (("model", "device"), ("model", "vllm"), ("trainer", "lora"))
+ADDED_FIELDS = (
+    ("model", "device"), ("model", "vllm"), ("trainer", "lora"), ("env", "eval_pool"), ("env", "privileged"),
+    ("env", "twx"), ("env", "scienceworld"), ("env", "alfworld"), ("env", "search"), ("env", "webshop"),
+    ("env", "reasoning_gym"),
+)
+# Sections that never change what a run trains (dropped from the hash whole).
+UNHASHED_SECTIONS = ("eval",)
 
 
 def hashed_config(cfg) -> dict:
     """The resolved config (a RunConfig) as JSON data, without RESUMABLE_FIELDS, ADDED_FIELDS at their defaults and any section's metrics_port."""
     data = cfg.model_dump(mode="json")
+    for section in UNHASHED_SECTIONS:
+        data.pop(section, None)
     for section, name in RESUMABLE_FIELDS:
         data[section].pop(name, None)
     defaults = type(cfg)().model_dump(mode="json")

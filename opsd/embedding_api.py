@@ -139,3 +139,40 @@ class CorrespondResponse(BaseModel):
                 if any(math.fsum(x * x for x in r) > (1.0 + NORM_TOLERANCE) ** 2 for r in e):
                     raise ValueError(f"{name}: a row longer than 1")
         return self
+
+
+# Search-QA retrieval (POST /retrieve): top-k passages of the corpus the embedder serves.
+MAX_RETRIEVE_K = 100  # the most passages one query may ask for (services/embedder/retrieval.py keeps the same bound)
+
+
+class RetrieveRequest(BaseModel):
+    """One query (non-blank; at most embedder.max_text_chars characters, else 413) and how many passages, 1..MAX_RETRIEVE_K."""
+
+    model_config = ConfigDict(extra="forbid")
+    query: str = Field(min_length=1, pattern=r"\S")
+    k: int = Field(3, ge=1, le=MAX_RETRIEVE_K)
+
+
+class RetrievedPassage(BaseModel):
+    """A passage as stored in the corpus (`contents`: title line first, wiki-18 style), its title and cosine score."""
+
+    id: str
+    title: str | None = None
+    contents: str
+    score: float
+
+
+class RetrieveResponse(BaseModel):
+    passages: list[RetrievedPassage]
+
+    def check(self, k: int) -> "RetrieveResponse":
+        """Raise ValueError unless this is an answer the embedder can give for `k`: at most k passages,
+        finite cosine scores in [-1, 1] (plus float noise), best first."""
+        if len(self.passages) > k:
+            raise ValueError(f"{len(self.passages)} passages for k={k}")
+        scores = [p.score for p in self.passages]
+        if any(not math.isfinite(s) or abs(s) > 1.0 + NORM_TOLERANCE for s in scores):
+            raise ValueError("passage scores must be finite cosines in [-1, 1]")
+        if any(a < b for a, b in zip(scores, scores[1:])):
+            raise ValueError("passages must come best first")
+        return self

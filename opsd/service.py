@@ -230,6 +230,20 @@ class RoleProcess:
         return bound
 
 
+def embedder_url(run_dir: Path) -> str | None:
+    """The embedder's base URL: OPSD_EMBEDDER_URL, else from the port file it writes; None while there is none."""
+    if os.environ.get("OPSD_EMBEDDER_URL"):
+        return os.environ["OPSD_EMBEDDER_URL"]
+    try:
+        info = read_port(run_dir, "embedder")
+        if not info:
+            return None
+        return service_url(info)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        logging.getLogger("opsd.service").warning("unreadable embedder port file (%s)", e)
+        return None
+
+
 def fatal(role: str, reason: str) -> NoReturn:
     """Stop a role that a restart cannot help (bad config or environment): one line on stderr, exit FATAL_EXIT."""
     print(f"{role}: cannot start: {reason}", file=sys.stderr, flush=True)

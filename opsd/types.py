@@ -41,7 +41,8 @@ ENTROPY_TOLERANCE = 1e-4  # an entropy lies in [0, log V]; float noise may step 
 MAX_EMBEDDING_DIM = 4096
 
 FINISH_REASONS = ("stop", "length")  # sampler finish reason of one turn
-EPISODE_ENDINGS = ("won", "lost", "max_turns", "truncated", "error")
+# "done": the episode ended by the agent without success (a wrong final answer, a purchase scoring below 1).
+EPISODE_ENDINGS = ("won", "lost", "done", "max_turns", "truncated", "error")
 
 
 class MessageError(ValueError):
@@ -75,9 +76,11 @@ def _check_entropy(name: str, arr: Any, loss_mask_S: np.ndarray, vocab_size: int
 class TaskGroup:
     """One task to be played G times by the rollout role with policy `policy_version`.
 
-    `game` is an environment-specific JSON-able spec (for TextWorld: the seed
-    and generation options); `privileged_info` is the text the teacher sees
-    and the student does not (the game's walkthrough).
+    `game` is the task as `opsd.envs.base.Task.to_dict()` (the adapter of
+    env `env` rebuilds it); `privileged_info` is the text the teacher sees
+    and the student does not (SkillBank skills and the walkthrough, see
+    `opsd.skills.privileged_text`); `category` is the reporting bucket
+    (ALFWorld task type, Search data source, ...).
     """
 
     group_id: str
@@ -89,6 +92,7 @@ class TaskGroup:
     game: dict[str, Any]
     privileged_info: str
     max_turns: int
+    category: str = ""
 
     def validate(self) -> None:
         _check(bool(self.group_id) and bool(self.task_id), "TaskGroup: empty group_id or task_id")
@@ -132,7 +136,7 @@ class Trajectory:
     Arrays: token_ids_S int32 [S]; sampler_logprobs_S float32 [S] (natural-log
     probability of each sampled token under the sampling temperature, 0 where
     loss_mask is 0); loss_mask_S uint8 [S]. `reward` is the terminal episode
-    reward (TextWorld: 1.0 won, 0.0 otherwise).
+    reward in [0, 1] from the environment (1.0 won, 0.0 otherwise; WebShop: the purchase score).
 
     Optional (None when the sampler did not report it, e.g. messages from
     before the field existed): sampler_entropy_S float32 [S], the entropy in

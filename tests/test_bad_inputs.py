@@ -584,7 +584,7 @@ class _Sampler:
 def test_positive_sampler_logprob_is_masked_and_empty_generation_is_harmless(tokenizer, tmp_path):
     from opsd.chat import ChatFormat
     from opsd.config import EnvSection, RolloutSection
-    from opsd.envs import make_games
+    from opsd.envs.textworld import make_games
     from services.rollout.episodes import run_group
 
     env = EnvSection(game_pool=1, seed=1234, max_turns=3)

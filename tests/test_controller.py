@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from opsd import wire
 from opsd.config import RunConfig
+from opsd.envs import Task
 from opsd.queue import StreamNames, StreamQueue, produce_message
 from opsd.types import RolloutGroup, TaskGroup
 from opsd.weights import StalePolicyError, ensure_version, prune_versions, published_versions, weights_path
@@ -24,15 +25,9 @@ MAX_BYTES = 16 * 1024 * 1024
 pytestmark = pytest.mark.redis
 
 
-@dataclass
-class FakeGame:
-    task_id: str
-
-    def to_dict(self) -> dict:
-        return {"seed": int(self.task_id[-2:])}
-
-    def privileged_info(self) -> str:
-        return f"walkthrough of {self.task_id}"
+def FakeGame(task_id: str, walkthrough: str | None = None) -> Task:
+    """A task the controller can issue (it is never played here)."""
+    return Task(task_id, "1-step", {"seed": int(task_id[-2:])}, gold_path=[walkthrough or f"walkthrough of {task_id}"])
 
 
 GAMES = [FakeGame(f"tw-{i:02d}") for i in range(6)]
@@ -155,14 +150,8 @@ def test_issuer_issues_each_step_once_in_one_transaction(redis_client, stream_pr
     assert [wire.decode(f[b"data"], TaskGroup, MAX_BYTES).policy_version for _, f in redis_client.xrange(tasks)[-4:]] == [3] * 4
 
 
-@dataclass
-class HugeGame(FakeGame):
-    def privileged_info(self) -> str:
-        return "x" * 20_000
-
-
 def test_issuer_writes_nothing_when_a_step_cannot_be_issued_whole(redis_client, stream_prefix):
-    games = [FakeGame("tw-01"), HugeGame("tw-02")]  # both are step 0's tasks; one is over the size limit
+    games = [FakeGame("tw-01"), FakeGame("tw-02", "x" * 20_000)]  # both are step 0's tasks; one is over the size limit
     issuer = TaskIssuer(redis_client, _cfg(stream_prefix), games, max_bytes=4096)
     with pytest.raises(wire.WireError):
         issuer.top_up(0, 0)

@@ -17,7 +17,7 @@ import torch
 from opsd.chat import ChatFormat, parse_response
 from opsd.config import EnvSection, RolloutSection
 from opsd.credit.policy_loss import entropy_from_logits
-from opsd.envs import make_games
+from opsd.envs.textworld import make_games
 from opsd.envs.textworld import TextWorldEnv
 from opsd.models.hf import NonFiniteLogitsError
 from opsd.types import TaskGroup

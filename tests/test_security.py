@@ -31,7 +31,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 from opsd.auth import ApiGuard, api_token
 from opsd.chat import ChatFormat
 from opsd.config import EmbedderSection, EnvSection, RunConfig
-from opsd.envs import make_games
+from opsd.envs.textworld import make_games
 from opsd.service import add_observability, bind_socket, serve_in_thread
 from opsd.types import TaskGroup
 from services.embedder.app import Encoder, build_app

@@ -17,7 +17,7 @@ from opsd.chat import ChatFormat
 from opsd.config import EnvSection, RunConfig
 from opsd.credit.alignopsd import rectify
 from opsd.credit.policy_loss import entropy_from_logits
-from opsd.envs import make_games
+from opsd.envs.textworld import make_games
 from opsd.types import ScoredGroup, TaskGroup
 from opsd.wire import decode, encode
 from services.rollout.episodes import run_group

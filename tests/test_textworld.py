@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from opsd.config import EnvSection
-from opsd.envs import GameSpec, TextWorldEnv, clean_observation, load_game, make_games
+from opsd.envs.textworld import GameSpec, TextWorldEnv, clean_observation, load_game, make_games
 
 CFG = EnvSection(game_pool=2, seed=1234, world_size=1, nb_objects=3, quest_length=1)
 

@@ -1,4 +1,4 @@
-"""TextWorld adapter: deterministic local game generation and a reset/step env.
+"""TextWorld adapter (opsd/envs/base.py interface): deterministic local game generation and a reset/step env.
 
 Games are generated with TextWorld's Python API from integer seeds and
 compiled once into a shared cache:
@@ -34,6 +34,8 @@ from textworld import EnvInfos, GameOptions
 from textworld.generator import compile_game, make_game
 
 from opsd.config import EnvSection
+from opsd.envs.base import ClosingEnv, EnvContext, EnvPrompt, EnvStep, Task, cap
+from opsd.skills import walkthrough_text
 
 # Bump when the generation recipe below changes: the options hash (and so the
 # cache folder) changes with it, and stale games are never reused.
@@ -78,35 +80,6 @@ class GameSpec:
             objective=str(d.get("objective", "")),
             options=dict(d.get("options", {})),
         )
-
-
-def walkthrough_text(commands: list[str]) -> str:
-    """Walkthrough commands as one short line: "Walkthrough: open box > take coin"."""
-    return "Walkthrough: " + " > ".join(commands)
-
-
-@dataclass
-class EnvStep:
-    """What the environment says after reset() or step().
-
-    `observation` is cleaned (no ASCII banner, no status line, collapsed
-    whitespace) and capped to `EnvSection.max_observation_chars`.
-    `admissible_commands` are the commands the game accepts in the new state;
-    `policy_commands` the remaining walkthrough from this state (privileged).
-    `score` is the game's own point count; `reward` the terminal RL reward.
-    """
-
-    observation: str
-    admissible_commands: list[str]
-    won: bool
-    lost: bool
-    done: bool
-    score: float
-    policy_commands: list[str] = field(default_factory=list)
-
-    @property
-    def reward(self) -> float:
-        return 1.0 if self.won else 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -250,10 +223,7 @@ def clean_observation(text: str, max_chars: int) -> str:
         if not line and (not lines or not lines[-1]):
             continue  # at most one blank line in a row, none at the start
         lines.append(line)
-    out = "\n".join(lines).strip()
-    if len(out) > max_chars:
-        out = out[: max(0, max_chars - 3)].rstrip() + "..."
-    return out
+    return cap("\n".join(lines).strip(), max_chars)
 
 
 def _sanitize_action(action: str) -> str:
@@ -267,7 +237,7 @@ def _sanitize_action(action: str) -> str:
 # The environment
 
 
-class TextWorldEnv:
+class TextWorldEnv(ClosingEnv):
     """One episode-at-a-time TextWorld game. Use as a context manager or call close().
 
     Several instances of the same game may run side by side in one process
@@ -295,11 +265,13 @@ class TextWorldEnv:
             warnings.simplefilter("ignore")
             self._env = textworld.start(self.spec.path, request_infos=self._INFOS)
         self._done = True  # until reset()
+        self._admissible: list[str] = []
 
-    def _to_step(self, state: Any, done: bool) -> EnvStep:
+    def _to_step(self, state: Any, done: bool, invalid: bool = False) -> EnvStep:
         won = bool(state.get("won") or False)
         lost = bool(state.get("lost") or False)
         self._done = bool(done or won or lost)
+        self._admissible = list(state.get("admissible_commands") or [])
         return EnvStep(
             observation=clean_observation(state.feedback or "", self.max_observation_chars),
             admissible_commands=list(state.get("admissible_commands") or []),
@@ -308,6 +280,7 @@ class TextWorldEnv:
             done=self._done,
             score=float(state.get("score") or 0),
             policy_commands=list(state.get("policy_commands") or []),
+            invalid_action=invalid,
         )
 
     def reset(self) -> EnvStep:
@@ -322,8 +295,11 @@ class TextWorldEnv:
         """
         if self._done:
             raise RuntimeError("TextWorldEnv.step called on a finished (or not yet reset) game")
-        state, _score, done = self._env.step(_sanitize_action(action))
-        return self._to_step(state, done)
+        command = _sanitize_action(action)
+        # The game answers anything; "invalid" = not one of the commands it listed as admissible.
+        invalid = command.strip().lower() not in {c.lower() for c in self._admissible}
+        state, _score, done = self._env.step(command)
+        return self._to_step(state, done, invalid)
 
     def walkthrough(self) -> str:
         """The game's full winning command sequence as text (privileged; same as
@@ -337,14 +313,61 @@ class TextWorldEnv:
         if env is not None:
             env.close()
 
-    def __enter__(self) -> "TextWorldEnv":
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+# ---------------------------------------------------------------------------
+# The adapter interface (opsd/envs/base.py)
 
-    def __del__(self) -> None:  # last resort; callers should close() explicitly
-        try:
-            self.close()
-        except Exception:
-            pass
+NAME = "textworld"
+ACTION_TAGS = ("action",)
+METRIC = "success"
+# Kept short on purpose: SmolLM2-135M has a small context and every prompt token
+# costs CPU time on each turn. The measured best setup for that model is an
+# action-only reply, the admissible commands listed, one made-up example
+# exchange, and the assistant turn prefilled with `<action>`.
+PROMPT = EnvPrompt(
+    system={
+        "action": (
+            "You are playing a text adventure game. Reach the objective. "
+            "Each turn, {pick} and reply with it inside <action></action>, for example <action>open box</action>."
+        ),
+        "think": (
+            "You are playing a text adventure game. Reach the objective. "
+            "Each turn, think briefly inside <think></think>, then {pick} and reply with it "
+            "inside <action></action>."
+        ),
+    },
+    # A made-up exchange (not from any generated game) that shows the reply format.
+    example=(
+        "Your objective is to open the box.\n\n-= Kitchen =-\nYou are in a kitchen. You see a closed box.",
+        ["examine box", "go north", "look", "open box"],
+        {
+            "action": "<action>open box</action>",
+            "think": "<think>The objective is to open the box, and the box is here.</think><action>open box</action>",
+        },
+    ),
+)
+# Eval games come from seeds far from any training pool's.
+EVAL_SEED_OFFSET = 1_000_000
+
+
+def _task(spec: GameSpec) -> Task:
+    return Task(task_id=spec.task_id, category=f"{len(spec.walkthrough)}-step", spec=spec.to_dict(),
+                gold_path=list(spec.walkthrough), objective=spec.objective)
+
+
+def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[Task]:
+    """The train pool (`make_games`: seeds cfg.seed ..) or the eval pool (cfg.eval_pool games from seed
+    cfg.seed + EVAL_SEED_OFFSET) as Tasks; category = walkthrough length ("2-step"). ValueError on another split."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be train or eval, got {split!r}")
+    cache = Path(ctx.cache_dir) if ctx.cache_dir is not None else Path(tempfile.gettempdir()) / "opsd"
+    if split == "train":
+        return [_task(g) for g in make_games(cfg, cache)]
+    eval_cfg = cfg.model_copy(update={"seed": cfg.seed + EVAL_SEED_OFFSET, "game_pool": cfg.eval_pool})
+    return [_task(g) for g in make_games(eval_cfg, cache)]
+
+
+def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> TextWorldEnv:
+    """A TextWorldEnv for `task` (its game regenerated under ctx.cache_dir when missing here)."""
+    spec = load_game(task.spec, Path(ctx.cache_dir) if ctx.cache_dir is not None else None)
+    return TextWorldEnv(spec, cfg.max_observation_chars)

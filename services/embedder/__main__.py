@@ -1,5 +1,8 @@
 """Run the embedder role: `python -m services.embedder --config C --run-dir D` (port: embedder.port).
 
+With env.name "search" it also serves /retrieve over env.search.corpus (the
+shipped corpus when unset), indexed in the background at start.
+
 Needs OPSD_API_TOKEN (set by `opsd run`): without it the embedder refuses to start.
 """
 
@@ -10,6 +13,7 @@ import logging
 from opsd.auth import api_token
 from opsd.service import RoleProcess, fatal
 from services.embedder.app import ROLE, Encoder, build_app
+from services.embedder.retrieval import LazyCorpusIndex, corpus_for_config
 
 
 def main() -> None:
@@ -21,7 +25,11 @@ def main() -> None:
         fatal(ROLE, str(e))
     encoder = Encoder(cfg.encoder)
     proc.status.update(encoder=cfg.encoder, dim=encoder.dim)
-    port = proc.serve(build_app(cfg, encoder, token), cfg.port)
+    corpus = corpus_for_config(proc.cfg)
+    retrieval = LazyCorpusIndex(corpus, encoder, cfg.encoder, proc.cfg.cache_root) if corpus else None
+    if retrieval is not None:
+        retrieval.build_in_background()  # a failure is kept and answered as 503 with its reason
+    port = proc.serve(build_app(cfg, encoder, token, retrieval), cfg.port)
     logging.getLogger(ROLE).info("serving on port %d (encoder %s, dim %d)", port, cfg.encoder, encoder.dim)
     while not proc.stop.wait(1.0):
         pass

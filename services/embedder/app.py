@@ -4,6 +4,8 @@ POST /embed       texts -> L2-normalized float32 vectors (empty text -> zero vec
 POST /correspond  one group's student and teacher texts -> H, eligibility and
                   the selected sources with weights omega, rho, alpha (spec 4.1);
                   with return_embeddings, also the embeddings it compared
+POST /retrieve    Search-QA: a query -> its top-k corpus passages (services/embedder/retrieval.py);
+                  only when the embedder serves a corpus; 503 when that corpus failed to load
 
 Both (and the OpenAPI schema and docs) need `Authorization: Bearer <OPSD_API_TOKEN>`
 (401 otherwise); bodies over embedder.max_request_bytes get 413 (opsd.auth.ApiGuard).
@@ -31,7 +33,8 @@ from fastapi.responses import JSONResponse
 from opsd import metrics
 from opsd.auth import ApiGuard
 from opsd.config import EmbedderSection
-from opsd.embedding_api import CorrespondRequest, CorrespondResponse, EmbedRequest, EmbedResponse
+from opsd.embedding_api import (CorrespondRequest, CorrespondResponse, EmbedRequest, EmbedResponse, RetrievedPassage,
+                                RetrieveRequest, RetrieveResponse)
 from opsd.credit import alignopsd
 
 ROLE = "embedder"
@@ -166,11 +169,13 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def build_app(cfg: EmbedderSection, encoder: Encoder, token: str) -> FastAPI:
+def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any = None) -> FastAPI:
     """The embedder's FastAPI app (requests validated by pydantic; limits from `cfg`).
 
     Every route but /health and /metrics needs `Authorization: Bearer <token>`;
     raises ValueError for an empty token (the app is never served open).
+    `retrieval`: the corpus /retrieve searches (a services.embedder.retrieval.LazyCorpusIndex,
+    built at its first use), or None: no /retrieve route (404).
     """
     if not token:  # the middleware is built at the first request: check here, at construction
         raise ValueError("the embedder needs a non-empty API token")
@@ -208,5 +213,21 @@ def build_app(cfg: EmbedderSection, encoder: Encoder, token: str) -> FastAPI:
         metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)
         metrics.GROUPS.labels(ROLE).inc()
         return out
+
+    if retrieval is None:  # no corpus: no /retrieve route (404), the API is as it was before Search-QA
+        return app
+
+    @app.post("/retrieve", response_model=RetrieveResponse)
+    def retrieve(req: RetrieveRequest) -> RetrieveResponse:
+        _check_texts([req.query])
+        try:
+            index = retrieval.get()
+        except RuntimeError as e:
+            raise HTTPException(503, str(e)) from None
+        t0 = time.perf_counter()
+        hits = index.search(req.query, req.k)
+        metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)
+        return RetrieveResponse(passages=[RetrievedPassage(id=p.id, title=p.title, contents=p.contents, score=s)
+                                          for p, s in hits])
 
     return app

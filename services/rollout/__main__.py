@@ -10,14 +10,27 @@ import logging
 import zlib
 
 from opsd import metrics
+from opsd.auth import api_token
 from opsd.chat import ChatFormat
+from opsd.envs import EnvContext
 from opsd.queue import StreamNames
-from opsd.service import RoleProcess, consume_forever, load_worker_backend
+from opsd.service import RoleProcess, consume_forever, embedder_url, load_worker_backend
 from opsd.types import RolloutGroup, TaskGroup
 from opsd.weights import ensure_version
 from services.rollout.episodes import run_group
 
 ROLE = "rollout"
+
+
+def env_context(cfg, run_dir) -> EnvContext:
+    """This role's EnvContext: the game cache, and for Search the embedder's /retrieve (found like the teacher finds it)."""
+    retriever = None
+    if cfg.env.name == "search":
+        from opsd.envs.search import HTTPRetriever
+
+        retriever = HTTPRetriever(lambda: embedder_url(run_dir), api_token(), cfg.teacher.embedder_timeout_s,
+                                  retry_s=cfg.teacher.embedder_deadline_s)
+    return EnvContext(cache_dir=cfg.cache_root, retriever=retriever)
 
 
 def main() -> None:
@@ -27,7 +40,8 @@ def main() -> None:
     proc.serve(port=cfg.rollout.metrics_port)
 
     backend = load_worker_backend(ROLE, cfg)
-    chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
+    chat = ChatFormat.for_env(backend.tokenizer, cfg.env)
+    ctx = env_context(cfg, proc.run_dir)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     streams = StreamNames(cfg.redis.stream_prefix)
     queue = proc.open_queue(streams.tasks, TaskGroup, backend.vocab_size)
@@ -39,12 +53,13 @@ def main() -> None:
             metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
             proc.status["policy_version"] = backend.policy_version
         seed = cfg.run.seed * 1_000_003 + task.step * 1009 + zlib.crc32(task.group_id.encode()) % 1000
-        group, stats = run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, cfg.cache_root)
+        group, stats = run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx=ctx)
         metrics.GROUPS.labels(ROLE).inc()
         metrics.TOKENS.labels(ROLE).inc(stats.generated_tokens)
         metrics.JOB_SECONDS.labels(ROLE).observe(group.rollout_seconds)
         n_turns = max(stats.turns, 1)
-        metrics.INVALID_ACTION_RATE.labels(ROLE).set(1.0 - stats.valid_turns / n_turns)
+        # Invalid = no well-formed action, or one the environment did not accept (spec section 0).
+        metrics.INVALID_ACTION_RATE.labels(ROLE).set(1.0 - (stats.valid_turns - stats.env_invalid_actions) / n_turns)
         metrics.SUCCESS_RATE.labels(ROLE).set(stats.wins / max(len(group.trajectories), 1))
         if stats.nonfinite_logprobs:
             metrics.NONFINITE_LOGPROBS.labels(ROLE).inc(stats.nonfinite_logprobs)

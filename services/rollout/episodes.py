@@ -24,7 +24,7 @@ import numpy as np
 
 from opsd.chat import ChatFormat, decode, parse_response
 from opsd.config import EnvSection, RolloutSection
-from opsd.envs.textworld import EnvStep, TextWorldEnv, load_game
+from opsd.envs import Env, EnvContext, EnvStep, Task, get_adapter
 from opsd.models.hf import NonFiniteLogitsError
 from opsd.types import (
     ENTROPY_TOLERANCE, FINISH_REASONS, LOGPROB_TOLERANCE, RolloutGroup, TaskGroup, Trajectory, TurnRecord,
@@ -41,6 +41,7 @@ class RolloutStats:
     turns / valid_turns: agent turns played / with a format-valid action;
     format_errors: invalid turns the model ended itself (finish "stop"); a
     reply cut by the token cap is counted in length_finishes, never here (case 16);
+    env_invalid_actions: format-valid actions the environment did not accept;
     wins: episodes won; generated_tokens: sampled tokens (all turns);
     nonfinite_logprobs: sampled tokens whose log-prob came back NaN/inf or
     clearly positive (masked),
@@ -54,6 +55,7 @@ class RolloutStats:
     turns: int = 0
     valid_turns: int = 0
     format_errors: int = 0
+    env_invalid_actions: int = 0
     wins: int = 0
     generated_tokens: int = 0
     nonfinite_logprobs: int = 0
@@ -68,7 +70,7 @@ class RolloutStats:
 @dataclass
 class _Episode:
     rollout_id: str
-    env: TextWorldEnv
+    env: Env
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
@@ -77,6 +79,7 @@ class _Episode:
     turns: list[TurnRecord] = field(default_factory=list)
     admissible: list[str] = field(default_factory=list)
     won: bool = False
+    reward: float = 0.0  # the last step's reward (rewards are terminal)
     ending: str = ""  # "" while running
 
     @property
@@ -96,7 +99,7 @@ class _Episode:
             sampler_logprobs_S=np.asarray(self.logprobs, dtype=np.float32),
             loss_mask_S=np.asarray(self.mask, dtype=np.uint8),
             turns=self.turns,
-            reward=1.0 if self.won else 0.0,
+            reward=float(self.reward),
             won=self.won,
             ending=self.ending or "max_turns",
             sampler_entropy_S=np.asarray(self.entropies, dtype=np.float32) if self.has_entropy else None,
@@ -120,7 +123,7 @@ def initial_prompt_ids(chat: ChatFormat, env_cfg: EnvSection, first: EnvStep) ->
     opening observation), ending with the assistant header + prefill."""
     user = prompts.first_user_message(first.observation, first.admissible_commands, env_cfg)
     return chat.initial_prompt_ids(
-        prompts.system_prompt(env_cfg.prompt_format, env_cfg.list_admissible), user,
+        prompts.system_prompt(env_cfg.prompt_format, env_cfg.list_admissible, env_cfg.name), user,
         one_shot=prompts.one_shot_examples(env_cfg),
     )
 
@@ -138,12 +141,14 @@ def run_group(
     max_model_len: int,
     seed: int,
     cache_dir: Path | str | None = None,
+    ctx: EnvContext | None = None,
 ) -> tuple[RolloutGroup, RolloutStats]:
     """Run `task.group_size` sibling episodes of `task.game` with `backend`.
 
     Args:
-        task: the TaskGroup; `task.game` is a `GameSpec` dict (regenerated
-            locally if its file is missing, under `cache_dir` when given).
+        task: the TaskGroup; `task.game` is an `opsd.envs.base.Task` dict (or
+            the env's bare spec), played with the adapter of `task.env`
+            (TextWorld games are regenerated locally when their file is missing).
         backend: `HFBackend`-like: `generate(prompts, max_new_tokens,
             temperature, top_p, seed) -> [Generation]`, `tokenizer`,
             `eos_token_id`, `vocab_size`, `policy_version`.
@@ -155,13 +160,14 @@ def run_group(
             non-positive budget.
         seed: group seed; turn t's sampling seed is derived from (seed, t).
         cache_dir: this machine's game cache (`<cache>/textworld/...`); None
-            uses `task.game["path"]` as is.
+            uses `task.game["path"]` as is. Ignored when `ctx` is given.
+        ctx: what the adapter needs on this machine (cache, Search's retriever).
 
     Returns:
         (RolloutGroup, RolloutStats). Trajectories are in rollout-id order
         ("r00", "r01", ...), with int32 ids, float32 sampler log-probs (0 off
-        the loss mask) and uint8 loss mask; reward 1.0 for a won episode, else
-        0.0. Sampled tokens with a non-finite or positive (> 1e-4) log-prob, or
+        the loss mask) and uint8 loss mask; reward = the env's last reward in
+        [0, 1] (1.0 for a won episode; 0.0 for one that ran out of turns). Sampled tokens with a non-finite or positive (> 1e-4) log-prob, or
         a non-finite / negative (< -1e-4) entropy, are masked (mask 0, log-prob
         and entropy 0) and counted in `stats.nonfinite_logprobs`.
         `sampler_entropy_S` holds the generations' entropies (clamped to
@@ -169,23 +175,33 @@ def run_group(
         with a generation that reported none (`Generation.entropies` None).
 
     Raises:
-        ValueError: wrong env, prompt-format mismatch, or a malformed
+        ValueError: unknown env, an env other than `env_cfg.name`, a malformed
+            task, prompt-format mismatch, or a malformed
             generation from the backend; `opsd.types.MessageError` if the
             built group fails `validate(backend.vocab_size)`.
     """
     t_start = time.perf_counter()
     task.validate()
-    if task.env != "textworld":
-        raise ValueError(f"run_group: unsupported env {task.env!r}")
+    adapter = get_adapter(task.env)
+    if task.env != env_cfg.name:
+        raise ValueError(f"run_group: task is for env {task.env!r} but the env config is {env_cfg.name!r}")
+    try:
+        env_task = Task.from_dict(task.game) if "spec" in task.game else Task(task.task_id, task.category, dict(task.game))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"run_group: malformed task in group {task.group_id}: {err!r}") from err
+    if ctx is None:
+        ctx = EnvContext(cache_dir=Path(cache_dir) if cache_dir is not None else None)
     fmt = env_cfg.prompt_format
     chat_fmt = getattr(chat, "prompt_format", fmt)
     if chat_fmt != fmt:
         raise ValueError(f"run_group: ChatFormat renders {chat_fmt!r} but env_cfg.prompt_format is {fmt!r}")
+    if tuple(getattr(chat, "action_tags", adapter.ACTION_TAGS)) != tuple(adapter.ACTION_TAGS):
+        raise ValueError(f"run_group: ChatFormat prefills for tags {chat.action_tags} but env {task.env!r} uses "
+                         f"{adapter.ACTION_TAGS} (build it with ChatFormat.for_env)")
     if getattr(backend, "policy_version", task.policy_version) != task.policy_version:
         log.warning("group %s: backend holds policy v%s, task asks for v%s",
                     task.group_id, backend.policy_version, task.policy_version)
 
-    spec = load_game(task.game, Path(cache_dir) if cache_dir is not None else None)
     # Never promise more context than the backend itself accepts.
     max_model_len = min(max_model_len, getattr(backend, "max_model_len", max_model_len))
     max_new = rollout_cfg.max_new_tokens
@@ -196,7 +212,7 @@ def run_group(
     episodes: list[_Episode] = []
     try:
         for rid in rollout_ids(task.group_size):
-            ep = _Episode(rid, TextWorldEnv(spec, env_cfg.max_observation_chars))
+            ep = _Episode(rid, adapter.open_env(env_task, env_cfg, ctx))
             episodes.append(ep)
             t0 = time.perf_counter()
             first = ep.env.reset()
@@ -220,7 +236,8 @@ def run_group(
                 chunk = ready[lo : lo + rollout_cfg.batch_size]
                 chunk, gens = _generate(backend, chunk, max_new, rollout_cfg, _turn_seed(seed, turn, c), stats, task)
                 for ep, gen in zip(chunk, gens):
-                    _play_turn(ep, gen, turn, task, chat, backend, env_cfg, max_new, max_model_len, prefill, eos_id, stats)
+                    _play_turn(ep, gen, turn, task, chat, backend, env_cfg, max_new, max_model_len, prefill, eos_id, stats,
+                               adapter.ACTION_TAGS)
     finally:
         for ep in episodes:
             ep.env.close()
@@ -280,6 +297,14 @@ def _generate(
     return [], []
 
 
+def _reward(step: EnvStep, task: TaskGroup) -> float:
+    """The step's reward, checked: an env reporting a non-finite or out-of-range reward is a broken env."""
+    reward = float(step.reward if step.reward is not None else step.won)
+    if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
+        raise ValueError(f"group {task.group_id}: env {task.env!r} returned reward {reward!r} (must be in [0, 1])")
+    return reward
+
+
 def _play_turn(
     ep: _Episode,
     gen: Any,
@@ -293,6 +318,7 @@ def _play_turn(
     prefill: str,
     eos_id: int,
     stats: RolloutStats,
+    action_tags: tuple[str, ...] = ("action",),
 ) -> None:
     """Append one sampled response, parse it, step the game, append the next user turn."""
     ids = [int(i) for i in gen.token_ids]
@@ -336,23 +362,30 @@ def _play_turn(
     ended_with_eos = bool(ids) and ids[-1] == eos_id
     body = ids[:-1] if ended_with_eos else ids
     text = prefill + decode(backend.tokenizer, body)
-    parsed = parse_response(text, env_cfg.prompt_format, env="textworld")
+    parsed = parse_response(text, env_cfg.prompt_format, env=task.env, action_tags=action_tags)
+    # An env with several action tags (Search: search / answer) gets the action with its tag.
+    action = f"<{parsed.tag}>{parsed.action}</{parsed.tag}>" if len(action_tags) > 1 else parsed.action
 
     observation = ""
     if parsed.valid:
         stats.valid_turns += 1
         t0 = time.perf_counter()
         try:
-            step: EnvStep = ep.env.step(parsed.action)
-        except Exception:  # a broken game must not take the sibling episodes down
-            log.exception("group %s %s: env.step(%r) failed", task.group_id, ep.rollout_id, parsed.action)
+            step: EnvStep = ep.env.step(action)
+            reward = _reward(step, task)
+        except Exception:  # a broken game (or a dead env server) must not take the sibling episodes down
+            log.exception("group %s %s: env.step(%r) failed", task.group_id, ep.rollout_id, action)
             ep.ending = "error"
         else:
             ep.admissible = step.admissible_commands
+            ep.reward = reward
+            stats.env_invalid_actions += bool(step.invalid_action)
             if step.won:
                 ep.won, ep.ending = True, "won"
-            elif step.lost or step.done:
+            elif step.lost:
                 ep.ending = "lost"
+            elif step.done:
+                ep.ending = "done"
             else:
                 observation = prompts.observation_message(step.observation, step.admissible_commands, env_cfg)
         stats.env_seconds += time.perf_counter() - t0

@@ -1,56 +1,42 @@
-"""The student's prompts for TextWorld: system prompt, first message, one-shot turn, per-turn messages.
+"""The student's prompts: system prompt, first message, one-shot turn, per-turn messages.
 
-Kept short on purpose: SmolLM2-135M has a small context and every prompt
-token costs CPU time on each turn. The measured best setup for that model is
-an action-only reply, the admissible commands listed, one made-up example
-exchange, and the assistant turn prefilled with `<action>` (the prefill
-itself is rendered by `opsd.chat.ChatFormat`).
+The words per environment live with its adapter (`PROMPT`, an
+`opsd.envs.base.EnvPrompt`); this module puts them together the same way
+for every env: a system message, an optional made-up one-shot exchange,
+then the observation of each turn as a user message with the admissible
+commands listed one a line (with SmolLM2-135M this gave 83% format-valid
+turns against 68% for a comma-separated list, 8 games x 8 rollouts x 2 turns).
 """
 
 from __future__ import annotations
 
 from opsd.config import EnvSection
+from opsd.envs import EnvPrompt, get_adapter
 
-# {pick}: how the command is chosen, depending on whether the admissible list is shown.
-_SYSTEM = {
-    "action": (
-        "You are playing a text adventure game. Reach the objective. "
-        "Each turn, {pick} and reply with it inside <action></action>, for example <action>open box</action>."
-    ),
-    "think": (
-        "You are playing a text adventure game. Reach the objective. "
-        "Each turn, think briefly inside <think></think>, then {pick} and reply with it "
-        "inside <action></action>."
-    ),
-}
+PROMPT_FORMATS = ("action", "think")
 _PICK = {True: "choose one of the admissible commands", False: "choose one command"}
-
-# A made-up exchange (not from any generated game) that shows the reply format.
-_EXAMPLE_OBSERVATION = "Your objective is to open the box.\n\n-= Kitchen =-\nYou are in a kitchen. You see a closed box."
-_EXAMPLE_COMMANDS = ["examine box", "go north", "look", "open box"]
-_EXAMPLE_REPLY = {
-    "action": "<action>open box</action>",
-    "think": "<think>The objective is to open the box, and the box is here.</think><action>open box</action>",
-}
 
 
 def _check_format(prompt_format: str) -> None:
-    if prompt_format not in _SYSTEM:
-        raise ValueError(f"unknown prompt_format {prompt_format!r}; expected one of {sorted(_SYSTEM)}")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"unknown prompt_format {prompt_format!r}; expected one of {sorted(PROMPT_FORMATS)}")
 
 
-def system_prompt(prompt_format: str, list_admissible: bool = True) -> str:
-    """The system message for `prompt_format` ("action" or "think"); ValueError otherwise.
+def env_prompt(env: str) -> EnvPrompt:
+    """The EnvPrompt of env `env` (its adapter's PROMPT); ValueError for an unknown env."""
+    return get_adapter(env).PROMPT
+
+
+def system_prompt(prompt_format: str, list_admissible: bool = True, env: str = "textworld") -> str:
+    """The system message of `env` for `prompt_format` ("action" or "think"); ValueError otherwise.
     With `list_admissible` it tells the model to pick from the listed commands."""
     _check_format(prompt_format)
-    return _SYSTEM[prompt_format].format(pick=_PICK[bool(list_admissible)])
+    return env_prompt(env).system[prompt_format].replace("{pick}", _PICK[bool(list_admissible)])
 
 
 def _with_commands(text: str, admissible: list[str], list_admissible: bool) -> str:
     if not list_admissible or not admissible:
         return text
-    # One command a line: with SmolLM2-135M this gave 83% format-valid turns
-    # against 68% for a comma-separated list (8 games x 8 rollouts x 2 turns).
     return text + "\n\nAdmissible commands:\n" + "\n".join(admissible)
 
 
@@ -61,23 +47,28 @@ def observation_message(observation: str, admissible: list[str], cfg: EnvSection
 
 
 def first_user_message(observation: str, admissible: list[str], cfg: EnvSection) -> str:
-    """The first user message: the opening observation (it states the objective)
+    """The first user message: the opening observation (it states the task)
     and the admissible commands. The reply format is taught by the system prompt
     and the one-shot example, so no extra instructions are repeated here."""
     return observation_message(observation, admissible, cfg)
 
 
 def invalid_message(admissible: list[str], cfg: EnvSection) -> str:
-    """What the student sees after a reply without exactly one valid action:
-    `cfg.invalid_feedback`, plus the (unchanged) admissible commands."""
-    return observation_message(cfg.invalid_feedback, admissible, cfg)
+    """What the student sees after a reply without exactly one valid action: `cfg.invalid_feedback`
+    when the config sets it, else the env's own (its PROMPT's, e.g. Search names its tags), plus
+    the (unchanged) admissible commands."""
+    feedback = cfg.invalid_feedback
+    if feedback == EnvSection.model_fields["invalid_feedback"].default:
+        feedback = env_prompt(cfg.name).invalid_feedback or feedback
+    return observation_message(feedback, admissible, cfg)
 
 
 def one_shot_examples(cfg: EnvSection) -> list[tuple[str, str]]:
-    """The example (user, assistant) turns to render before the real game:
-    one made-up exchange when `cfg.one_shot`, else none."""
+    """The example (user, assistant) turns to render before the real task: the env's
+    made-up exchange when `cfg.one_shot` and the env has one, else none."""
     _check_format(cfg.prompt_format)
-    if not cfg.one_shot:
+    example = env_prompt(cfg.name).example
+    if not cfg.one_shot or example is None:
         return []
-    user = observation_message(_EXAMPLE_OBSERVATION, _EXAMPLE_COMMANDS, cfg)
-    return [(user, _EXAMPLE_REPLY[cfg.prompt_format])]
+    observation, commands, replies = example
+    return [(observation_message(observation, commands, cfg), replies[cfg.prompt_format])]

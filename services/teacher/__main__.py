@@ -14,34 +14,18 @@ needs no teacher (grpo) it stays idle: it serves /health and consumes nothing.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from pathlib import Path
 
 from opsd import metrics
 from opsd.auth import api_token
 from opsd.chat import ChatFormat
 from opsd.queue import StreamNames
-from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, fatal, load_worker_backend, read_port, service_url
+from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ensure_version
 from services.teacher.scoring import EmbedderAuthError, EmbedderClient, score_group
 
 ROLE = "teacher"
-
-
-def embedder_url(run_dir: Path) -> str | None:
-    """The embedder's base URL: OPSD_EMBEDDER_URL, else from the port file it writes; None while there is none."""
-    if os.environ.get("OPSD_EMBEDDER_URL"):
-        return os.environ["OPSD_EMBEDDER_URL"]
-    try:
-        info = read_port(run_dir, "embedder")
-        if not info:
-            return None
-        return service_url(info)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-        logging.getLogger(ROLE).warning("unreadable embedder port file (%s)", e)
-        return None
 
 
 def main() -> None:
@@ -66,7 +50,7 @@ def main() -> None:
     proc.serve(port=cfg.teacher.metrics_port)
 
     backend = load_worker_backend(ROLE, cfg)
-    chat = ChatFormat(backend.tokenizer, cfg.env.prompt_format)
+    chat = ChatFormat.for_env(backend.tokenizer, cfg.env)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     embedder = None
     if token:

@@ -32,7 +32,7 @@ import torch
 
 from opsd import metrics
 from opsd.config import config_hash, hashed_config
-from opsd.envs.textworld import make_games
+from opsd.envs import EnvContext, get_adapter
 from opsd.models import load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
@@ -122,7 +122,7 @@ def train() -> None:
     if state.step < cfg.run.steps:
         (run_dir / "DONE").unlink(missing_ok=True)
 
-    games = make_games(cfg.env, cfg.cache_root)
+    games = get_adapter(cfg.env.name).make_tasks(cfg.env, EnvContext(cache_dir=cfg.cache_root), "train")
     streams = StreamNames(cfg.redis.stream_prefix)
     # Groups held across trainer restarts are re-delivered once per restart: not poison, never dead-letter them.
     queue = proc.open_queue(streams.scored if cfg.needs_teacher else streams.rollouts,

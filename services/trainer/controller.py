@@ -29,6 +29,7 @@ import redis
 
 from opsd import metrics, wire
 from opsd.queue import Delivery, StreamNames, StreamQueue
+from opsd.envs import task_group
 from opsd.types import TaskGroup
 
 log = logging.getLogger("trainer")
@@ -40,23 +41,15 @@ def group_id(step: int, task_id: str) -> str:
     return f"s{step:05d}-{task_id}"
 
 
-def step_tasks(cfg, games: list, step: int, version: int) -> list[TaskGroup]:
-    """The step's TaskGroups: `env.num_games` distinct games drawn from the pool with a per-step seed, policy `version`."""
+def step_tasks(cfg, tasks: list, step: int, version: int) -> list[TaskGroup]:
+    """The step's TaskGroups: `env.num_games` distinct tasks (opsd.envs.base.Task) drawn from the pool with a
+    per-step seed, policy `version`."""
     rng = random.Random(cfg.run.seed * 7919 + step)
-    picked = rng.sample(games, k=min(cfg.env.num_games, len(games)))
+    picked = rng.sample(tasks, k=min(cfg.env.num_games, len(tasks)))
     return [
-        TaskGroup(
-            group_id=group_id(step, g.task_id),
-            task_id=g.task_id,
-            step=step,
-            policy_version=version,
-            group_size=cfg.rollout.group_size,
-            env=cfg.env.name,
-            game=g.to_dict(),
-            privileged_info=g.privileged_info(),
-            max_turns=cfg.env.max_turns,
-        )
-        for g in picked
+        task_group(cfg, t, group_id=group_id(step, t.task_id), step=step, policy_version=version,
+                   group_size=cfg.rollout.group_size)
+        for t in picked
     ]
 
 
@@ -64,7 +57,7 @@ class TaskIssuer:
     """Issues each step's tasks once, ahead of training by at most `cfg.run.max_staleness` steps.
 
     client: redis-py client (bytes replies); cfg: RunConfig; games: the task
-    pool (`opsd.envs.textworld.make_games`); max_bytes: message size limit.
+    pool (the env adapter's `make_tasks`); max_bytes: message size limit.
     """
 
     def __init__(self, client: redis.Redis, cfg, games: list, max_bytes: int):

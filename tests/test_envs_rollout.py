@@ -1,0 +1,151 @@
+"""Every environment through the rollout's episode loop (run_group), with scripted replies.
+
+Per env: replying with the gold path wins (reward 1); malformed replies are
+invalid turns that never reach the env and the episode fails when the turn
+budget runs out; a well-formed but wrong action never wins. The envs are the
+real ones (TextWorld, TextWorld-Express, ScienceWorld, ALFWorld, Search-QA over
+the shipped corpus with the real encoder, WebShop through its client against
+the tests' stand-in server, reasoning-gym); only the policy is scripted, since
+a sampled 135M model cannot be made to follow a gold path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from opsd.chat import ChatFormat
+from opsd.config import EnvSection, RolloutSection, RunConfig
+from opsd.envs import EnvContext, Task, get_adapter, task_group
+from services.rollout.episodes import run_group
+from tests.test_episodes import ScriptedBackend
+from tests.webshop_standin import StandinWebShop
+
+
+@dataclass
+class Case:
+    env: EnvSection
+    gold: Callable[[Task], list[str]]  # the actions (tag contents; whole tagged replies for Search) that win
+    wrong: str  # a well-formed action that does not win
+
+
+@pytest.fixture(scope="module")
+def shop():
+    with StandinWebShop() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def search_ctx(tmp_path_factory):
+    from opsd.envs.search import LocalRetriever
+
+    return LocalRetriever(None, "all-MiniLM-L6-v2", cache_dir=tmp_path_factory.mktemp("retrieval"))
+
+
+def _case(name: str, shop_url: str) -> Case:
+    if name == "textworld":
+        return Case(EnvSection(game_pool=1, max_turns=4), lambda t: t.gold_path, "look")
+    if name == "twx":
+        return Case(EnvSection(name="twx", game_pool=1, eval_pool=1, max_turns=4), lambda t: t.gold_path, "look around")
+    if name == "scienceworld":
+        return Case(EnvSection(name="scienceworld", game_pool=1, eval_pool=1, max_turns=40, list_admissible=False),
+                    lambda t: t.gold_path, "look around")
+    if name == "alfworld":
+        return Case(EnvSection(name="alfworld", game_pool=1, eval_pool=1, max_turns=50), lambda t: t.gold_path, "look")
+    if name == "search":
+        return Case(EnvSection(name="search", game_pool=1, eval_pool=1, max_turns=4, list_admissible=False),
+                    lambda t: t.gold_path, "<search>the history of chess</search>")
+    if name == "webshop":
+        cfg = EnvSection(name="webshop", game_pool=1, eval_pool=1, max_turns=6)
+        cfg = cfg.model_copy(update={"webshop": cfg.webshop.model_copy(update={"url": shop_url, "goals": [1], "eval_goals": [2]})})
+        gold = ["search[wireless noise cancelling headphones]", "click[B0STAND003]", "click[black]", "click[Buy Now]"]
+        return Case(cfg, lambda t: gold, "search[garden hose]")
+    if name == "reasoning_gym":
+        return Case(EnvSection(name="reasoning_gym", game_pool=1, eval_pool=1, max_turns=1, list_admissible=False),
+                    lambda t: [str(t.spec["answer"])], "not the answer")
+    raise AssertionError(name)
+
+
+ENVS = ["textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym"]
+
+
+def _play(name, policy_backend, shop, search_ctx, tmp_path, replies: Callable[[Task, ChatFormat, int], str], max_turns=None):
+    case = _case(name, shop.url)
+    env_cfg = case.env if max_turns is None else case.env.model_copy(update={"max_turns": max_turns})
+    ctx = EnvContext(cache_dir=tmp_path, retriever=search_ctx if name == "search" else None)
+    (task,) = get_adapter(name).make_tasks(env_cfg, ctx, "train")
+    cfg = RunConfig(env=env_cfg)
+    group = task_group(cfg, task, group_id=f"g-{name}", step=0, policy_version=0, group_size=1)
+    chat = ChatFormat.for_env(policy_backend.tokenizer, env_cfg)
+    steps: list[str] = []
+    adapter = get_adapter(name)
+
+    class Counting:  # counts what reaches the env
+        def __init__(self, inner):
+            self.inner = inner
+
+        def reset(self):
+            return self.inner.reset()
+
+        def step(self, action):
+            steps.append(action)
+            return self.inner.step(action)
+
+        def close(self):
+            self.inner.close()
+
+    real_open = adapter.open_env
+    try:
+        adapter.open_env = lambda t, c, x: Counting(real_open(t, c, x))
+        fake = ScriptedBackend(policy_backend.tokenizer, policy_backend.eos_token_id,
+                               lambda call, row: (replies(task, chat, call), "stop", None))
+        out, stats = run_group(group, fake, chat, env_cfg, RolloutSection(group_size=1, max_new_tokens=96), 2048,
+                               seed=0, ctx=ctx)
+    finally:
+        adapter.open_env = real_open
+    out.validate(policy_backend.vocab_size)
+    assert out.task.category == task.category != ""
+    return case, task, out.trajectories[0], stats, steps
+
+
+def _reply(action: str, chat: ChatFormat) -> str:
+    """The model's completion after the prefill that makes `action` the turn's action."""
+    if not chat.prefill_text:  # several action tags (Search): the reply carries its own tag
+        return action
+    return f"{action}</{chat.action_tags[0]}>"
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_following_the_gold_path_wins(name, policy_backend, shop, search_ctx, tmp_path):
+    def replies(task, chat, call):
+        gold = _case(name, shop.url).gold(task)
+        return _reply(gold[min(call, len(gold) - 1)], chat)
+
+    case, task, traj, stats, steps = _play(name, policy_backend, shop, search_ctx, tmp_path, replies)
+    gold = case.gold(task)
+    assert gold, f"{name}: the task has no gold path to follow"
+    assert (traj.ending, traj.won, traj.reward) == ("won", True, 1.0)
+    assert len(traj.turns) == len(gold) and all(t.format_valid for t in traj.turns)
+    assert stats.wins == 1 and stats.env_invalid_actions == 0
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_malformed_replies_are_invalid_turns_and_the_budget_ends_in_failure(name, policy_backend, shop, search_ctx, tmp_path):
+    case, task, traj, stats, steps = _play(name, policy_backend, shop, search_ctx, tmp_path,
+                                           lambda task, chat, call: "I am not sure what to do here.", max_turns=3)
+    assert steps == [], "a malformed reply must never reach the environment"
+    assert len(traj.turns) == 3 and not any(t.format_valid for t in traj.turns)
+    assert all(t.format_error for t in traj.turns) and stats.format_errors == 3
+    assert (traj.ending, traj.won, traj.reward) == ("max_turns", False, 0.0)
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_a_wrong_action_does_not_win(name, policy_backend, shop, search_ctx, tmp_path):
+    case, task, traj, stats, steps = _play(name, policy_backend, shop, search_ctx, tmp_path,
+                                           lambda task, chat, call: _reply(_case(name, shop.url).wrong, chat), max_turns=3)
+    assert steps and all(t.format_valid for t in traj.turns)
+    assert not traj.won and traj.reward < 1.0
+    # A wrong single-turn answer ends the episode as lost; the others run out of turns.
+    assert traj.ending == ("lost" if name == "reasoning_gym" else "max_turns")
