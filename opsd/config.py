@@ -208,6 +208,9 @@ class EmbedderSection(_Section):
     max_texts: int = Field(4096, ge=1)  # per request
     max_text_chars: int = Field(8192, ge=1)
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # larger bodies get 413
+    # The encoder's torch device (embeddings, corpus index builds); auto = cuda when torch sees a GPU.
+    # The vectors are float32 and L2-normalized on either.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 class AlignSection(_Section):
@@ -523,7 +526,7 @@ RESUMABLE_FIELDS = (
 ADDED_FIELDS = (
     ("model", "device"), ("model", "vllm"), ("trainer", "lora"), ("env", "eval_pool"), ("env", "privileged"),
     ("env", "twx"), ("env", "scienceworld"), ("env", "alfworld"), ("env", "search"), ("env", "webshop"),
-    ("env", "reasoning_gym"),
+    ("env", "reasoning_gym"), ("embedder", "device"),
 )
 # Sections that never change what a run trains (dropped from the hash whole).
 UNHASHED_SECTIONS = ("eval",)

@@ -374,6 +374,10 @@ def test_builds_point_at_existing_dockerfiles_and_roles_run_their_module():
         assert "healthcheck" not in service  # the image's (GET /health, long start period)
         assert service["depends_on"]["redis"]["condition"] == "service_healthy"
     assert services["teacher"]["depends_on"]["embedder"]["condition"] == "service_healthy"
+    # The rollout (Search's /retrieve) starts after the embedder but does not wait for its healthcheck:
+    # the other envs never call it, and a Search episode retries while the embedder loads.
+    assert services["rollout"]["depends_on"]["embedder"]["condition"] == "service_started"
+    assert "embedder" not in services["trainer"]["depends_on"]
     # A long run survives a Docker daemon restart or a reboot (on-failure would not come back);
     # a fatal exit then restarts and fails again, with its message in `docker compose logs`.
     for role in ROLES:
@@ -392,9 +396,14 @@ def test_roles_share_one_volume_and_get_the_contract_environment():
         assert env["REDIS_URL"] == "redis://:${REDIS_PASSWORD:?run make compose-env}@redis:6379/0", role
         assert env["OPSD_PORT"] == "8000" and env["OPSD_BIND_HOST"] == "0.0.0.0"
         assert env["OPSD_CACHE"].startswith("/data/")
-        assert ("OPSD_API_TOKEN" in env) == (role in ("embedder", "teacher")), role  # only where it is used
-    assert env_of(services["embedder"])["OPSD_API_TOKEN"] == env_of(services["teacher"])["OPSD_API_TOKEN"]
-    assert env_of(services["teacher"])["OPSD_EMBEDDER_URL"] == "http://embedder:8000"
+        # Only where it is used: the embedder requires it; the teacher (/correspond) and the rollout
+        # (Search's /retrieve) send it.
+        assert ("OPSD_API_TOKEN" in env) == (role in ("embedder", "teacher", "rollout")), role
+        assert ("OPSD_EMBEDDER_URL" in env) == (role in ("teacher", "rollout")), role
+    for role in ("teacher", "rollout"):
+        env = env_of(services[role])
+        assert env["OPSD_API_TOKEN"] == env_of(services["embedder"])["OPSD_API_TOKEN"] == "${OPSD_API_TOKEN:?run make compose-env}"
+        assert env["OPSD_EMBEDDER_URL"] == "http://embedder:8000", role
 
 
 def test_redis_needs_its_password_and_keeps_an_append_only_file():

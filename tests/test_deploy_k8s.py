@@ -35,7 +35,8 @@ NAMESPACE = "opsd"
 ROLES = ("embedder", "rollout", "teacher", "trainer")
 SCALED = {"rollout": "tasks", "teacher": "rollouts"}  # role -> the StreamNames attribute of its input
 REDIS_USERS = ("rollout", "teacher", "trainer")  # the embedder never talks to Redis
-TOKEN_USERS = ("embedder", "teacher")
+TOKEN_USERS = ("embedder", "teacher", "rollout")  # the embedder requires it; /correspond and Search's /retrieve send it
+EMBEDDER_CLIENTS = ("teacher", "rollout")
 WORKERS = ("rollout", "teacher", "trainer")  # a SIGTERM lets them finish a job: long grace period
 SECRET = "opsd-secrets"  # created by the user (k8s/README.md), never in the repo
 SECRET_KEYS = {"redis-password", "api-token"}
@@ -467,8 +468,7 @@ def test_each_role_runs_its_module_with_probes_env_and_service(build, role):
     assert mount(w, "/data")["persistentVolumeClaim"]["claimName"] == "opsd-data"
     assert ("REDIS_URL" in env) == (role in REDIS_USERS)
     assert env.get("OPSD_API_TOKEN") == (f"<secret:{SECRET}/api-token>" if role in TOKEN_USERS else None)
-    if role == "teacher":
-        assert env["OPSD_EMBEDDER_URL"] == "http://embedder:8000"
+    assert env.get("OPSD_EMBEDDER_URL") == ("http://embedder:8000" if role in EMBEDDER_CLIENTS else None)
     if role in WORKERS:
         assert pod_spec(w)["terminationGracePeriodSeconds"] >= 120
     service = build.get("Service", role)
@@ -653,8 +653,10 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
             assert flow_allowed(policies, p, redis, 6379) == (name in REDIS_USERS), f"{name} -> redis"
         else:  # the base: only the roles' side (Redis' own ingress rule comes with the component)
             assert _side_allows(policies, p, redis, "Egress", redis, 6379, "TCP") == (name in REDIS_USERS), name
-    assert flow_allowed(policies, roles["teacher"], roles["embedder"], 8000)
-    assert not flow_allowed(policies, roles["rollout"], roles["embedder"], 8000)
+    for name, p in roles.items():  # the teacher's /correspond and the rollout's /retrieve (Search), no one else
+        assert flow_allowed(policies, p, roles["embedder"], 8000) == (name in EMBEDDER_CLIENTS), f"{name} -> embedder"
+    assert not flow_allowed(policies, roles["embedder"], roles["rollout"], 8000)
+    assert not flow_allowed(policies, roles["embedder"], roles["teacher"], 8000)
     assert not flow_allowed(policies, roles["rollout"], roles["teacher"], 8000)
     if redis_w is not None:
         assert flow_allowed(policies, keda, redis, 6379), "the KEDA operator polls the streams"

@@ -123,3 +123,51 @@ def test_ctrl_c_stops_every_process(tmp_path):
     redis_log = (run_dir / "logs" / "redis.log").read_text()
     redis_pid = int(re.search(r"^(\d+):M ", redis_log, re.M).group(1))
     assert not alive(redis_pid)
+
+
+def test_the_embedder_service_retrieves_for_the_rollouts_search_env(tmp_path):
+    """The embedder process of a Search run serves /retrieve over the shipped corpus, and the rollout's
+    HTTPRetriever finds it through the run directory's port file with the run's token."""
+    from opsd.envs.search import HTTPRetriever
+    from opsd.service import embedder_url
+
+    cfg = RunConfig.model_validate({"run": {"method": "grpo"}, "env": {"name": "search"}})
+    cfg_path = tmp_path / "search.yaml"
+    cfg.dump(cfg_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**os.environ, "OPSD_API_TOKEN": "t" * 32, "OMP_NUM_THREADS": "1"}
+    env.pop("OPSD_EMBEDDER_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.embedder", "--config", str(cfg_path), "--run-dir", str(run_dir)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        retriever = HTTPRetriever(lambda: embedder_url(run_dir), "t" * 32, timeout_s=30, retry_s=240)
+        passages = retriever.search("How long is a marathon in kilometres?", 3)
+        assert len(passages) == 3 and any("42.195" in p for p in passages), passages
+        # A wrong token is refused, not retried forever.
+        with pytest.raises(Exception, match="401|token"):
+            HTTPRetriever(lambda: embedder_url(run_dir), "x" * 32, timeout_s=30, retry_s=5).search("marathon", 3)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
+def test_a_search_run_starts_the_embedder_and_trains(tmp_path):
+    """`opsd run` on env search (GRPO, no teacher): embedder, rollout and trainer run one step."""
+    cfg = RunConfig.model_validate({
+        "run": {"name": "e2e-search", "steps": 1, "method": "grpo", "step_timeout_s": 900},
+        "model": {"threads": 1},
+        "env": {"name": "search", "num_games": 1, "game_pool": 2, "max_turns": 2, "list_admissible": False},
+        "rollout": {"group_size": 2, "max_new_tokens": 24},
+        "trainer": {"micro_batch_size": 2, "threads": 2},
+    })
+    path = tmp_path / "search.yaml"
+    cfg.dump(path)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.run([sys.executable, "-m", "opsd.cli", "run", str(path), "--output-dir", str(tmp_path / "runs")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    assert json.loads((run_dir / "run_summary.json").read_text())["roles"] == ["embedder", "rollout", "trainer"]
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["policy_version"] == 1 and record["episodes"] == 2

@@ -263,3 +263,39 @@ def test_http_retriever_matches_the_local_one_and_fails_clearly(app_client, retr
     env = open_env(find_task("search-sq03"), cfg(), EnvContext(retriever=http))
     env.reset()
     assert "(Title: Canberra)" in env.step("<search>capital city of Australia</search>").observation
+
+
+def test_retrieve_answers_503_while_the_index_builds_and_the_client_waits_for_it(encoder):
+    """A corpus still being embedded is a 503 with Retry-After (never a request blocked for the whole
+    build); HTTPRetriever retries it until the index is ready."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from opsd.config import EmbedderSection
+    from opsd.envs.search import HTTPRetriever
+    from services.embedder.app import build_app
+    from services.embedder.retrieval import IndexBuilding
+
+    class SlowIndex:  # stands in for LazyCorpusIndex while a build holds its lock
+        def __init__(self, inner):
+            self.inner, self.ready = inner, threading.Event()
+
+        def get(self, wait=True):
+            if not self.ready.is_set():
+                raise IndexBuilding("still being built")
+            return self.inner
+
+    class OneHit:
+        def search(self, query, k):
+            from services.embedder.retrieval import Passage
+
+            return [(Passage(id="p1", title="T", contents="the answer passage"), 0.9)]
+
+    slow = SlowIndex(OneHit())
+    client = TestClient(build_app(EmbedderSection(), encoder, "t" * 32, slow))
+    r = client.post("/retrieve", json={"query": "q", "k": 1}, headers={"Authorization": "Bearer " + "t" * 32})
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    threading.Timer(1.0, slow.ready.set).start()
+    retriever = HTTPRetriever(lambda: "http://testserver", "t" * 32, retry_s=30, client=client)
+    assert retriever.search("q", 1) == ["the answer passage"]

@@ -195,3 +195,18 @@ def test_a_steps_credit_edge_cases_are_counted_by_event():
     assert count("nonfinite_metrics_dropped") - before["nonfinite_metrics_dropped"] == 4.0
     assert count("single_trajectory_tasks") == before["single_trajectory_tasks"]  # zero adds nothing
     assert count("turns") == before["turns"] == 0.0  # a size, not an edge case
+
+
+def test_step_summary_reports_success_per_task_category():
+    from dataclasses import replace
+
+    from services.trainer.report import summarize
+
+    a = make_rollout_group(G=4, seed=1, rewards=[1.0, 0.0, 0.0, 0.0])
+    b = make_rollout_group(G=4, seed=2, rewards=[1.0, 1.0, 1.0, 0.0])
+    a.task, b.task = replace(a.task, category="heat"), replace(b.task, category="pick")
+    for g in (a, b):
+        for t in g.trajectories:
+            t.won = t.reward == 1.0
+    out = summarize([a, b], None)
+    assert out["success/heat"] == 0.25 and out["success/pick"] == 0.75 and out["success_rate"] == 0.5

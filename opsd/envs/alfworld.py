@@ -43,7 +43,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from opsd.config import EnvSection
-from opsd.envs.base import EnvContext, EnvPrompt, EnvStep, Task, cap
+from opsd.envs.base import ClosingEnv, EnvContext, EnvPrompt, EnvStep, Task, cap
 
 NAME = "alfworld"
 ACTION_TAGS = ("action",)
@@ -496,7 +496,7 @@ def _engine() -> Any:
     return PddlEnv(textworld.EnvInfos(admissible_commands=True, won=True))
 
 
-class AlfWorldEnv:
+class AlfWorldEnv(ClosingEnv):
     """One ALFWorld game on the real engine (PddlEnv + AlfredDemangler). Call close() when done."""
 
     def __init__(self, task: Task, game: dict[str, Any] | str, max_observation_chars: int = 2000) -> None:
@@ -555,12 +555,6 @@ class AlfWorldEnv:
         if pddl is not None:
             with _FREE_LOCK:
                 _FREE_ENGINES.append(pddl)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> AlfWorldEnv:

@@ -341,10 +341,11 @@ class HTTPRetriever:
     """`Retriever` over the embedder's POST /retrieve, with the run's bearer token.
 
     `locate()` gives the embedder's base URL (None while it has not announced
-    one), asked before every attempt. Connection errors, timeouts and a missing
-    URL are retried with backoff (0.5 s, doubling) for up to `retry_s` seconds;
-    an HTTP error answer is not (a 503 names the reason: no corpus, or a corpus
-    that failed to load, a 404 an embedder without one). `client`: an
+    one), asked before every attempt. Connection errors, timeouts, a missing
+    URL and a 503 with Retry-After (the index is still being built) are retried
+    with backoff (0.5 s, doubling, at most 10 s) for up to `retry_s` seconds;
+    another HTTP error answer is not (a 503 names the reason: a corpus that
+    failed to load; a 404 an embedder without a corpus). `client`: an
     httpx.Client to use instead of one with `timeout_s` (tests pass a FastAPI TestClient).
     """
 
@@ -371,14 +372,16 @@ class HTTPRetriever:
                 if url is None:
                     raise RetrievalError("the embedder has not announced its port")
                 r = self.client.post(f"{url.rstrip('/')}/retrieve", json={"query": query, "k": k}, headers=self.headers)
+                if r.status_code == 503 and "retry-after" in r.headers:
+                    raise RetrievalError(f"the embedder is not ready: {r.text[:200]}")
                 break
             except (httpx.TransportError, RetrievalError) as e:
                 err = e
             left = self.retry_s - (time.monotonic() - start)
             if left <= 0:
-                raise RetrievalError(f"the embedder's /retrieve stayed unreachable for {self.retry_s:.0f}s: {err}") from err
+                raise RetrievalError(f"the embedder's /retrieve stayed unreachable or unready for {self.retry_s:.0f}s: {err}") from err
             time.sleep(min(delay, left))
-            delay *= 2
+            delay = min(delay * 2, 10.0)
         if r.status_code != 200:
             try:
                 detail = r.json().get("detail")

@@ -23,7 +23,10 @@ def main() -> None:
         token = api_token()
     except RuntimeError as e:  # before loading the encoder: fail in a second, with the reason
         fatal(ROLE, str(e))
-    encoder = Encoder(cfg.encoder)
+    try:
+        encoder = Encoder(cfg.encoder, cfg.device)
+    except (RuntimeError, ValueError) as e:  # device: cuda without a GPU
+        fatal(ROLE, str(e))
     proc.status.update(encoder=cfg.encoder, dim=encoder.dim)
     corpus = corpus_for_config(proc.cfg)
     retrieval = LazyCorpusIndex(corpus, encoder, cfg.encoder, proc.cfg.cache_root) if corpus else None

@@ -36,6 +36,7 @@ from opsd.config import EmbedderSection
 from opsd.embedding_api import (CorrespondRequest, CorrespondResponse, EmbedRequest, EmbedResponse, RetrievedPassage,
                                 RetrieveRequest, RetrieveResponse)
 from opsd.credit import alignopsd
+from services.embedder.retrieval import IndexBuilding
 
 ROLE = "embedder"
 _WS = re.compile(r"\s+")
@@ -55,13 +56,37 @@ def encoder_path(name: str) -> Path:
     return path
 
 
-class Encoder:
-    """A frozen sentence-transformers encoder producing L2-normalized float32 vectors [N, D]."""
+def encoder_device(setting: str = "auto") -> str:
+    """The torch device for embedder.device `setting`: "auto" is "cuda" when torch sees a GPU, else "cpu".
 
-    def __init__(self, name: str):
+    Raises RuntimeError for "cuda" without a usable GPU, ValueError for an unknown setting.
+    """
+    if setting not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"unknown embedder.device {setting!r} (auto, cpu or cuda)")
+    if setting == "cpu":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if setting == "cuda":
+        raise RuntimeError("embedder.device is cuda but torch sees no GPU")
+    return "cpu"
+
+
+class Encoder:
+    """A frozen sentence-transformers encoder producing L2-normalized float32 vectors [N, D].
+
+    `device`: embedder.device ("auto": the GPU when torch sees one, else the CPU). The model
+    stays in float32 on either, so the vectors differ between devices only by rounding.
+    """
+
+    def __init__(self, name: str, device: str = "auto"):
         from sentence_transformers import SentenceTransformer
 
-        self.model = SentenceTransformer(str(encoder_path(name)), device="cpu", local_files_only=True)
+        self.device = encoder_device(device)
+        self.model = SentenceTransformer(str(encoder_path(name)), device=self.device, local_files_only=True)
+        self.model.float()  # float32 weights whatever the checkpoint's dtype: the same vectors on CPU and GPU
         self.dim = int(self.model.get_embedding_dimension())
         self._lock = threading.Lock()  # the torch module is not re-entrant across request threads
 
@@ -221,7 +246,10 @@ def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any
     def retrieve(req: RetrieveRequest) -> RetrieveResponse:
         _check_texts([req.query])
         try:
-            index = retrieval.get()
+            # Never block a request on a build that may take hours: the client retries a 503 "building".
+            index = retrieval.get(wait=False)
+        except IndexBuilding as e:
+            raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
         except RuntimeError as e:
             raise HTTPException(503, str(e)) from None
         t0 = time.perf_counter()

@@ -28,6 +28,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from opsd.envs.search import SHIPPED_CORPUS, split_title
 
 log = logging.getLogger("embedder.retrieval")
 
-EMBED_BATCH = 256
+EMBED_BATCH = 256  # passages per Encoder.embed call while building an index
+PROGRESS_EVERY_S = 30.0  # while building an index, log passages embedded / total this often
 
 
 @dataclass(frozen=True)
@@ -149,10 +151,20 @@ class CorpusIndex:
             except RuntimeError as e:  # FAISS raises RuntimeError for a corrupt file
                 log.warning("cached index %s unreadable (%s): rebuilding", cached, e)
         index = faiss.IndexFlatIP(encoder.dim)
-        for lo in range(0, len(passages), EMBED_BATCH):
+        total = len(passages)
+        log.info("embedding %d passages of %s in batches of %d (on %s)", total, corpus, EMBED_BATCH,
+                 getattr(encoder, "device", "?"))
+        start = last = time.monotonic()
+        for lo in range(0, total, EMBED_BATCH):
             vecs = encoder.embed([p.contents for p in passages[lo : lo + EMBED_BATCH]])
             index.add(np.ascontiguousarray(vecs, dtype=np.float32))
-        log.info("retrieval index built: %d passages of %s", len(passages), corpus)
+            done, now = min(lo + EMBED_BATCH, total), time.monotonic()
+            if done < total and now - last >= PROGRESS_EVERY_S:  # a wiki-scale build takes hours: show it moving
+                last = now
+                rate = done / max(now - start, 1e-9)
+                log.info("retrieval index: %d / %d passages embedded (%.1f%%, %.0f/s, about %.0f min left)",
+                         done, total, 100.0 * done / total, rate, (total - done) / rate / 60)
+        log.info("retrieval index built: %d passages of %s in %.0f s", total, corpus, time.monotonic() - start)
         if cached is not None:
             try:
                 cached.parent.mkdir(parents=True, exist_ok=True)
@@ -178,6 +190,10 @@ class CorpusIndex:
                 for i, s in zip(ids[0], scores[0]) if i >= 0 and np.isfinite(s)]
 
 
+class IndexBuilding(RuntimeError):
+    """The index is not ready yet (a large corpus takes minutes to hours to embed): ask again later."""
+
+
 class LazyCorpusIndex:
     """A `CorpusIndex` built on first use (the embedder starts serving at once).
 
@@ -192,9 +208,12 @@ class LazyCorpusIndex:
         self._error: str | None = None
         self._lock = threading.Lock()
 
-    def get(self) -> CorpusIndex:
-        """The index; raises RuntimeError when the corpus could not be loaded."""
-        with self._lock:
+    def get(self, wait: bool = True) -> CorpusIndex:
+        """The index; raises RuntimeError when the corpus could not be loaded, and IndexBuilding
+        when `wait` is False and another thread is still building it."""
+        if not self._lock.acquire(blocking=wait):
+            raise IndexBuilding(f"the retrieval index of {self.corpus} is still being built")
+        try:
             if self._index is None and self._error is None:
                 try:
                     self._index = CorpusIndex.build(self.corpus, *self._args)
@@ -204,6 +223,8 @@ class LazyCorpusIndex:
             if self._error is not None:
                 raise RuntimeError(self._error)
             return self._index
+        finally:
+            self._lock.release()
 
     def build_in_background(self) -> threading.Thread:
         """Start building the index in a daemon thread (so the first /retrieve need not wait); a failure is

@@ -265,8 +265,9 @@ def plot_report(report: dict, path: Path) -> Path:
     ax.set_ylabel(f"{ylabel}, 95% bootstrap CI", fontsize=9)
     ckpt = Path(str(report["checkpoint"]))
     shown = f"{ckpt.parent.name}/{ckpt.name}" if ckpt.name in ("checkpoint", "final_model") else ckpt.name
-    ax.set_title(f"{report['env']} eval: {shown} (policy v{report['policy_version']}, T={report['temperature']})",
-                 fontsize=10)
+    # Two lines: a run directory's name alone can be wider than the figure.
+    ax.set_title(f"{report['env']} eval, policy v{report['policy_version']}, T={report['temperature']}\n{shown}",
+                 fontsize=9)
     if len(metrics) > 1:
         ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)

@@ -25,7 +25,8 @@ PLOTTED = (
 
 
 def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> dict[str, float]:
-    """Rollout and teacher statistics of a step (rates in [0, 1], gaps in nats per loss token)."""
+    """Rollout and teacher statistics of a step (rates in [0, 1], gaps in nats per loss token; success also
+    per task category, keys "success/<category>")."""
     trajs = [t for g in groups for t in g.trajectories]
     turns = [k for t in trajs for k in t.turns]
     out = {
@@ -41,6 +42,12 @@ def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> d
         "rollout_seconds": float(sum(g.rollout_seconds for g in groups)),
         "generated_tokens": int(sum(t.loss_mask_S.sum() for t in trajs)),
     }
+    # Per task category (ALFWorld task type, Search data source, ...): "success/<category>".
+    by_category: dict[str, list[bool]] = {}
+    for g in groups:
+        by_category.setdefault(g.task.category or "all", []).extend(t.won for t in g.trajectories)
+    for category, won in sorted(by_category.items()):
+        out[f"success/{category}"] = float(np.mean(won))
     if scored:
         gap = corr = n = 0.0
         for sg in scored:
