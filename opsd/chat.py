@@ -267,8 +267,9 @@ def parse_response(
     exactly one of ``<search>``/``<answer>``) is searched only outside the
     thinking block (case 11); each tag must appear exactly once (case 13),
     open and closed (case 12); the "think" format requires the think block,
-    the "action" format only allows it; empty action, or any CJK character
-    anywhere, is invalid. Actions are not lower-cased. `action_tags` (an env
+    the "action" format only allows it; empty action, an action with control
+    characters (other than tab and newlines), or any CJK character anywhere,
+    is invalid. Actions are not lower-cased. `action_tags` (an env
     adapter's ACTION_TAGS) overrides the tags chosen by `env`; with several,
     exactly one of them must appear.
     """
@@ -311,6 +312,8 @@ def parse_response(
     tag, action = found[0]
     if not action:
         return bad("empty action")
+    if any(not c.isprintable() and c not in "\t\n\r" for c in action):
+        return bad("control characters in the action")  # a NUL crashes some interpreters (Jericho)
     if _CJK_RE.search(text):
         return bad("contains CJK characters")
     return ParsedResponse(thinking, action, True, "", tag)

@@ -90,6 +90,8 @@ class TWXSection(_Section):
     # TWX's own parameter string ("" = the game's defaults), or one per game {game: string}. A shared
     # string's keys that a game does not know are dropped for that game (mapreader: maxDistanceApart < numLocations).
     game_params: str | dict[str, str] = "numLocations=1,includeDoors=0"
+    # Deadline (s) for each call into the JVM (reset/step: ms); past it the JVM is killed and the episode errors.
+    step_timeout_s: float = Field(60.0, gt=0)
 
 
 class ScienceWorldSection(_Section):
@@ -98,6 +100,8 @@ class ScienceWorldSection(_Section):
 
     tasks: list[str] = Field(["find-living-thing"], min_length=1)  # ScienceWorld task names
     simplifications: str = "easy"  # comma-separated: easy, teleportAction, openDoors, openContainers, ...
+    # Deadline (s) for each call into the JVM (load up to ~5 s, step 0.1-3 s); past it the JVM is killed.
+    step_timeout_s: float = Field(60.0, gt=0)
 
 
 class AlfWorldSection(_Section):
@@ -133,7 +137,8 @@ class WebShopSection(_Section):
     url: str = "http://127.0.0.1:3000"  # the WebShop Flask app (python -m web_agent_site.app serves port 3000)
     goals: list[int] = list(range(500, 600))  # goal (session fixed_<i>) indices to train on; the first game_pool
     eval_goals: list[int] = list(range(0, 100))  # the first eval_pool are evaluated; must not meet `goals`
-    timeout_s: float = Field(30.0, gt=0)  # per HTTP request
+    timeout_s: float = Field(30.0, gt=0)  # deadline of one HTTP request (redirects and body included)
+    max_page_bytes: int = Field(4_000_000, gt=0)  # a larger page body is a server failure (WebShopError)
 
     @model_validator(mode="after")
     def _check(self) -> "WebShopSection":
@@ -150,6 +155,11 @@ class ReasoningGymSection(_Section):
     datasets: list[str] = Field(["basic_arithmetic"], min_length=1)  # reasoning_gym.factory.DATASETS names
     # Items generated per dataset and split (indices 0..size-1); the pools draw from them round-robin.
     size: int = Field(64, ge=1, le=1_000_000)
+    # Wall-clock bound on one answer's scoring in the sandboxed verifier process; a timeout scores 0.
+    verifier_timeout_s: float = Field(5.0, gt=0, le=600)
+    # Datasets whose verifier evaluates the answer as code (eval / sympy parse_expr: spiral_matrix,
+    # countdown, ...) are refused unless this is set (they still run in the sandboxed verifier process).
+    allow_code_eval_verifiers: bool = False
 
 
 class EnvSection(_Section):

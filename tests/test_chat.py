@@ -343,3 +343,22 @@ def test_privileged_prefix_placement(tok, action_fmt):
     assert tok.decode(teacher).startswith("[Privileged Skill Information]\ngo north\nopen door\n\n<|im_start|>system\n")
     assert teacher == enc(tok, tok.decode(pre) + tok.decode(prompt)) + response
     assert teacher[-len(response) :] == response and teacher[len(pre) : len(pre) + len(prompt)] == prompt
+
+
+def test_control_characters_in_an_action_make_the_turn_invalid():
+    """SmolLM2 decodes one token to "\\x00": such an action never reaches an environment."""
+    r = parse_response("<action>look\x00around</action>", "action")
+    assert not r.valid and "control" in r.reason
+    assert parse_response("<action>look\taround</action>", "action").valid
+
+
+def test_env_action_tags_choose_the_prefill_and_the_parsed_tag(tok):
+    from opsd.config import EnvSection
+
+    assert ChatFormat.for_env(tok, EnvSection(name="reasoning_gym")).prefill_text == "<answer>"
+    assert ChatFormat.for_env(tok, EnvSection(name="search")).prefill_text == ""
+    assert ChatFormat.for_env(tok, EnvSection(name="search", prompt_format="think")).prefill_text == "<think>"
+    r = parse_response("<search>who</search>", "action", action_tags=("search", "answer"))
+    assert (r.valid, r.tag, r.action) == (True, "search", "who")
+    both = parse_response("<search>a</search><answer>b</answer>", "action", action_tags=("search", "answer"))
+    assert not both.valid and "both" in both.reason

@@ -56,6 +56,8 @@ def test_normalization_and_exact_match_classic_cases():
     assert exact_match("Louvre, Paris", ["Louvre"]) == 0.0  # exact, not contains
     assert exact_match("42.195 km", "42.195 km") == 1.0 and exact_match("42195", "42.195") == 1.0  # punctuation goes
     assert exact_match("", ["Paris"]) == 0.0 and exact_match("Paris", []) == 0.0
+    # Text of only articles / punctuation normalizes to "": it never matches, on either side.
+    assert exact_match("the", ["a"]) == 0.0 and exact_match("?!", ["The The"]) == 0.0 and exact_match("the", "The") == 0.0
 
 
 # ---------------------------------------------------------------------------- data and tasks
@@ -299,3 +301,22 @@ def test_retrieve_answers_503_while_the_index_builds_and_the_client_waits_for_it
     threading.Timer(1.0, slow.ready.set).start()
     retriever = HTTPRetriever(lambda: "http://testserver", "t" * 32, retry_s=30, client=client)
     assert retriever.search("q", 1) == ["the answer passage"]
+
+
+@pytest.mark.parametrize("line", ['[1, 2]', '"just a string"', '{"id": "1", "question": "q", "golden_answers": 42}',
+                                  '{"id": "1", "question": "q", "golden_answers": [{"a": 1}]}',
+                                  '{"id": "1", "question": "q", "reward_model": "x"}'])
+def test_bad_question_rows_name_their_line(tmp_path, line):
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"id": "0", "question": "ok", "golden_answers": ["a"]}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"q\.jsonl:3: row 1"):
+        load_questions(q)
+
+
+@pytest.mark.parametrize("body", [["bad gateway"], "down", 5])
+def test_http_retriever_non_object_error_body_is_a_retrieval_error(body):
+    import httpx
+
+    client = httpx.Client(transport=httpx.MockTransport(lambda req: httpx.Response(502, json=body)))
+    with pytest.raises(RetrievalError, match="answered 502"):
+        HTTPRetriever(lambda: "http://embedder", "tok", client=client).search("q", 3)

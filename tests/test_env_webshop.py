@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
+import time
+
+import httpx
 
 import pytest
 
@@ -271,3 +275,100 @@ def test_parser_on_real_webshop_shapes():
                          '<button class="btn btn-success" type="submit">Search</button></form>')
     assert page.instruction == "find a red mug" and page.search == ("POST", "/abc", "search_query")
     assert page.clickables == {}
+
+
+_ITEM = ('<html><body><div id="instruction-text"><h4>Instruction: buy a mug</h4></div>'
+         '<form method="post" action="/done/fixed_1/B1/%7B%7D"><button class="btn">Buy Now</button></form></body></html>')
+
+
+def _mock_env(handler, timeout_s=5.0, max_page_bytes=ws.MAX_PAGE_BYTES) -> ws.WebShopEnv:
+    env = ws.WebShopEnv("http://shop", 1, 2000, timeout_s, max_page_bytes)
+    env._client.close()
+    env._client = httpx.Client(transport=httpx.MockTransport(handler), follow_redirects=True, timeout=timeout_s)
+    return env
+
+
+def _buy(score_html: str):
+    def handler(req):
+        if "/done/" in req.url.path:
+            return httpx.Response(200, html=f'<html><body><h3 id="reward">{score_html}</h3></body></html>')
+        return httpx.Response(200, html=_ITEM)
+
+    env = _mock_env(handler)
+    env.reset()
+    return env.step("click[Buy Now]")
+
+
+@pytest.mark.parametrize("score_html", ["Your score (min 0.0, max 1.0)", "Your score (min 0.0, max 1.0)<pre></pre>",
+                                        "Your score (min 0.0, max 1.0)<pre>1e5</pre>", "Your score (min 0.0, max 1.0)<pre>nan</pre>",
+                                        "Your score (min 0.0, max 1.0)<pre>-0.5</pre>", "Your score (min 0.0, max 1.0)<pre>1.0 0.5</pre>",
+                                        "Your score (min 0.0, max 1.0)<pre>inf</pre>", "score 0.5 of 1.0"])
+def test_garbage_purchase_score_is_a_server_failure(score_html):
+    with pytest.raises(ws.WebShopError):
+        _buy(score_html)
+
+
+@pytest.mark.parametrize("score_html, reward", [("Your score (min 0.0, max 1.0)<pre>1.0</pre>", 1.0),
+                                                ("Your score (min 0.0, max 1.0)<pre> 0.25 </pre>", 0.25),
+                                                ("Your score (min 0.0, max 1.0)<pre>0</pre>", 0.0),
+                                                ("Your score (min 0.0, max 1.0) 0.5", 0.5)])
+def test_valid_purchase_scores_are_read_exactly(score_html, reward):
+    step = _buy(score_html)
+    assert step.done and step.reward == reward and step.won == (reward == 1.0)
+
+
+def test_slow_drip_server_is_bounded_by_timeout_s():
+    """timeout_s is a deadline for the whole request: a body dripped a byte every 0.3 s is cut at ~1 s."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port, stop = srv.getsockname()[1], threading.Event()
+
+    def serve():
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        conn.recv(65536)
+        body = _ITEM.encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n" % (len(body) + 12) + body)
+        try:
+            for _ in range(12):
+                if stop.wait(0.3):
+                    break
+                conn.sendall(b" ")
+        except OSError:
+            pass
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    env = ws.WebShopEnv(f"http://127.0.0.1:{port}", 1, 2000, timeout_s=1.0)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ws.WebShopError, match="timed out"):
+            env.reset()
+        assert time.perf_counter() - t0 < 2.0
+    finally:
+        stop.set()
+        srv.close()
+        env.close()
+
+
+def test_overlong_page_is_a_server_failure():
+    big = _ITEM + "x" * 5000
+    with pytest.raises(ws.WebShopError, match="max_page_bytes"):  # declared by Content-Length
+        _mock_env(lambda req: httpx.Response(200, html=big), max_page_bytes=1000).reset()
+    chunked = lambda req: httpx.Response(200, content=iter([big.encode()[i:i + 500] for i in range(0, len(big), 500)]))
+    with pytest.raises(ws.WebShopError, match="max_page_bytes"):  # streamed without a length
+        _mock_env(chunked, max_page_bytes=1000).reset()
+    assert _mock_env(lambda req: httpx.Response(200, html=_ITEM), max_page_bytes=len(_ITEM)).reset().admissible_commands
+    assert WebShopSection().max_page_bytes == 4_000_000
+    with pytest.raises(ValueError):
+        WebShopSection(max_page_bytes=0)
+
+
+@pytest.mark.parametrize("spec", [{}, {"goal": None}, {"goal": -1}, {"goal": "x"}, {"goal": True}, {"goal": 1.5}])
+def test_malformed_task_spec_is_a_value_error(spec):
+    cfg = _cfg("http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="'goal'"):
+        get_adapter("webshop").open_env(Task(task_id="webshop-x", category="other", spec=spec), cfg, EnvContext())

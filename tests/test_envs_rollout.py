@@ -149,3 +149,55 @@ def test_a_wrong_action_does_not_win(name, policy_backend, shop, search_ctx, tmp
     assert not traj.won and traj.reward < 1.0
     # A wrong single-turn answer ends the episode as lost; the others run out of turns.
     assert traj.ending == ("lost" if name == "reasoning_gym" else "max_turns")
+
+
+def test_an_env_that_fails_to_start_is_retried_then_fails_the_group(policy_backend, shop, search_ctx, tmp_path, monkeypatch):
+    """One flaky start (a WebShop 500, a JVM that did not come up) is retried; an env that never starts
+    fails the whole group (redelivered by the queue) instead of training on a missing sibling."""
+    import services.rollout.episodes as episodes
+
+    monkeypatch.setattr(episodes.time, "sleep", lambda s: None)
+    adapter = get_adapter("textworld")
+    real_open, calls = adapter.open_env, []
+
+    def flaky(task, cfg, ctx):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ConnectionError("env server hiccup")
+        return real_open(task, cfg, ctx)
+
+    monkeypatch.setattr(adapter, "open_env", flaky)
+    case = _case("textworld", shop.url)
+    ctx = EnvContext(cache_dir=tmp_path)
+    (task,) = adapter.make_tasks(case.env, ctx, "train")
+    group = task_group(RunConfig(env=case.env), task, group_id="g-flaky", step=0, policy_version=0, group_size=3)
+    chat = ChatFormat.for_env(policy_backend.tokenizer, case.env)
+    fake = ScriptedBackend(policy_backend.tokenizer, policy_backend.eos_token_id, lambda call, row: ("look</action>", "stop", None))
+    out, _ = run_group(group, fake, chat, case.env, RolloutSection(group_size=3, max_new_tokens=16), 2048, seed=0, ctx=ctx)
+    assert len(calls) == 4 and [t.ending for t in out.trajectories] == ["max_turns"] * 3
+
+    monkeypatch.setattr(adapter, "open_env", lambda t, c, x: (_ for _ in ()).throw(ConnectionError("down")))
+    with pytest.raises(RuntimeError, match="failed to start 3 times"):
+        run_group(group, fake, chat, case.env, RolloutSection(group_size=3, max_new_tokens=16), 2048, seed=0, ctx=ctx)
+    monkeypatch.setattr(adapter, "open_env", lambda t, c, x: (_ for _ in ()).throw(KeyError("seed")))
+    with pytest.raises(ValueError, match="refused the task"):  # a malformed task is not retried
+        run_group(group, fake, chat, case.env, RolloutSection(group_size=3, max_new_tokens=16), 2048, seed=0, ctx=ctx)
+
+
+def test_the_admissible_list_obeys_the_observation_cap():
+    from services.rollout import prompts
+
+    cfg = EnvSection(max_observation_chars=200)
+    msg = prompts.observation_message("A page.", [f"click[product {i:04d}]" for i in range(500)], cfg)
+    listed = msg.split("Admissible commands:\n", 1)[1]
+    assert len(listed) <= 200 + 20 and listed.endswith("more)") and "click[product 0000]" in listed
+
+
+def test_a_huge_skill_file_is_refused(tmp_path, monkeypatch):
+    from opsd.skills import privileged_text
+
+    (tmp_path / "textworld").mkdir()
+    (tmp_path / "textworld" / "general.txt").write_text("x" * 70_000)
+    monkeypatch.setenv("OPSD_SKILLS_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="at most"):
+        privileged_text("textworld", Task("t", "c", {}), "both")

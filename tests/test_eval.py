@@ -293,3 +293,24 @@ def test_cli_eval_on_a_saved_checkpoint(policy_backend, tmp_path):
     assert res.exit_code == 2 and "no such file or directory" in res.output
     res = runner.invoke(app, ["eval", str(config), "--checkpoint", str(config)])
     assert res.exit_code == 2 and "not a .safetensors" in res.output
+
+
+def test_a_half_written_checkpoint_falls_back_to_the_older_one_or_is_a_usage_error(tmp_path):
+    """A truncated model.safetensors (a copy in progress, a full disk) is never loaded: the run's
+    complete .checkpoint-old/ is used instead, and without one it is a usage error naming the file."""
+    from safetensors.numpy import save_file
+
+    run = tmp_path / "run"
+    ck, old = run / "checkpoint", run / ".checkpoint-old"
+    for d in (ck, old):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (d / "tokenizer.json").write_text("{}")
+    (run / "config.yaml").write_text("run: {}\n")
+    (ck / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(old / "model.safetensors"))
+    assert resolve_checkpoint(run).path == old.resolve()
+    (old / "model.safetensors").unlink()
+    (old / "config.json").unlink()
+    with pytest.raises(ValueError, match="half-written"):
+        resolve_checkpoint(run)

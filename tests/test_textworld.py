@@ -119,3 +119,32 @@ def test_observation_clean_and_cap(specs):
     raw = "\n\n  ____  \n | $$ \\$$\n\nHello   world.\n\n\n\nYou see 🙂.\n>     -= Attic =-0/1"
     assert clean_observation(raw, 100) == "Hello world.\n\nYou see 🙂."
     assert clean_observation(raw, 16) == "Hello world...."  # cut at 13 chars, trailing newline dropped, "..." added
+
+
+def test_control_characters_and_meta_commands_never_reach_the_interpreter(specs, tmp_path, monkeypatch):
+    """A NUL crashed (segfault) or hung Jericho; "save"/"restore" wrote and read files in the working
+    directory. Both are stopped before the interpreter: the first is stripped, the second refused."""
+    monkeypatch.chdir(tmp_path)
+    with TextWorldEnv(specs[0]) as env:
+        env.reset()
+        step = env.step("look\x00 around")
+        assert not step.won and step.observation
+        for meta in ("save", "restore", "SAVE game", "script", "quit", "restart", "\x00"):
+            step = env.step(meta)
+            assert step.invalid_action and not step.done and "not available" in step.observation, meta
+        assert list(tmp_path.iterdir()) == [], "a command wrote a file into the working directory"
+        for cmd in specs[0].walkthrough:  # the game still plays to a win afterwards
+            step = env.step(cmd)
+        assert step.won
+
+
+def test_a_task_spec_never_chooses_where_games_are_written(tmp_path):
+    from opsd.envs import EnvContext, Task
+    from opsd.envs import textworld as tw
+
+    target = tmp_path / "outside" / ".." / "escaped" / "game_1.z8"
+    spec = {"task_id": "t", "seed": 1, "path": str(target), "walkthrough": [],
+            "options": tw._options_dict(EnvSection(game_pool=1))}
+    with tw.open_env(Task("t", "1-step", spec), EnvSection(), EnvContext(cache_dir=tmp_path / "cache")) as env:
+        assert env.reset().observation
+    assert not (tmp_path / "escaped").exists() and any((tmp_path / "cache").rglob("game_1.z8"))

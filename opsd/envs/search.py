@@ -97,10 +97,14 @@ def normalize_answer(s: str) -> str:
 
 
 def exact_match(prediction: str, golden_answers: str | Iterable[str]) -> float:
-    """1.0 when normalize_answer(prediction) equals that of any golden answer, else 0.0."""
+    """1.0 when normalize_answer(prediction) equals that of any golden answer, else 0.0.
+
+    Text that normalizes to "" (only articles / punctuation / spaces, e.g. "the", "?!")
+    never matches, on either side: exact_match("the", ["a"]) == 0.0.
+    """
     golds = [golden_answers] if isinstance(golden_answers, str) else list(golden_answers)
     pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(g) for g in golds))
+    return float(bool(pred) and any(pred == normalize_answer(g) for g in golds))
 
 
 # ---------------------------------------------------------------------------
@@ -113,23 +117,35 @@ def search_r1_row(row: dict[str, Any], index: int = 0) -> dict[str, Any]:
     Accepts Search-R1's parquet rows (question, golden_answers or
     reward_model.ground_truth.target, data_source, extra_info.index) and
     FlashRAG JSONL rows (id, question, golden_answers); numpy arrays become lists.
-    Raises ValueError for a row without a question or golden answers.
+    Raises ValueError for a row that is not an object, or without a question or
+    golden answers (a string or a list of strings/numbers).
     """
-    def as_list(x: Any) -> list[str]:
+    if not isinstance(row, dict):
+        raise ValueError(f"row {index}: must be a JSON object, got {type(row).__name__}")
+
+    def as_list(x: Any, field: str) -> list[str]:
         if x is None:
             return []
         if hasattr(x, "tolist"):
             x = x.tolist()
-        return [str(a) for a in ([x] if isinstance(x, str) else x)]
+        if isinstance(x, str):
+            return [x]
+        if not isinstance(x, (list, tuple)) or any(isinstance(a, (dict, list, tuple)) for a in x):
+            raise ValueError(f"row {index}: {field} must be a string or a list of strings, got {x!r:.80}")
+        return [str(a) for a in x]
+
+    def sub(d: Any, key: str) -> Any:
+        return d.get(key) if isinstance(d, dict) else None
 
     question = str(row.get("question") or "").strip()
-    golds = as_list(row.get("golden_answers"))
+    golds = as_list(row.get("golden_answers"), "golden_answers")
     if not golds:
-        golds = as_list(((row.get("reward_model") or {}).get("ground_truth") or {}).get("target"))
+        golds = as_list(sub(sub(row.get("reward_model"), "ground_truth"), "target"), "reward_model.ground_truth.target")
     source = str(row.get("data_source") or "unknown")
     if not question or not golds:
         raise ValueError(f"row {index}: needs a question and golden answers, got {sorted(row)}")
-    idx = (row.get("extra_info") or {}).get("index", index)
+    idx = sub(row.get("extra_info"), "index")
+    idx = index if idx is None else idx
     out = {"id": str(row.get("id") or f"{source}-{idx}"), "question": question, "golden_answers": golds,
            "data_source": source}
     for key in ("skill", "type", "support", "gold_queries"):
@@ -153,16 +169,21 @@ def load_questions(path: str | Path) -> list[dict[str, Any]]:
         except ImportError:
             raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSONL "
                               f"(see opsd/envs/data/search/README.md)") from None
-        raw = pq.read_table(path).to_pylist()
+        raw = [(f"{path} row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
     else:
         raw = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
                 try:
-                    raw.append(json.loads(line))
+                    raw.append((f"{path}:{n}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-    rows = [search_r1_row(r, i) for i, r in enumerate(raw)]
+    rows = []
+    for i, (where, r) in enumerate(raw):
+        try:
+            rows.append(search_r1_row(r, i))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     ids = [r["id"] for r in rows]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: repeated question ids")
@@ -384,9 +405,10 @@ class HTTPRetriever:
             delay = min(delay * 2, 10.0)
         if r.status_code != 200:
             try:
-                detail = r.json().get("detail")
+                body = r.json()
             except ValueError:
-                detail = r.text[:200]
+                body = None
+            detail = body.get("detail") if isinstance(body, dict) else r.text[:200]
             hint = {401: " (the rollout's OPSD_API_TOKEN is not the embedder's)",
                     404: " (this embedder serves no corpus: it must run with env.name 'search' in its config)",
                     }.get(r.status_code, "")

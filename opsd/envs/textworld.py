@@ -226,9 +226,17 @@ def clean_observation(text: str, max_chars: int) -> str:
     return cap("\n".join(lines).strip(), max_chars)
 
 
+# Interpreter meta-commands: "save"/"restore"/"script" read and write files in the process's working
+# directory (and would let sibling episodes share state); "quit"/"restart" end the interpreter's game.
+_META_COMMANDS = {"save", "restore", "script", "unscript", "transcript", "noscript", "quit", "q", "restart"}
+_REFUSED = "That command is not available in this game."
+
+
 def _sanitize_action(action: str) -> str:
     # A newline would make the interpreter run several commands in one step.
     flat = " ".join(action.split())
+    # Control characters never reach the interpreter: a NUL crashes or hangs Jericho.
+    flat = "".join(c for c in flat if c.isprintable())
     # Cut by UTF-8 bytes without splitting a multi-byte character.
     return flat.encode("utf-8")[:_MAX_ACTION_BYTES].decode("utf-8", errors="ignore")
 
@@ -266,12 +274,14 @@ class TextWorldEnv(ClosingEnv):
             self._env = textworld.start(self.spec.path, request_infos=self._INFOS)
         self._done = True  # until reset()
         self._admissible: list[str] = []
+        self._score = 0.0
 
     def _to_step(self, state: Any, done: bool, invalid: bool = False) -> EnvStep:
         won = bool(state.get("won") or False)
         lost = bool(state.get("lost") or False)
         self._done = bool(done or won or lost)
         self._admissible = list(state.get("admissible_commands") or [])
+        self._score = float(state.get("score") or 0)
         return EnvStep(
             observation=clean_observation(state.feedback or "", self.max_observation_chars),
             admissible_commands=list(state.get("admissible_commands") or []),
@@ -298,6 +308,9 @@ class TextWorldEnv(ClosingEnv):
         command = _sanitize_action(action)
         # The game answers anything; "invalid" = not one of the commands it listed as admissible.
         invalid = command.strip().lower() not in {c.lower() for c in self._admissible}
+        if not command.strip() or command.split()[0].lower() in _META_COMMANDS:
+            return EnvStep(observation=_REFUSED, admissible_commands=list(self._admissible), won=False, lost=False,
+                           done=False, score=self._score, invalid_action=True)
         state, _score, done = self._env.step(command)
         return self._to_step(state, done, invalid)
 
@@ -355,12 +368,17 @@ def _task(spec: GameSpec) -> Task:
                 gold_path=list(spec.walkthrough), objective=spec.objective)
 
 
+def _cache(ctx: EnvContext) -> Path:
+    # No cache configured (tests, one-off scripts): the system temp dir's opsd/ folder.
+    return Path(ctx.cache_dir) if ctx.cache_dir is not None else Path(tempfile.gettempdir()) / "opsd"
+
+
 def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[Task]:
     """The train pool (`make_games`: seeds cfg.seed ..) or the eval pool (cfg.eval_pool games from seed
     cfg.seed + EVAL_SEED_OFFSET) as Tasks; category = walkthrough length ("2-step"). ValueError on another split."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be train or eval, got {split!r}")
-    cache = Path(ctx.cache_dir) if ctx.cache_dir is not None else Path(tempfile.gettempdir()) / "opsd"
+    cache = _cache(ctx)
     if split == "train":
         return [_task(g) for g in make_games(cfg, cache)]
     eval_cfg = cfg.model_copy(update={"seed": cfg.seed + EVAL_SEED_OFFSET, "game_pool": cfg.eval_pool})
@@ -368,6 +386,7 @@ def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[T
 
 
 def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> TextWorldEnv:
-    """A TextWorldEnv for `task` (its game regenerated under ctx.cache_dir when missing here)."""
-    spec = load_game(task.spec, Path(ctx.cache_dir) if ctx.cache_dir is not None else None)
+    """A TextWorldEnv for `task`, its game looked up (or regenerated) in this machine's cache, never at
+    the path the spec names (a path from the wire does not choose where files are written)."""
+    spec = load_game(task.spec, _cache(ctx))
     return TextWorldEnv(spec, cfg.max_observation_chars)

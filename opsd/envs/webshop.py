@@ -23,7 +23,9 @@ Metrics (AlignOPSD eq. 15): `webshop_score` (mean r x 100) and
 
 from __future__ import annotations
 
+import math
 import re
+import time
 from html.parser import HTMLParser
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -39,6 +41,9 @@ METRIC = "score"
 SEARCH_COMMAND = "search[<keywords>]"  # the admissible entry for "any search"; the keywords are the agent's
 MAX_ACTION_CHARS = 500
 SETUP_DOC = "opsd/envs/WEBSHOP.md"
+MAX_PAGE_BYTES = 4_000_000  # default cap on one page's body (WebShop's pages are tens of KB)
+REWARD_LABEL = "Your score (min 0.0, max 1.0)"  # the text before the score on WebShop's done page
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
 PROMPT = EnvPrompt(
     system={
@@ -100,7 +105,8 @@ CATEGORIES = (*CATEGORY_KEYWORDS, "other")
 
 
 class WebShopError(RuntimeError):
-    """The WebShop server failed (unreachable, timed out, or answered an HTTP error)."""
+    """The WebShop server failed (unreachable, timed out, answered an HTTP error, an overlong page
+    or a purchase page without a valid score)."""
 
 
 def webshop_category(instruction: str) -> str:
@@ -173,7 +179,8 @@ class _Page(HTMLParser):
         self.clickables: dict[str, tuple[str, str, str]] = {}
         self.search: tuple[str, str, str] | None = None  # (method, action, input name)
         self.instruction = ""
-        self.reward_text: str | None = None
+        self.reward_text: str | None = None  # all text of the #reward element (None: not a done page)
+        self.reward_value: str | None = None  # the text of the first <pre> inside #reward
         self._stack: list[tuple[str, bool, dict[str, str]]] = []  # (tag, hidden, attrs)
         self._form: dict[str, str] | None = None
         self._capture: dict[str, list[str]] = {}  # "button" / "link" / "instruction" / "reward" -> text parts
@@ -207,6 +214,8 @@ class _Page(HTMLParser):
             self._capture["link"], self._link = [], attrs.get("href", "")
         if attrs.get("id") == "reward":
             self._capture["reward"] = []
+        elif tag == "pre" and "reward" in self._capture and self.reward_value is None:
+            self._capture["reward_value"] = []
         if attrs.get("id") == "instruction-text":
             self._in_instruction = len(self._stack)
         elif tag == "h4" and self._in_instruction and not self._instruction_done:
@@ -235,6 +244,8 @@ class _Page(HTMLParser):
             text = " ".join("".join(self._capture.pop("instruction")).split())
             self.instruction = re.sub(r"^Instruction:\s*", "", text)
             self._instruction_done = True
+        if tag == "pre" and "reward_value" in self._capture:
+            self.reward_value = " ".join("".join(self._capture.pop("reward_value")).split())
         if attrs.get("id") == "reward" and "reward" in self._capture:
             self.reward_text = " ".join("".join(self._capture.pop("reward")).split())
         if self._in_instruction > len(self._stack):
@@ -253,11 +264,26 @@ class _Page(HTMLParser):
             self.clickables[key] = (name, method, url, kind, group)
 
     def reward(self) -> float | None:
-        """The purchase score on a done page (the last number of the #reward element), else None."""
+        """The purchase score r in [0, 1] on a done page, else None (no #reward element).
+
+        WebShop's done page (web_agent_site/templates/done_page.html) renders
+        `<h3 id="reward">Your score (min 0.0, max 1.0)<pre>{{ reward }}</pre></h3>`:
+        the score is the text of the <pre> (without one, the element's text after
+        the label). Raises WebShopError when that text is not exactly one finite
+        number in [0, 1] (missing, blank, "nan", 1e5...): never a guessed reward.
+        """
         if self.reward_text is None:
             return None
-        numbers = re.findall(r"-?\d+(?:\.\d+)?(?:[eE]-?\d+)?", self.reward_text)
-        return float(numbers[-1]) if numbers else None
+        value = self.reward_value
+        if value is None:
+            text = self.reward_text
+            value = text[len(REWARD_LABEL):].strip() if text.startswith(REWARD_LABEL) else text
+        if not _NUMBER.fullmatch(value):
+            raise WebShopError(f"the WebShop purchase page's #reward holds no score: {self.reward_text[:200]!r}")
+        r = float(value)
+        if not (math.isfinite(r) and 0.0 <= r <= 1.0):
+            raise WebShopError(f"the WebShop purchase page's score {value[:50]!r} is not in [0, 1]")
+        return r
 
 
 def parse_page(html_text: str) -> _Page:
@@ -283,20 +309,56 @@ def parse_action(action: str) -> tuple[str, str] | None:
 
 # --------------------------------------------------------------------------- the environment
 
+def fetch(client: httpx.Client, method: str, url: str, data: dict[str, str] | None,
+          timeout_s: float, max_bytes: int) -> tuple[int, httpx.URL, str]:
+    """One request to the WebShop server -> (HTTP status, final URL after redirects, body text).
+
+    GET sends `data` as query parameters, POST as a form. The body is streamed:
+    reading it past `timeout_s` seconds since the request started (a server that
+    drips bytes) or past `max_bytes` bytes raises WebShopError, as do connection
+    errors and httpx's own per-read timeouts (the client's timeout).
+    """
+    start = time.monotonic()
+    kwargs: dict[str, Any] = {"params": data} if method == "GET" else {"data": data}
+    try:
+        with client.stream(method, url, **kwargs) as resp:
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > max_bytes:
+                raise WebShopError(f"WebShop page {method} {url} is {declared} bytes (max_page_bytes {max_bytes})")
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise WebShopError(f"WebShop page {method} {url} is over max_page_bytes ({max_bytes})")
+                if time.monotonic() - start > timeout_s:
+                    raise WebShopError(f"WebShop server timed out on {method} {url}: the page took over {timeout_s:g}s")
+                chunks.append(chunk)
+            text = b"".join(chunks).decode(resp.encoding or "utf-8", errors="replace")
+            return resp.status_code, resp.url, text
+    except httpx.TimeoutException as exc:
+        raise WebShopError(f"WebShop server timed out on {method} {url}: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise WebShopError(f"WebShop server unreachable on {method} {url}: {exc}") from exc
+
+
 class WebShopEnv(ClosingEnv):
     """One episode on a WebShop server for goal `goal` (session "fixed_<goal>").
 
-    base_url: the server (cfg.webshop.url). timeout_s: per request.
-    Server failures (connection errors, timeouts, HTTP 4xx/5xx, a purchase
-    page without a reward) raise WebShopError and end the episode (step()
-    then raises RuntimeError; reset() starts over).
+    base_url: the server (cfg.webshop.url). timeout_s: the deadline of one
+    request (seconds, redirects and body included; see `fetch`).
+    max_page_bytes: the largest page body accepted. Server failures (connection
+    errors, timeouts, HTTP 4xx/5xx, an overlong page, a purchase page without a
+    valid score) raise WebShopError and end the episode (step() then raises
+    RuntimeError; reset() starts over).
     """
 
-    def __init__(self, base_url: str, goal: int, max_observation_chars: int = 2000, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, goal: int, max_observation_chars: int = 2000, timeout_s: float = 30.0,
+                 max_page_bytes: int = MAX_PAGE_BYTES) -> None:
         self.base_url = base_url.rstrip("/")
         self.goal = int(goal)
         self.session = f"fixed_{self.goal}"
         self.max_observation_chars = max_observation_chars
+        self.timeout_s, self.max_page_bytes = float(timeout_s), int(max_page_bytes)
         self._client: httpx.Client | None = httpx.Client(timeout=timeout_s, follow_redirects=True)
         self._page: _Page | None = None
         self._url = ""
@@ -308,29 +370,21 @@ class WebShopEnv(ClosingEnv):
             raise RuntimeError("WebShopEnv is closed")
         target = urljoin(self._url or self.base_url + "/", url)
         self._done = True  # until the page arrives: a failed request ends the episode
-        try:
-            if method == "GET":
-                resp = self._client.get(target, params=data)
-            else:
-                resp = self._client.post(target, data=data)
-        except httpx.TimeoutException as exc:
-            raise WebShopError(f"WebShop server {self.base_url} timed out on {method} {target}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise WebShopError(f"WebShop server {self.base_url} unreachable on {method} {target}: {exc}") from exc
-        if resp.status_code >= 400:
-            raise WebShopError(f"WebShop server {self.base_url} answered HTTP {resp.status_code} "
-                               f"for {method} {target}: {resp.text[:200]!r}")
-        page = parse_page(resp.text)
-        if "/done/" in resp.url.path and page.reward() is None:
-            raise WebShopError(f"WebShop server {self.base_url}: the purchase page {resp.url} shows no #reward")
-        self._url, self._page = str(resp.url), page
+        status, final_url, text = fetch(self._client, method, target, data, self.timeout_s, self.max_page_bytes)
+        if status >= 400:
+            raise WebShopError(f"WebShop server {self.base_url} answered HTTP {status} "
+                               f"for {method} {target}: {text[:200]!r}")
+        page = parse_page(text)
+        if page.reward() is None and "/done/" in final_url.path:  # reward() raises on a malformed score
+            raise WebShopError(f"WebShop server {self.base_url}: the purchase page {final_url} shows no #reward")
+        self._url, self._page = str(final_url), page
 
     def _step(self, invalid: bool = False) -> EnvStep:
         page = self._page
         assert page is not None
-        reward = page.reward()
+        reward = page.reward()  # validated in [0, 1] by _Page.reward
         done = reward is not None
-        r = min(1.0, max(0.0, reward)) if reward is not None else 0.0
+        r = reward if reward is not None else 0.0
         won = done and r >= 1.0 - 1e-9
         self._done = done
         path = urlsplit(self._url).path.strip("/")
@@ -446,14 +500,15 @@ def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[T
     with httpx.Client(timeout=cfg.webshop.timeout_s, follow_redirects=True) as client:
         for i in indices:
             try:
-                resp = client.get(f"{url}/fixed_{i}")
-            except httpx.HTTPError as exc:
-                raise RuntimeError(f"WebShop server at {cfg.webshop.url} (env.webshop.url) is unreachable: {exc!r}. "
+                status, _, text = fetch(client, "GET", f"{url}/fixed_{i}", None, cfg.webshop.timeout_s,
+                                        cfg.webshop.max_page_bytes)
+            except WebShopError as exc:
+                raise RuntimeError(f"WebShop server at {cfg.webshop.url} (env.webshop.url) failed: {exc}. "
                                    f"Start it as described in {SETUP_DOC}.") from exc
-            if resp.status_code >= 400:
-                raise RuntimeError(f"WebShop server at {cfg.webshop.url} answered HTTP {resp.status_code} for goal {i} "
+            if status >= 400:
+                raise RuntimeError(f"WebShop server at {cfg.webshop.url} answered HTTP {status} for goal {i} "
                                    f"(is the index within the server's goals?); see {SETUP_DOC}.")
-            instruction = parse_page(resp.text).instruction
+            instruction = parse_page(text).instruction
             if not instruction:
                 raise RuntimeError(f"{cfg.webshop.url}/fixed_{i} has no WebShop instruction (#instruction-text): "
                                    f"is env.webshop.url a WebShop server? See {SETUP_DOC}.")
@@ -464,5 +519,15 @@ def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[T
 
 
 def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> WebShopEnv:
-    """A WebShopEnv on cfg.webshop.url for the task's goal (task.spec["goal"]); no request is made until reset()."""
-    return WebShopEnv(cfg.webshop.url, int(task.spec["goal"]), cfg.max_observation_chars, cfg.webshop.timeout_s)
+    """A WebShopEnv on cfg.webshop.url for the task's goal (task.spec["goal"]); no request is made until reset().
+
+    Raises ValueError when task.spec has no "goal" that is an integer >= 0.
+    """
+    goal = task.spec.get("goal") if isinstance(task.spec, dict) else None
+    if isinstance(goal, str) and goal.strip().isdigit():
+        goal = int(goal)
+    if not isinstance(goal, int) or isinstance(goal, bool) or goal < 0:
+        raise ValueError(f"WebShop task {task.task_id!r}: spec field 'goal' must be an integer >= 0 "
+                         f"(the goal index), got {goal!r}")
+    return WebShopEnv(cfg.webshop.url, goal, cfg.max_observation_chars, cfg.webshop.timeout_s,
+                      cfg.webshop.max_page_bytes)

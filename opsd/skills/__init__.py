@@ -36,15 +36,25 @@ def walkthrough_text(commands: list[str]) -> str:
     return "Walkthrough: " + " > ".join(commands)
 
 
+# The text goes into every TaskGroup and every teacher prompt: a skill file is a page, not a book.
+MAX_SKILL_BYTES = 64 * 1024
+
+
 def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+    if not path.is_file():
+        return ""
+    size = path.stat().st_size
+    if size > MAX_SKILL_BYTES:
+        raise ValueError(f"skill file {path} is {size} bytes; at most {MAX_SKILL_BYTES} (it is prepended to every teacher prompt)")
+    return path.read_text(encoding="utf-8").strip()
 
 
 def skill_text(env: str, skill_key: str, root: Path | None = None) -> str:
     """General plus task-type skills of `env` ("" when there are none).
 
     Raises ValueError for an `env` or `skill_key` that is not a plain file
-    name (letters, digits, "_", "-", "."; a task never picks a path).
+    name (letters, digits, "_", "-", "."; a task never picks a path), or a
+    skill file over MAX_SKILL_BYTES.
     """
     root = root or skills_dir()
     for name in (env, skill_key):

@@ -212,11 +212,11 @@ def run_group(
     episodes: list[_Episode] = []
     try:
         for rid in rollout_ids(task.group_size):
-            ep = _Episode(rid, adapter.open_env(env_task, env_cfg, ctx))
-            episodes.append(ep)
             t0 = time.perf_counter()
-            first = ep.env.reset()
+            env, first = _start(adapter, env_task, env_cfg, ctx, task, rid)
             stats.env_seconds += time.perf_counter() - t0
+            ep = _Episode(rid, env)
+            episodes.append(ep)
             ep.admissible = first.admissible_commands
             ep.append_prompt(initial_prompt_ids(chat, env_cfg, first))
 
@@ -295,6 +295,36 @@ def _generate(
             raise ValueError(f"backend returned {len(gens)} generations for {len(chunk)} prompts")
         return chunk, gens
     return [], []
+
+
+START_ATTEMPTS = 3
+
+
+def _start(adapter: Any, env_task: Task, env_cfg: EnvSection, ctx: EnvContext, task: TaskGroup, rid: str):
+    """Open and reset one episode's env, retrying a failure twice (1 s, then 2 s later): a flaky env
+    server or a JVM that failed to start. An env that never starts fails the whole group (RuntimeError):
+    the job is then redelivered, up to redis.max_deliveries times, and dead-lettered, never trained on
+    with a sibling missing or scored 0 for an infrastructure fault."""
+    for attempt in range(START_ATTEMPTS):
+        env = None
+        try:
+            env = adapter.open_env(env_task, env_cfg, ctx)
+            return env, env.reset()
+        except Exception as err:  # noqa: BLE001 - any env failure; re-raised below
+            retry = not isinstance(err, (ValueError, TypeError, KeyError))  # a malformed task fails every time
+            if env is not None:
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("group %s %s: closing a failed env", task.group_id, rid)
+            if not retry:
+                raise ValueError(f"group {task.group_id} {rid}: env {task.env!r} refused the task: {err!r}") from err
+            if attempt + 1 == START_ATTEMPTS:
+                raise RuntimeError(f"group {task.group_id} {rid}: env {task.env!r} failed to start "
+                                   f"{START_ATTEMPTS} times: {err!r}") from err
+            log.warning("group %s %s: env failed to start (%r); retrying", task.group_id, rid, err)
+            time.sleep(2.0 ** attempt)
+    raise AssertionError("unreachable")
 
 
 def _reward(step: EnvStep, task: TaskGroup) -> float:

@@ -332,8 +332,11 @@ def _peft_names(model_dir: Path) -> bool:
     files = [model_dir / "model.safetensors"] if (model_dir / "model.safetensors").is_file() else \
         sorted(model_dir.glob("model-*.safetensors"))
     for f in files[:1]:
-        with safe_open(str(f), "pt") as st:
-            return any(".lora_" in k or ".base_layer." in k for k in st.keys())
+        try:
+            with safe_open(str(f), "pt") as st:
+                return any(".lora_" in k or ".base_layer." in k for k in st.keys())
+        except Exception as e:  # safetensors' SafetensorError: a truncated or half-written file
+            raise ValueError(f"{f} is not a readable safetensors file (half-written?): {e}") from e
     return False
 
 
@@ -383,10 +386,15 @@ def resolve_checkpoint(path: Path) -> CheckpointSource:
         in_run = p.name in ("checkpoint", ".checkpoint-old", "final_model") or (parent / "config.yaml").is_file()
         return _model_source(p, "model", parent if in_run else None)
     if _is_run_dir(p):
+        problems = []
         for sub in ("final_model", "checkpoint", ".checkpoint-old"):
             if _is_model_dir(p / sub):
-                src = _model_source(p / sub, "run", p)
-                return src
+                try:
+                    return _model_source(p / sub, "run", p)
+                except ValueError as e:  # e.g. a crash mid-save: fall back to the older one
+                    problems.append(str(e))
+        if problems:
+            raise ValueError(f"--checkpoint {path}: no usable checkpoint: {'; '.join(problems)}")
         versions = published_versions(p)
         if versions:
             return CheckpointSource(p, "run", None, weights_path(p, versions[-1]), p, versions[-1])

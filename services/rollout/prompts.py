@@ -34,16 +34,26 @@ def system_prompt(prompt_format: str, list_admissible: bool = True, env: str = "
     return env_prompt(env).system[prompt_format].replace("{pick}", _PICK[bool(list_admissible)])
 
 
-def _with_commands(text: str, admissible: list[str], list_admissible: bool) -> str:
+def _with_commands(text: str, admissible: list[str], list_admissible: bool, max_chars: int) -> str:
     if not list_admissible or not admissible:
         return text
-    return text + "\n\nAdmissible commands:\n" + "\n".join(admissible)
+    # The list obeys the observation cap too (a web page can offer hundreds of links): whole
+    # commands up to `max_chars` characters, then how many were left out.
+    lines: list[str] = []
+    used = 0
+    for c in admissible:
+        if used + len(c) + 1 > max_chars:
+            lines.append(f"... ({len(admissible) - len(lines)} more)")
+            break
+        lines.append(c)
+        used += len(c) + 1
+    return text + "\n\nAdmissible commands:\n" + "\n".join(lines)
 
 
 def observation_message(observation: str, admissible: list[str], cfg: EnvSection) -> str:
-    """The user message of one turn: the (already cleaned) observation, plus the
-    admissible commands when `cfg.list_admissible`."""
-    return _with_commands(observation, admissible, cfg.list_admissible)
+    """The user message of one turn: the (already cleaned and capped) observation, plus the
+    admissible commands when `cfg.list_admissible` (at most `cfg.max_observation_chars` characters of them)."""
+    return _with_commands(observation, admissible, cfg.list_admissible, cfg.max_observation_chars)
 
 
 def first_user_message(observation: str, admissible: list[str], cfg: EnvSection) -> str:
