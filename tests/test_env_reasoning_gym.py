@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 
@@ -62,22 +61,102 @@ def test_wrong_answers_do_not_win():
     assert 0.0 < step.reward < 1.0 and not step.won and step.done
 
 
-def test_step_before_reset_raises_and_verifier_error_scores_zero():
+class _FakeVerifier:
+    """Stands in for rg._VERIFIER (the verifier process) and returns canned replies."""
+
+    def __init__(self, reply):
+        self.reply, self.requests = reply, []
+
+    def score(self, request, timeout_s):
+        self.requests.append((json.loads(json.dumps(request)), timeout_s))  # plain JSON data only
+        return dict(self.reply)
+
+
+def test_step_before_reset_raises_and_verifier_error_scores_zero(monkeypatch):
     task = rg.make_tasks(_cfg(), CTX, "train")[0]
     env = rg.open_env(task, _cfg(), CTX)
     with pytest.raises(RuntimeError):
         env.step("1")
     env.reset()
-
-    def boom(answer, entry):
-        raise ZeroDivisionError("verifier bug")
-
-    env._ds = types.SimpleNamespace(score_answer=boom)
+    fake = _FakeVerifier({"error": "ZeroDivisionError: verifier bug"})
+    monkeypatch.setattr(rg, "_VERIFIER", fake)
     step = env.step(task.spec["answer"])
     assert (step.reward, step.won, step.done) == (0.0, False, True)
     assert step.info["verifier_error"] == "ZeroDivisionError: verifier bug"
+    (request, timeout_s), = fake.requests
+    assert request["answer"] == task.spec["answer"] and request["dataset"] == "basic_arithmetic"
+    assert timeout_s == 5.0
     env.close()
     env.close()
+    # in the verifier process, a failing dataset build is an error reply, not an exception
+    assert rg._verify({"dataset": "no_such", "seed": 1, "size": 1, "entry": {}, "answer": "1"})["error"].startswith(
+        "ValueError: unknown reasoning-gym dataset")
+
+
+def test_non_finite_verifier_scores_score_zero(monkeypatch):
+    task = rg.make_tasks(_cfg(), CTX, "train")[0]
+    for value in (float("inf"), float("-inf"), float("nan")):
+        monkeypatch.setattr(rg, "_VERIFIER", _FakeVerifier({"score": value}))
+        env = rg.open_env(task, _cfg(), CTX)
+        env.reset()
+        step = env.step("garbage")
+        assert (step.reward, step.won, step.done) == (0.0, False, True), value
+        assert step.info["verifier_error"] == f"non-finite score {value}"
+    monkeypatch.setattr(rg, "_VERIFIER", _FakeVerifier({"score": 3.0}))  # finite: clamped
+    env = rg.open_env(task, _cfg(), CTX)
+    env.reset()
+    assert env.step("x").reward == 1.0
+
+
+def test_code_eval_datasets_refused_without_opt_in():
+    for name in ("spiral_matrix", "countdown", "n_queens", "simple_integration"):
+        with pytest.raises(ValueError, match=f"'{name}'.*allow_code_eval_verifiers"):
+            rg.make_tasks(_cfg(datasets=(name,), size=4, game_pool=1, eval_pool=1), CTX, "train")
+    # every listed dataset is also found by the source scan (the list is only a backstop)
+    assert all("calls" in rg.code_eval_reason(name) for name in rg.CODE_EVAL_DATASETS)
+    assert rg.code_eval_reason("basic_arithmetic") is None and rg.code_eval_reason("chain_sum") is None
+    allowed = _cfg(datasets=("spiral_matrix",), size=4, game_pool=1, eval_pool=1,)
+    allowed = allowed.model_copy(update={"reasoning_gym": allowed.reasoning_gym.model_copy(
+        update={"allow_code_eval_verifiers": True})})
+    (task,) = rg.make_tasks(allowed, CTX, "train")
+    with pytest.raises(ValueError, match="allow_code_eval_verifiers"):  # a task from the wire, too
+        rg.open_env(task, _cfg(), CTX)
+
+
+def _code_eval_cfg(name: str, **rg_fields) -> EnvSection:
+    return EnvSection(name="reasoning_gym", game_pool=1, eval_pool=1, reasoning_gym={
+        "datasets": [name], "size": 4, "allow_code_eval_verifiers": True, **rg_fields})
+
+
+def test_model_answer_never_runs_in_the_rollout_process(tmp_path):
+    # spiral_matrix eval()s the answer, countdown sympy.parse_expr()s it: the code reaches only the
+    # sandboxed verifier process, whose audit hook refuses writes and processes.
+    for name in ("spiral_matrix", "countdown"):
+        cfg = _code_eval_cfg(name)
+        (task,) = rg.make_tasks(cfg, CTX, "train")
+        task = Task.from_dict(json.loads(json.dumps(task.to_dict())))
+        assert _play(task, task.spec["answer"], cfg)[2].won  # the reference answer still wins
+        for attack in (f"__import__('pathlib').Path({str(tmp_path / 'write')!r}).write_text('x') and [1]",
+                       f"__import__('os').system('touch {tmp_path / 'shell'}') or [1]",
+                       f"__import__('subprocess').run(['touch', {str(tmp_path / 'sub')!r}]) and [1]"):
+            step = _play(task, attack, cfg)[2]
+            assert step.reward < 1.0 and not step.won and step.done  # countdown gives 0.01 to a bad formula
+        assert list(tmp_path.iterdir()) == [], name
+
+
+def test_verifier_timeout_and_crash_score_zero_and_recover():
+    import time
+
+    cfg = _code_eval_cfg("spiral_matrix", verifier_timeout_s=1.0)
+    (task,) = rg.make_tasks(cfg, CTX, "train")
+    assert _play(task, task.spec["answer"], cfg)[2].won  # the verifier process is up
+    t0 = time.perf_counter()
+    step = _play(task, "__import__('time').sleep(30) or [1]", cfg)[2]
+    assert time.perf_counter() - t0 < 1.0 + 1.5
+    assert (step.reward, step.won, step.done, step.info["verifier_error"]) == (0.0, False, True, "timeout")
+    step = _play(task, "__import__('os')._exit(3)", cfg)[2]  # kills the (respawned) verifier process
+    assert step.reward == 0.0 and step.info["verifier_error"].startswith("verifier process failed")
+    assert _play(task, task.spec["answer"], cfg)[2].won  # a new one takes over
 
 
 def test_task_json_round_trip_rebuilds_the_env():
