@@ -132,7 +132,7 @@ def test_data_dir_layout(train_tasks, tmp_path):
             trial = root / split / f"{A.TASK_TYPES[t.category]}-Obj-None-Recep-{i}" / "trial_T0"
             A.write_game(t, trial / "game.tw-pddl")
             (trial / "traj_data.json").write_text(json.dumps({"task_type": A.TASK_TYPES[t.category]}))
-    cfg = _cfg(game_pool=5, eval_pool=5, alfworld={"data_dir": str(tmp_path)})
+    cfg = _cfg(game_pool=3, eval_pool=3, alfworld={"data_dir": str(tmp_path)})
     train, ev = A.make_tasks(cfg, EnvContext(), "train"), A.make_tasks(cfg, EnvContext(), "eval")
     assert sorted(t.category for t in train) == sorted(CATS[:3])
     assert sorted(t.category for t in ev) == sorted(CATS[3:])
@@ -146,3 +146,20 @@ def test_data_dir_layout(train_tasks, tmp_path):
         A.open_env(Task("x", "pick", {"source": "data", "game": "../etc/passwd"}), cfg, EnvContext())
     with pytest.raises(FileNotFoundError):
         A.make_tasks(_cfg(alfworld={"data_dir": str(tmp_path / "nowhere")}), EnvContext(), "train")
+    with pytest.raises(ValueError, match=r"game_pool=5 but .*train holds only 3 solvable"):
+        A.make_tasks(cfg.model_copy(update={"game_pool": 5}), EnvContext(), "train")
+    with pytest.raises(ValueError, match=r"eval_pool=4 but .*valid_seen holds only 3 solvable"):
+        A.make_tasks(cfg.model_copy(update={"eval_pool": 4}), EnvContext(), "eval")
+
+
+@pytest.mark.parametrize("text, why", [("{not json", "not readable JSON"), ("[1, 2]", "an array, not a JSON object"),
+                                       ("null", "null, not a JSON object"), (b"\xff\xfe", "not readable JSON")])
+def test_data_dir_broken_game_file_is_named(tmp_path, text, why):
+    trial = tmp_path / "json_2.1.1" / "train" / "pick_and_place_simple-Obj-None-Recep-0" / "trial_T0"
+    trial.mkdir(parents=True)
+    game = trial / "game.tw-pddl"
+    game.write_bytes(text if isinstance(text, bytes) else text.encode())
+    cfg = _cfg(game_pool=1, alfworld={"data_dir": str(tmp_path), "task_types": ["pick"]})
+    with pytest.raises(ValueError, match=why) as exc:
+        A.make_tasks(cfg, EnvContext(), "train")
+    assert str(game) in str(exc.value)

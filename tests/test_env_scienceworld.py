@@ -8,7 +8,7 @@ from opsd.config import EnvSection
 from opsd.envs import get_adapter
 from opsd.envs.base import EnvContext, Task
 from opsd.envs.scienceworld import make_tasks, open_env
-from tests.test_env_twx import java_children
+from tests.test_env_twx import java_children, stop_and_wait
 
 CFG = EnvSection(name="scienceworld", game_pool=2, eval_pool=1, seed=3,
                  scienceworld={"tasks": ["find-living-thing"], "simplifications": "easy"})
@@ -133,3 +133,32 @@ def test_close_stops_the_jvm(env):
     e.close()
     with pytest.raises(RuntimeError):
         e.reset()
+
+
+def test_stopped_jvm_times_out_kills_java_and_raises(pools):
+    """A hung JVM (SIGSTOP) must not block step forever: past step_timeout_s the JVM is killed and reaped,
+    step raises a RuntimeError naming the timeout, and the env is closed."""
+    import os
+    import signal
+    import time
+
+    before = java_children()
+    e = open_env(pools[0][0], CFG, EnvContext())
+    (pid,) = java_children() - before
+    e.reset()
+    assert e.step_timeout_s == CFG.scienceworld.step_timeout_s == 60.0
+    e.step_timeout_s = 1.0  # after the (slower) load; CFG's default 60 s applied until here
+    stop_and_wait(pid)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="step_timeout_s=1 s"):
+            e.step("look around")
+        assert time.monotonic() - t0 < 6.0
+        assert java_children() == before
+    finally:
+        if pid in java_children():
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+        e.close()
+    with pytest.raises(RuntimeError):
+        e.step("look around")

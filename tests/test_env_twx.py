@@ -37,6 +37,21 @@ def java_children() -> set[int]:
     return out
 
 
+def stop_and_wait(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it is stopped (delivery is asynchronous)."""
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+        if all(st == "T" for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"java {pid} did not stop")
+
+
 @pytest.fixture(scope="module")
 def train() -> list[Task]:
     return make_tasks(CFG, CTX, "train")
@@ -208,3 +223,32 @@ def test_close_stops_the_jvm(train):
         env.step("look around")
     with pytest.raises(RuntimeError):
         env.reset()
+
+
+def test_stopped_jvm_times_out_kills_java_and_raises(train):
+    """A hung JVM (SIGSTOP) must not block step forever: past step_timeout_s the JVM is killed and reaped,
+    step raises a RuntimeError naming the timeout, and the env is closed."""
+    import signal
+    import time
+
+    cfg = CFG.model_copy(update={"twx": CFG.twx.model_copy(update={"step_timeout_s": 30.0})})
+    before = java_children()
+    env = open_env(train[0], cfg, CTX)
+    (pid,) = java_children() - before
+    env.reset()
+    assert env.step_timeout_s == 30.0
+    env.step_timeout_s = 1.0  # after the first load (a cold JVM can take over 1 s on a busy machine)
+    stop_and_wait(pid)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="step_timeout_s=1 s"):
+            env.step("look around")
+        assert time.monotonic() - t0 < 6.0
+        assert java_children() == before  # killed and reaped
+    finally:
+        if pid in java_children():  # only on failure: never leave a stopped JVM behind
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+        env.close()
+    with pytest.raises(RuntimeError):
+        env.step("look around")

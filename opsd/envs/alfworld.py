@@ -429,11 +429,12 @@ def _data_tasks(cfg: EnvSection, split: str) -> list[Task]:
     if not found:
         raise FileNotFoundError(f"no ALFWorld game files (*/*/game.tw-pddl) for {sorted(cats)} under {root / sub}")
     random.Random(f"{cfg.seed}-{sub}").shuffle(found)
+    n = cfg.game_pool if split == "train" else cfg.eval_pool
     tasks = []
     for game_file, cat in found:
-        if len(tasks) == (cfg.game_pool if split == "train" else cfg.eval_pool):
+        if len(tasks) == n:
             break
-        data = json.loads(game_file.read_text())
+        data = _read_game(game_file)
         if data.get("solvable") is False:
             continue
         rel = game_file.relative_to(root).as_posix()
@@ -443,7 +444,23 @@ def _data_tasks(cfg: EnvSection, split: str) -> list[Task]:
             spec={"source": "data", "game": rel}, gold_path=[str(a) for a in data.get("walkthrough") or []],
             objective=m.group(1) if m else "",
         ))
+    if len(tasks) < n:
+        pool = "game_pool" if split == "train" else "eval_pool"
+        raise ValueError(f"{pool}={n} but {root / sub} holds only {len(tasks)} solvable ALFWorld games of "
+                         f"{sorted(cats)}; lower {pool} or add game files")
     return tasks
+
+
+def _read_game(game_file: Path) -> dict:
+    # One game.tw-pddl (a JSON object); ValueError naming the file when it is not one.
+    try:
+        data = json.loads(game_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"ALFWorld game file {game_file} is not readable JSON: {e}") from e
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(data), "null")
+        raise ValueError(f"ALFWorld game file {game_file} holds {kind}, not a JSON object")
+    return data
 
 
 def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str) -> list[Task]:
@@ -454,7 +471,8 @@ def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str) -> list[Task]:
     train scenes and eval tasks in its test scenes; deterministic in cfg.seed.
     With it: that many real game files of train/ or `eval_split`/, a
     deterministic shuffle (cfg.seed) of those whose category is selected.
-    Raises ValueError (bad split / task types), FileNotFoundError (data dir).
+    Raises ValueError (bad split / task types; with data_dir: a broken game file,
+    naming it, or fewer solvable games than the pool asks), FileNotFoundError (data dir).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")

@@ -10,12 +10,15 @@ object, which also ends the episode as lost).
 
 Costs (measured on one core): the JVM starts in 1-5 s, loading a variation
 takes 0.3-3 s, a step 0.1-0.2 s (ScienceWorld recomputes the valid actions).
+Every call into the JVM runs under `cfg.scienceworld.step_timeout_s` (see
+`opsd.envs.twx.jvm_deadline`): a JVM that hangs is killed and the call raises
+JVMTimeout (a RuntimeError).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import scienceworld
 from scienceworld import ScienceWorldEnv
@@ -23,7 +26,7 @@ from scienceworld.constants import ID2TASK
 
 from opsd.config import EnvSection
 from opsd.envs.base import ClosingEnv, EnvContext, EnvPrompt, EnvStep, Task, cap
-from opsd.envs.twx import GoldTracker, cached_tasks, clean_action, start_jvm, stop_jvm
+from opsd.envs.twx import GoldTracker, JVMTimeout, cached_tasks, clean_action, jvm_deadline, start_jvm, stop_jvm
 
 NAME = "scienceworld"
 ACTION_TAGS = ("action",)
@@ -81,14 +84,17 @@ def _load(env: ScienceWorldEnv, spec: dict[str, Any], gold: bool) -> None:
                          f"({spec['simplifications']!r}): {why}") from e
 
 
-def _winning_prefix(env: ScienceWorldEnv, gold: list[str]) -> list[str]:
+def _winning_prefix(env: ScienceWorldEnv, gold: list[str], timeout_s: float, what: str) -> list[str]:
     # Gold paths often go on after the win (grow-plant: 27 of 62 steps). Replay them on the raw
     # server, which skips the valid-action listing that makes a package step slow, and cut at the win.
-    env.reset()
+    with jvm_deadline(env, timeout_s, what):
+        env.reset()
     for k, action in enumerate(gold):
-        if _AMBIGUOUS.search(str(env.server.step(action)).strip()):
-            env.server.step("0")
-        if env.server.getCompleted() or env.server.getScore() >= 1.0:
+        with jvm_deadline(env, timeout_s, what):
+            if _AMBIGUOUS.search(str(env.server.step(action)).strip()):
+                env.server.step("0")
+            won = env.server.getCompleted() or env.server.getScore() >= 1.0
+        if won:
             return gold[: k + 1]
     return gold
 
@@ -123,13 +129,14 @@ def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[T
 
 
 def _build_tasks(cfg: EnvSection, split: str, names: list[str], n: int) -> list[Task]:
-    simpl = cfg.scienceworld.simplifications
+    simpl, timeout = cfg.scienceworld.simplifications, cfg.scienceworld.step_timeout_s
     env = _new_env()
     try:
         variations: dict[str, list[int]] = {}
         for k, name in enumerate(names):
-            _load(env, {"task": name, "variation": 0, "simplifications": simpl}, gold=False)
-            variations[name] = list(env.get_variations_train() if split == "train" else env.get_variations_dev())
+            with jvm_deadline(env, timeout, f"ScienceWorld ({name})"):
+                _load(env, {"task": name, "variation": 0, "simplifications": simpl}, gold=False)
+                variations[name] = list(env.get_variations_train() if split == "train" else env.get_variations_dev())
             need = len(range(k, n, len(names)))
             if need > len(variations[name]):
                 raise ValueError(f"ScienceWorld task {name} has {len(variations[name])} {split} variations; "
@@ -140,13 +147,16 @@ def _build_tasks(cfg: EnvSection, split: str, names: list[str], n: int) -> list[
             vs = variations[name]
             var = int(vs[(cfg.seed + j) % len(vs)] if split == "train" else vs[j])
             spec = {"task": name, "variation": var, "simplifications": simpl}
-            _load(env, spec, gold=True)
-            # A bare number answers ScienceWorld's "Ambiguous request" prompt; ScienceWorldTaskEnv.step
-            # answers it itself with 0 (the only choice gold paths make), so the gold path drops them.
-            gold = _winning_prefix(env, [str(a) for a in env.get_gold_action_sequence() if not str(a).strip().isdigit()])
+            what = f"ScienceWorld ({name} variation {var})"
+            with jvm_deadline(env, timeout, what):
+                _load(env, spec, gold=True)
+                # A bare number answers ScienceWorld's "Ambiguous request" prompt; ScienceWorldTaskEnv.step
+                # answers it itself with 0 (the only choice gold paths make), so the gold path drops them.
+                gold = [str(a) for a in env.get_gold_action_sequence() if not str(a).strip().isdigit()]
+                objective = str(env.get_task_description()).strip()
+            gold = _winning_prefix(env, gold, timeout, what)
             tasks.append(Task(task_id=f"sw-{name}-v{var}-{simpl.replace(',', '+') or 'none'}", category=name,
-                              spec=spec, skill_key=name, gold_path=gold,
-                              objective=str(env.get_task_description()).strip()))
+                              spec=spec, skill_key=name, gold_path=gold, objective=objective))
         return tasks
     finally:
         stop_jvm(env)
@@ -158,24 +168,37 @@ def _clean_observation(text: str) -> str:
 
 
 class ScienceWorldTaskEnv(ClosingEnv):
-    """One ScienceWorld variation, an episode at a time, on its own JVM. close() (or `with`) stops the JVM."""
+    """One ScienceWorld variation, an episode at a time, on its own JVM. close() (or `with`) stops the JVM.
 
-    def __init__(self, task: Task, max_observation_chars: int = 2000) -> None:
+    Each reset/step must finish within `step_timeout_s` seconds, else the JVM is
+    killed, the env closed, and the call raises JVMTimeout (a RuntimeError).
+    """
+
+    def __init__(self, task: Task, max_observation_chars: int = 2000, step_timeout_s: float = 60.0) -> None:
         spec = task.spec
         missing = {"task", "variation", "simplifications"} - set(spec)
         if missing:
             raise ValueError(f"ScienceWorld task {task.task_id!r} spec lacks {sorted(missing)}")
         if spec["task"] not in ID2TASK.values():
             raise ValueError(f"ScienceWorld task {task.task_id!r}: unknown task {spec['task']!r}")
-        self.task, self.max_observation_chars = task, max_observation_chars
+        self.task, self.max_observation_chars, self.step_timeout_s = task, max_observation_chars, step_timeout_s
         self._spec = {"task": spec["task"], "variation": int(spec["variation"]), "simplifications": str(spec["simplifications"])}
         self._env: ScienceWorldEnv | None = _new_env()
         self._done = True
         self._gold = GoldTracker(task.gold_path)
 
-    def _to_step(self, obs: str, info: dict[str, Any], invalid: bool, extra: dict[str, Any]) -> EnvStep:
+    def _call(self, fn: Callable[[ScienceWorldEnv], Any]) -> Any:
+        # fn(env) under the deadline; on a timeout the (killed) JVM is released before raising.
+        try:
+            with jvm_deadline(self._env, self.step_timeout_s, f"ScienceWorld ({self.task.task_id})"):
+                return fn(self._env)
+        except JVMTimeout:
+            self.close()
+            raise
+
+    def _to_step(self, obs: str, info: dict[str, Any], completed: bool, invalid: bool, extra: dict[str, Any]) -> EnvStep:
         score = float(info.get("score") or 0)
-        won = score >= 100 or bool(self._env.server.getCompleted())
+        won = score >= 100 or completed
         lost = score < 0 and not won
         self._done = won or lost
         return EnvStep(
@@ -187,33 +210,46 @@ class ScienceWorldTaskEnv(ClosingEnv):
         )
 
     def reset(self) -> EnvStep:
-        """Load the variation afresh (0.3-3 s): the task description, a blank line, then the room."""
+        """Load the variation afresh (0.3-3 s): the task description, a blank line, then the room.
+
+        Raises RuntimeError after close(); JVMTimeout (a RuntimeError) past step_timeout_s."""
         if self._env is None:
             raise RuntimeError("ScienceWorldTaskEnv.reset called after close()")
-        _load(self._env, self._spec, gold=False)
-        obs, info = self._env.reset()
+
+        def run(env: ScienceWorldEnv) -> tuple[str, dict[str, Any], bool]:
+            _load(env, self._spec, gold=False)
+            obs, info = env.reset()
+            return f"{env.get_task_description().strip()}\n\n{obs}", info, bool(env.server.getCompleted())
+
+        obs, info, completed = self._call(run)
         self._gold = GoldTracker(self.task.gold_path)
-        return self._to_step(f"{self._env.get_task_description().strip()}\n\n{obs}", info, False, {})
+        return self._to_step(obs, info, completed, False, {})
 
     def step(self, action: str) -> EnvStep:
         """Run one command (any text; ScienceWorld parses it). An ambiguous command is resolved to
         ScienceWorld's first reading (info["ambiguous"] = True); a command it cannot parse sets
         invalid_action (it answers "No known action matches that input.").
 
-        Raises RuntimeError before reset(), after the episode ended, or after close().
+        Raises RuntimeError before reset(), after the episode ended, or after close();
+        JVMTimeout (a RuntimeError) when ScienceWorld does not answer within step_timeout_s.
         """
         if self._env is None or self._done:
             raise RuntimeError("ScienceWorldTaskEnv.step called on a finished (or not yet reset, or closed) episode")
         command = clean_action(action)
-        obs, _reward, _done, info = self._env.step(command)
         extra = {}
-        if _AMBIGUOUS.search(obs.strip()):
-            # ScienceWorld waits for a number next; answering it here keeps one action per turn.
-            obs, _reward, _done, info = self._env.step("0")
-            extra["ambiguous"] = True
+
+        def run(env: ScienceWorldEnv) -> tuple[str, dict[str, Any], bool]:
+            obs, _reward, _done, info = env.step(command)
+            if _AMBIGUOUS.search(obs.strip()):
+                # ScienceWorld waits for a number next; answering it here keeps one action per turn.
+                obs, _reward, _done, info = env.step("0")
+                extra["ambiguous"] = True
+            return obs, info, bool(env.server.getCompleted())
+
+        obs, info, completed = self._call(run)
         invalid = bool(_REJECTED.search(obs.strip()))
         self._gold.advance(command, invalid)
-        return self._to_step(obs, info, invalid, extra)
+        return self._to_step(obs, info, completed, invalid, extra)
 
     def close(self) -> None:
         """Stop the JVM; safe to call twice."""
@@ -227,4 +263,4 @@ class ScienceWorldTaskEnv(ClosingEnv):
 
 def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> ScienceWorldTaskEnv:
     """A ScienceWorldTaskEnv for `task` (starts a JVM; ValueError for a malformed spec, RuntimeError without Java)."""
-    return ScienceWorldTaskEnv(task, cfg.max_observation_chars)
+    return ScienceWorldTaskEnv(task, cfg.max_observation_chars, cfg.scienceworld.step_timeout_s)

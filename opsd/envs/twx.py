@@ -7,7 +7,9 @@ never share a game. Reward is terminal and binary: 1.0 when TWX reports task
 success, else 0.0; `EnvStep.score` is TWX's normalized score in [0, 1].
 
 Every `TWXEnv` starts its own JVM (about 0.6 s; steps take 0.5-2.4 ms) and
-`close()` stops it; `make_tasks` starts one for the time it runs.
+`close()` stops it; `make_tasks` starts one for the time it runs. Every call
+into a JVM runs under `cfg.twx.step_timeout_s` (see `jvm_deadline`): a JVM that
+hangs is killed and the call raises `JVMTimeout`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import textworld_express
 from textworld_express import TextWorldExpressEnv
@@ -94,24 +98,67 @@ def start_jvm(factory: Callable[[], Any], what: str) -> Any:
         raise RuntimeError(f"{what} could not start its Java VM (java at {shutil.which('java')}): {e}") from e
 
 
+class JVMTimeout(RuntimeError):
+    """A call into a JVM did not return within its deadline; the JVM was killed."""
+
+
+@contextmanager
+def jvm_deadline(env: Any, timeout_s: float, what: str) -> Iterator[None]:
+    """Run the block under a deadline of `timeout_s` seconds for the JVM behind `env` (py4j-backed).
+
+    py4j calls have no timeout, so a hung or stopped JVM would block forever. A
+    watchdog timer SIGKILLs the java process when the block has not finished in
+    time; the blocked py4j call then fails on its closed socket. Raises
+    JVMTimeout (a RuntimeError naming `what` and the timeout) when the watchdog
+    fired, whether the block then failed or returned; the JVM is dead after that.
+    """
+    gateway = getattr(env, "_gateway", None)
+    proc = getattr(gateway, "java_process", None)
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        if proc is not None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout_s, kill)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception as e:
+        if fired.is_set():
+            raise JVMTimeout(f"{what} did not answer within step_timeout_s={timeout_s:g} s; its Java VM was killed") from e
+        raise
+    finally:
+        timer.cancel()
+    if fired.is_set():
+        raise JVMTimeout(f"{what} did not answer within step_timeout_s={timeout_s:g} s; its Java VM was killed")
+
+
 def stop_jvm(env: Any) -> None:
     """Stop the JVM behind a py4j-backed env (TWX or ScienceWorld) and reap it; safe to call twice.
 
     The packages' own close() leaves the java process to exit on its own and
     their __del__ calls close() again (a BrokenPipeError on a closed pipe), so
-    this shuts the gateway, closes java's stdin (py4j's die-on-exit signal),
-    waits up to 5 s and kills java if it is still alive.
+    this shuts the gateway (killing java if that takes over 10 s), closes
+    java's stdin (py4j's die-on-exit signal), waits up to 5 s and kills java
+    if it is still alive.
     """
     env.close = lambda: None  # the package's __del__ must not close twice
     gateway = getattr(env, "_gateway", None)
     if gateway is None:
         return
-    env._gateway = None
     proc = getattr(gateway, "java_process", None)
     try:
-        gateway.shutdown()
+        with jvm_deadline(env, 10.0, "py4j shutdown"):  # a hung JVM must not hang close() too
+            gateway.shutdown()
     except Exception:
         pass
+    env._gateway = None
     if proc is None:
         return
     try:
@@ -247,9 +294,10 @@ def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[T
 
 
 def _build_tasks(cfg: EnvSection, split: str, games: list[str], n: int) -> list[Task]:
-    env = _new_env()
+    env, timeout = _new_env(), cfg.twx.step_timeout_s
     try:
-        seeds = env.getValidSeedsTrain() if split == "train" else env.getValidSeedsDev()
+        with jvm_deadline(env, timeout, "TextWorld-Express"):
+            seeds = env.getValidSeedsTrain() if split == "train" else env.getValidSeedsDev()
         if -(-n // len(games)) > len(seeds):
             raise ValueError(f"TWX has {len(seeds)} {FOLDS[split]} seeds per game; a pool of {n} over {len(games)} games needs more")
         tasks = []
@@ -257,8 +305,9 @@ def _build_tasks(cfg: EnvSection, split: str, games: list[str], n: int) -> list[
             game, j = games[i % len(games)], i // len(games)
             seed = seeds[(cfg.seed + j) % len(seeds)] if split == "train" else seeds[j]
             spec = {"game": game, "fold": FOLDS[split], "seed": int(seed), "params": game_params(cfg, game)}
-            _obs, info = _generate(env, spec, gold=True)
-            gold = _winning_prefix(env, [str(a) for a in env.getGoldActionSequence()])
+            with jvm_deadline(env, timeout, f"TextWorld-Express ({game} seed {seed})"):  # ms per game
+                _obs, info = _generate(env, spec, gold=True)
+                gold = _winning_prefix(env, [str(a) for a in env.getGoldActionSequence()])
             if gold[:1] == ["look around"]:  # a no-op TWX puts first
                 gold = gold[1:]
             phash = hashlib.sha256(spec["params"].encode()).hexdigest()[:6]
@@ -279,20 +328,33 @@ def _clean_observation(text: str) -> str:
 
 
 class TWXEnv(ClosingEnv):
-    """One TWX game, an episode at a time, on its own JVM. close() (or `with`) stops the JVM."""
+    """One TWX game, an episode at a time, on its own JVM. close() (or `with`) stops the JVM.
 
-    def __init__(self, task: Task, max_observation_chars: int = 2000) -> None:
+    Each reset/step must finish within `step_timeout_s` seconds, else the JVM is
+    killed, the env closed, and the call raises JVMTimeout (a RuntimeError).
+    """
+
+    def __init__(self, task: Task, max_observation_chars: int = 2000, step_timeout_s: float = 60.0) -> None:
         spec = task.spec
         missing = {"game", "fold", "seed", "params"} - set(spec)
         if missing:
             raise ValueError(f"TWX task {task.task_id!r} spec lacks {sorted(missing)}")
         if spec["game"] not in GAME_PARAMS or spec["fold"] not in ("train", "dev", "test"):
             raise ValueError(f"TWX task {task.task_id!r}: unknown game {spec['game']!r} or fold {spec['fold']!r}")
-        self.task, self.max_observation_chars = task, max_observation_chars
+        self.task, self.max_observation_chars, self.step_timeout_s = task, max_observation_chars, step_timeout_s
         self._spec = {"game": spec["game"], "fold": spec["fold"], "seed": int(spec["seed"]), "params": str(spec["params"])}
         self._env: TextWorldExpressEnv | None = _new_env()
         self._done, self._admissible = True, []
         self._gold = GoldTracker(task.gold_path)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # fn(*args) under the deadline; on a timeout the (killed) JVM is released before raising.
+        try:
+            with jvm_deadline(self._env, self.step_timeout_s, f"TextWorld-Express ({self.task.task_id})"):
+                return fn(*args, **kwargs)
+        except JVMTimeout:
+            self.close()
+            raise
 
     def _to_step(self, obs: str, info: dict[str, Any], invalid: bool) -> EnvStep:
         won, lost = bool(info.get("tasksuccess")), bool(info.get("taskfailure"))
@@ -307,10 +369,12 @@ class TWXEnv(ClosingEnv):
         )
 
     def reset(self) -> EnvStep:
-        """Start (or restart) the game: the task description, a blank line, then the room."""
+        """Start (or restart) the game: the task description, a blank line, then the room.
+
+        Raises RuntimeError after close(); JVMTimeout (a RuntimeError) past step_timeout_s."""
         if self._env is None:
             raise RuntimeError("TWXEnv.reset called after close()")
-        obs, info = _generate(self._env, self._spec, gold=False)
+        obs, info = self._call(_generate, self._env, self._spec, gold=False)
         self._gold = GoldTracker(self.task.gold_path)
         return self._to_step(f"{info['taskDescription']}\n\n{obs}", info, False)
 
@@ -319,14 +383,15 @@ class TWXEnv(ClosingEnv):
         matching one up to case/spacing/a final period is sent as that one; anything else is
         sent as is and flagged invalid_action (TWX answers "Unknown action ...").
 
-        Raises RuntimeError before reset(), after the episode ended, or after close().
+        Raises RuntimeError before reset(), after the episode ended, or after close();
+        JVMTimeout (a RuntimeError) when TWX does not answer within step_timeout_s.
         """
         if self._env is None or self._done:
             raise RuntimeError("TWXEnv.step called on a finished (or not yet reset, or closed) game")
         command = clean_action(action)
         canonical = {a.lower(): a for a in self._admissible}
         command = canonical.get(command.lower(), command)
-        obs, _reward, _done, info = self._env.step(command)
+        obs, _reward, _done, info = self._call(self._env.step, command)
         invalid = command not in canonical.values() or bool(_REJECTED.search(obs))
         self._gold.advance(command, invalid)
         return self._to_step(obs, info, invalid)
@@ -343,4 +408,4 @@ class TWXEnv(ClosingEnv):
 
 def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> TWXEnv:
     """A TWXEnv for `task` (starts a JVM; ValueError for a malformed spec, RuntimeError without Java)."""
-    return TWXEnv(task, cfg.max_observation_chars)
+    return TWXEnv(task, cfg.max_observation_chars, cfg.twx.step_timeout_s)
