@@ -234,7 +234,7 @@ def accounting(run_dir: Path, client) -> dict:
     `violations`: one line per broken invariant (module docstring), [] if none.
     Raises FileNotFoundError without a checkpoint.
     """
-    from opsd.envs.textworld import make_games
+    from opsd.envs import EnvContext, get_adapter
     from services.trainer.controller import step_tasks
     from services.trainer.report import read_metrics
 
@@ -245,7 +245,7 @@ def accounting(run_dir: Path, client) -> dict:
     state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
     applied = [key.rsplit("@v", 1)[0] for key in state["applied"]]
     trained = set(applied)
-    games = make_games(cfg.env, cfg.cache_root)
+    games = get_adapter(cfg.env.name).make_tasks(cfg.env, EnvContext(cache_dir=cfg.cache_root), "train")
     issued = {t.group_id for s in range(cfg.run.steps) for t in step_tasks(cfg, games, s, 0)}
     dead = _dead_letters(client, names)
     dead_ids = {d["group_id"] for d in dead if d["group_id"]}
