@@ -21,6 +21,11 @@ A role process that dies during the run is started again (same command), at
 most run.max_restarts times per role; past that the run fails with the role's
 log tail. Each role gets the run's API token in OPSD_API_TOKEN (a fresh one a
 run, unless OPSD_API_TOKEN is already set).
+
+`opsd eval CONFIG --checkpoint DIR` plays the env's eval split with a
+checkpoint in this process (services/rollout/evaluate.py) and writes
+eval.json and eval.png. `opsd credit check` replays dumped credit inputs;
+`opsd prepare` fills the caches.
 """
 
 from __future__ import annotations
