@@ -329,7 +329,7 @@ def _start(adapter: Any, env_task: Task, env_cfg: EnvSection, ctx: EnvContext, t
 
 def _reward(step: EnvStep, task: TaskGroup) -> float:
     """The step's reward, checked: an env reporting a non-finite or out-of-range reward is a broken env."""
-    reward = float(step.reward if step.reward is not None else step.won)
+    reward = float(step.reward)  # EnvStep fills a missing reward from `won`
     if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
         raise ValueError(f"group {task.group_id}: env {task.env!r} returned reward {reward!r} (must be in [0, 1])")
     return reward
