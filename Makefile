@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm java gpu-check clean compose-env
+.PHONY: demo test test-main test-vllm install install-vllm java gpu-check clean compose-env bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none.
 java:
@@ -59,6 +59,22 @@ test-main: $(STAMP)
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+# The transport benchmark compares with redis-benchmark (Debian's redis-tools): install it when missing;
+# without it that benchmark still runs and says so in its rows.
+redis-tools:
+	@command -v redis-benchmark >/dev/null || { echo "no redis-benchmark: installing redis-tools"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends redis-tools; } \
+	  || echo "could not install redis-tools: the transport benchmark reports redis-benchmark as missing"
+
+# Every benchmark, one after another, then one table; results in runs/bench/<timestamp>/ (BENCHMARKS.md).
+bench: $(STAMP) | redis-tools
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/run.py
+
+# The same at small sizes (10 min on 2 busy cores): checks that every benchmark runs, not what it measures.
+bench-quick: $(STAMP) | redis-tools
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/run.py --quick
 
 # The GPU check's stages on this CPU, small sizes (on a GPU: see scripts/gpu_check.sh's header).
 gpu-check: $(STAMP)

@@ -1,6 +1,7 @@
 """Serving backends on CPU: transformers vs vLLM for generation, scoring and multi-view scoring.
 
     OMP_NUM_THREADS=2 /tmp/venv-vllm/bin/python benchmarks/backends.py --out backends.json [--backends hf vllm]
+                                         [--quick] [--json OUT]
 
 Needs both backends importable (the vLLM venv, `make install-vllm`); with the
 main venv pass `--backends hf`. The model is SmolLM2-135M-Instruct (packaged;
@@ -29,7 +30,12 @@ previous run's prefixes):
   view tokens/s counts every id of every view (what a no-reuse forward reads).
   The three must agree on the response log-probs (max |diff| is reported).
 
-Prints a markdown table; writes JSON to --out.
+Prints a markdown table; writes JSON to --out. `--json OUT` writes the rows as
+a benchmark JSON (benchmarks/common.py) for `make bench`'s table, with the
+issue's target for multi-view scoring: the faster of batched and shared at
+least 2x faster than one pass per view. `--quick`: small sizes for a smoke
+test (2 x 32-id prompts, 8 new ids; 2 x 64-id sequences; 5 views of 200 + 20
+ids + 30 scored; 1 repeat), where the speed-ups mean little.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks.common` importable
+from benchmarks.common import Row, command_line, write_json  # noqa: E402
 from opsd.config import ModelSection  # noqa: E402
 from opsd.models import load_backend  # noqa: E402
 
@@ -168,6 +176,29 @@ def print_table(rows: list[dict]) -> None:
             print(f"{w}: time {names[1]} / {names[0]} = {by[(names[1], w)] / by[(names[0], w)]:.2f}")
 
 
+def table_rows(rows: list[dict], quick: bool) -> list[Row]:
+    """The benchmark-JSON rows: throughput per workload and backend, and the multi-view speed-ups (target >= 2x)."""
+    out = []
+    for r in rows:
+        if "tokens_per_s" in r:
+            diff = r.get("max_abs_diff_vs_per_view")
+            out.append(Row(f"{r['backend']}: {r['workload']} ({r['shape']})", r["tokens_per_s"], r["unit"],
+                           note=f"median {r['seconds']:.3f} s" + ("" if diff is None else f"; max |diff| vs per-view "
+                                                                                           f"{diff:.1e} nats")))
+    by = {(r["backend"], r["workload"]): r["seconds"] for r in rows}
+    for b in sorted({r["backend"] for r in rows}):
+        if (b, "multi-view: per-view") not in by:
+            continue
+        per_view = by[(b, "multi-view: per-view")]
+        ups = {m: per_view / by[(b, f"multi-view: {m}")] for m in ("batched", "shared")}
+        for m, x in ups.items():
+            out.append(Row(f"{b}: multi-view {m} vs per-view", x, "x", note="time of one pass per view / this"))
+        best = max(ups, key=ups.get)
+        out.append(Row(f"{b}: multi-view best of batched/shared vs per-view", ups[best], "x", target=">= 2 x",
+                       note=f"best: {best}" + ("; --quick sizes: not the issue's measurement" if quick else "")))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"])
@@ -185,7 +216,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON results")
+    ap.add_argument("--json", type=Path, default=None, help="benchmark JSON (benchmarks/common.py) for make bench")
+    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke test (see the docstring)")
     args = ap.parse_args()
+    if args.quick:
+        for name, value in (("gen_batch", 2), ("gen_prompt", 32), ("gen_new", 8), ("score_batch", 2), ("score_len", 64),
+                            ("prefix", 200), ("view_tail", 20), ("response", 30), ("repeats", 1)):
+            if getattr(args, name) == ap.get_default(name):  # an explicit size wins over --quick
+                setattr(args, name, value)
 
     load_start = os.getloadavg()
     t0 = time.perf_counter()
@@ -212,6 +250,9 @@ def main() -> None:
                   "total_s": time.perf_counter() - t0, "results": rows}
         args.out.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
+    if args.json:
+        write_json(args.json, "teacher scoring (backends)", command_line(), table_rows(rows, args.quick))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

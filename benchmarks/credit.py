@@ -1,6 +1,7 @@
 """Credit-assignment speed: every registered method on an ALFWorld-scale batch.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/credit.py [--tasks 16 --rollouts 8 --turns 50 --tokens 512]
+                                                             [--quick] [--json OUT]
 
 The batch is random but valid (fixed seed): 16 tasks x 8 rollouts x 50 turns,
 512 response tokens per turn with a random number of loss tokens, binary
@@ -9,18 +10,25 @@ similarity matrix. Each method runs through `opsd.credit.compute_advantages`
 (the trainer's call, including validation), credit alone: no model passes.
 Targets (issue 3): AlignOPSD < 1 s, every other method < 0.1 s on one core.
 Prints: method, batch shape, median of 5 runs (after one warm-up run).
+`--quick`: 2 x 4 x 10 x 64, 2 runs (a smoke test; the targets are stated for
+the default size only). `--json OUT`: the rows as a benchmark JSON
+(benchmarks/common.py), for `make bench`'s table.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks.common` importable
 
 import numpy as np  # noqa: E402
 
+from benchmarks.common import Row, command_line, write_json  # noqa: E402
 from opsd.config import CreditSection  # noqa: E402
 from opsd.credit import compute_advantages, registered  # noqa: E402
 from opsd.types import CreditBatch  # noqa: E402
@@ -73,15 +81,23 @@ def make_batch(tasks: int, rollouts: int, turns: int, tokens: int, seed: int = 0
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", type=int, default=16)
-    ap.add_argument("--rollouts", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=50)
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tasks", type=int, default=None, help="default 16 (--quick 2)")
+    ap.add_argument("--rollouts", type=int, default=None, help="default 8 (--quick 4)")
+    ap.add_argument("--turns", type=int, default=None, help="default 50 (--quick 10)")
+    ap.add_argument("--tokens", type=int, default=None, help="default 512 (--quick 64)")
+    ap.add_argument("--repeats", type=int, default=None, help="default 5 (--quick 2)")
     ap.add_argument("--methods", nargs="*", default=None, help="default: every registered method")
+    ap.add_argument("--quick", action="store_true", help="a small batch for a smoke test (2 x 4 x 10 x 64, 2 runs)")
+    ap.add_argument("--json", type=Path, default=None, help="write the benchmark JSON here")
     args = ap.parse_args()
+    for name, full, quick in (("tasks", 16, 2), ("rollouts", 8, 4), ("turns", 50, 10), ("tokens", 512, 64),
+                              ("repeats", 5, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     batch = make_batch(args.tasks, args.rollouts, args.turns, args.tokens)
     shape = f"{args.tasks}x{args.rollouts}x{args.turns}x{args.tokens}"
+    issue_size = (args.tasks, args.rollouts, args.turns, args.tokens) == (16, 8, 50, 512)
+    rows: list[Row] = []
     names = args.methods or [m for m in registered() if m not in ALIASES] + list(VARIANTS)
     print(f"{'method':<24} {'batch (tasks x rollouts x turns x tokens)':<42} {'median s':>9} {'target s':>9}  ok")
     for name in names:
@@ -96,6 +112,12 @@ def main() -> None:
         med = float(np.median(times))
         target = TARGET_S.get(method, DEFAULT_TARGET_S)
         print(f"{name:<24} {shape:<42} {med:>9.3f} {target:>9.2f}  {'yes' if med < target else 'NO'}")
+        rows.append(Row(f"{name} ({shape}): median s", med, "s", target=f"< {target:g} s" if issue_size else None,
+                        note=f"median of {args.repeats} after a warm-up" + (
+                            "" if issue_size else f"; target < {target:g} s holds for 16x8x50x512, not this size")))
+    if args.json:
+        write_json(args.json, "credit", command_line(), rows)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

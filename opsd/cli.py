@@ -62,6 +62,7 @@ STEP_COLUMNS = (
     ("format_valid_rate", "valid", "{:.2f}"),
     ("reward_mean", "reward", "{:.2f}"),
     ("teacher_student_gap", "gap", "{:+.3f}"),
+    ("privileged_signal", "priv", "{:+.3f}"),
     ("mean_span_length", "span", "{:.1f}"),
     ("loss", "loss", "{:+.4f}"),
     ("rollout_seconds", "rollout_s", "{:.0f}"),

@@ -64,7 +64,9 @@ class VLLMSection(_Section):
 
 
 class ModelSection(_Section):
-    name: str = "smollm2-135m-instruct"  # a packaged model (opsd.models.hf.PACKAGED_MODELS) or a local HF dir
+    # a packaged model (opsd.models.hf.PACKAGED_MODELS), "tiny-random" (a tiny random Llama for tests and
+    # simulated compute, opsd.models.hf.TINY_RANDOM) or a local HF dir
+    name: str = "smollm2-135m-instruct"
     # Rollout and teacher generate/score with this backend: "hf" (transformers, CPU or one GPU) or
     # "vllm" (vLLM engine; `make install-vllm` on CPU). The trainer always uses transformers.
     backend: Literal["hf", "vllm"] = "hf"
@@ -180,8 +182,10 @@ class EnvSection(_Section):
     )
     max_observation_chars: int = Field(2000, ge=16)
     # What the teacher's privileged context holds (spec section 0): the SkillBank's skills
-    # (opsd/skills/<env>/), the environment's walkthrough / gold path where it has one, or both.
-    privileged: Literal["skills", "walkthrough", "both"] = "both"
+    # (opsd/skills/<env>/), the environment's walkthrough / gold path where it has one, or both;
+    # "remaining": per turn, the gold path left from the state the turn acted in (the env's
+    # policy_commands; one teacher view per turn), "skills+remaining": the skills plus that.
+    privileged: Literal["skills", "walkthrough", "both", "remaining", "skills+remaining"] = "both"
     twx: TWXSection = TWXSection()
     scienceworld: ScienceWorldSection = ScienceWorldSection()
     alfworld: AlfWorldSection = AlfWorldSection()
@@ -436,6 +440,9 @@ class TrainerSection(_Section):
     truncated_is: bool = False
     tis_cap: float = Field(5.0, gt=0)
     checkpoint_every: int = Field(1, ge=1)  # steps between checkpoints (resume point; the last step always saves)
+    # Keep the published weights of every Nth policy version (and version 0) in <run_dir>/snapshots/
+    # (learning curves: benchmarks/learning.py evaluates them); 0 = keep none. ~540 MB each for SmolLM2 fp32.
+    snapshot_every: int = Field(0, ge=0)
     dump_credit: bool = False  # write each step's credit inputs to <run_dir>/credit/ (replay: opsd credit check)
     # LoRA (opsd/lora.py): None = full fine-tuning; set = train and publish adapters only.
     lora: LoRASection | None = None
@@ -452,8 +459,33 @@ class EvalSection(_Section):
 
     temperature: float = Field(0.4, gt=0)
     episodes_per_task: int = Field(1, ge=1, le=64)
+    # Tasks played together (one batched generate call per turn, up to rollout.batch_size episodes); their
+    # envs are open at once (a TextWorld-Express or ScienceWorld env is a JVM of a few hundred MB).
+    parallel_tasks: int = Field(8, ge=1, le=256)
     bootstrap_samples: int = Field(1000, ge=100)  # resamples for the 95% intervals
     seed: int = 0
+
+
+class SimulateSection(_Section):
+    """Simulated compute (benchmarks/overlap.py): every role runs for real on a tiny model and holds each job
+    for a configured compute time, so the pipeline's overlap is measured without the cost of a real model.
+
+    Off unless `enabled: true`, and then only with `model.name: tiny-random` (opsd/models/hf.py: a 2-layer,
+    hidden-64 random Llama with SmolLM2's tokenizer) on the hf backend: it cannot slow down a real run by
+    accident. Everything else is real: Redis streams, message encoding and validation, the environment,
+    credit assignment, the PPO update, checkpoints, weight publishing, metrics. A job's real work counts
+    toward its compute time and the role sleeps the rest (nothing when the work took longer: the overrun
+    shows in the stage's seconds), so each stage takes its configured time:
+    rollout_s: seconds per group (the rollout of its G episodes); teacher_s: seconds per group (scoring);
+    trainer_s: seconds per step (credit assignment + PPO update; the checkpoint and weight publishing come on
+    top, as they are). Every role logs "simulated compute" at start; each metrics.jsonl line carries
+    `simulated_compute: true`. Changes only timing, never what is trained (not part of the config hash).
+    """
+
+    enabled: bool = False
+    rollout_s: float = Field(0.0, ge=0, le=3600)
+    teacher_s: float = Field(0.0, ge=0, le=3600)
+    trainer_s: float = Field(0.0, ge=0, le=3600)
 
 
 class RunConfig(_Section):
@@ -467,6 +499,7 @@ class RunConfig(_Section):
     credit: CreditSection = CreditSection()
     trainer: TrainerSection = TrainerSection()
     eval: EvalSection = EvalSection()
+    simulate: SimulateSection = SimulateSection()
 
     @model_validator(mode="after")
     def _known_method(self) -> "RunConfig":
@@ -484,6 +517,15 @@ class RunConfig(_Section):
             raise ValueError(
                 f"run.method={self.run.method} distills against sampler log-probs taken at the rollout temperature; "
                 f"it must be 1.0 (got {self.rollout.temperature}); only method grpo may sample at another temperature"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _simulated_compute(self) -> "RunConfig":
+        if self.simulate.enabled and (self.model.name != "tiny-random" or self.model.backend != "hf"):
+            raise ValueError(
+                f"simulate.enabled (simulated compute) runs only with model.name: tiny-random on the hf backend "
+                f"(got model.name {self.model.name!r}, backend {self.model.backend!r}): it would add sleeps to a real model's compute"
             )
         return self
 
@@ -529,7 +571,7 @@ RESUMABLE_FIELDS = (
     ("run", "steps"), ("run", "output_dir"), ("run", "step_timeout_s"), ("run", "max_restarts"),
     ("redis", "url"), ("redis", "block_ms"), ("redis", "reclaim_idle_ms"), ("redis", "max_deliveries"),
     ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
-    ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"),
+    ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"), ("trainer", "snapshot_every"),
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.
@@ -539,7 +581,7 @@ ADDED_FIELDS = (
     ("env", "reasoning_gym"), ("embedder", "device"),
 )
 # Sections that never change what a run trains (dropped from the hash whole).
-UNHASHED_SECTIONS = ("eval",)
+UNHASHED_SECTIONS = ("eval", "simulate")
 
 
 def hashed_config(cfg) -> dict:

@@ -20,6 +20,9 @@ POLICY_VERSION = Gauge("opsd_policy_version", "Policy version the role currently
 STEP_SECONDS = Gauge("opsd_step_seconds", "Last step's wall time by phase (waiting for input vs computing)", ["role", "phase"])
 JOB_SECONDS = Histogram("opsd_job_seconds", "Seconds spent on one job (a group)", ["role"], buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800))
 TEACHER_STUDENT_GAP = Gauge("opsd_teacher_student_gap", "Mean teacher minus student log-prob over loss tokens (nats)", ["role"])
+PRIVILEGED_SIGNAL = Gauge(
+    "opsd_privileged_signal", "Teacher-student gap on turns taking the privileged hint's action minus on the others "
+    "(nats/token, last step; near 0: the teacher ignores its privileged context)", ["role"])
 SUCCESS_RATE = Gauge("opsd_success_rate", "Fraction of episodes won in the last step", ["role"])
 INVALID_ACTION_RATE = Gauge("opsd_invalid_action_rate", "Fraction of turns without a valid action in the last step", ["role"])
 MEAN_SPAN_LENGTH = Gauge("opsd_mean_span_length_turns", "Mean AlignOPSD span length in turns (last step)", ["role"])

@@ -20,7 +20,7 @@ observations are prompt (mask 0).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,9 @@ MAX_ABS_REWARD = 1e9
 # Turns of one group (all its trajectories): the teacher and the trainer build [M, M]
 # matrices per group (64 MB of float32 at 4096), so an unbounded M is an out-of-memory kill.
 MAX_GROUP_TURNS = 4096
+# A turn's privileged hint (remaining gold path): bounded so a message stays small.
+MAX_HINT_ACTIONS = 64
+MAX_HINT_CHARS = 256
 SIMILARITY_TOLERANCE = 1e-3  # cosine H may exceed [-1, 1] by float noise (FAISS inner products), not more
 LOGPROB_TOLERANCE = 1e-4  # a log-prob is <= 0; tiny positive values are float noise
 ENTROPY_TOLERANCE = 1e-4  # an entropy lies in [0, log V]; float noise may step outside by this much
@@ -117,6 +120,9 @@ class TurnRecord:
     format_valid: bool
     finish_reason: str  # "stop" (end of turn token sampled) or "length" (token cap)
     observation: str  # the environment's reply to this turn ("" after the last turn)
+    # The remaining gold path from the state this turn acted in (privileged: the env's
+    # `EnvStep.policy_commands`, at most MAX_HINT_ACTIONS); [] when the env does not know it.
+    hint: list[str] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
@@ -185,6 +191,8 @@ class Trajectory:
                 f"{name}: turn {k} span [{t.response_start},{t.response_end}) out of order or bounds",
             )
             _check(t.finish_reason in FINISH_REASONS, f"{name}: turn {k} finish_reason {t.finish_reason!r}")
+            _check(len(t.hint) <= MAX_HINT_ACTIONS and all(len(a) <= MAX_HINT_CHARS for a in t.hint),
+                   f"{name}: turn {k} hint longer than {MAX_HINT_ACTIONS} actions of {MAX_HINT_CHARS} chars")
             prev_end = t.response_end
         inside = np.zeros(S, dtype=bool)
         for t in self.turns:

@@ -13,7 +13,9 @@ The latest published version is also stored under the Redis key
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -58,6 +60,25 @@ def prune_versions(run_dir: Path, newest: int, keep: int) -> list[int]:
     for v in gone:
         weights_path(run_dir, v).unlink(missing_ok=True)
     return gone
+
+
+def keep_snapshot(run_dir: Path, version: int, every: int) -> Path | None:
+    """Keep version `version`'s published file in `<run_dir>/snapshots/` when `every` >= 1 divides it
+    (version 0 when published); returns the snapshot path, or None when not kept. A hard link where the
+    filesystem allows (no copy; pruning the published name leaves it), else a copy."""
+    if every < 1 or version % every:
+        return None
+    src = weights_path(run_dir, version)
+    dst = Path(run_dir) / "snapshots" / src.name
+    dst.parent.mkdir(exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst
 
 
 def ensure_version(backend, run_dir: Path, version: int) -> bool:

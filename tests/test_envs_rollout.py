@@ -129,6 +129,9 @@ def test_following_the_gold_path_wins(name, policy_backend, shop, search_ctx, tm
     assert (traj.ending, traj.won, traj.reward) == ("won", True, 1.0)
     assert len(traj.turns) == len(gold) and all(t.format_valid for t in traj.turns)
     assert stats.wins == 1 and stats.env_invalid_actions == 0
+    if name in ("textworld", "twx", "scienceworld", "alfworld"):
+        # Each turn carries the gold path left from the state it acted in (the teacher's per-turn hint).
+        assert [t.hint for t in traj.turns] == [gold[k:] for k in range(len(gold))]
 
 
 @pytest.mark.parametrize("name", ENVS)

@@ -22,7 +22,7 @@ from opsd.envs.textworld import TextWorldEnv
 from opsd.models.hf import NonFiniteLogitsError
 from opsd.types import TaskGroup
 from services.rollout import prompts
-from services.rollout.episodes import initial_prompt_ids, rollout_ids, run_group
+from services.rollout.episodes import initial_prompt_ids, rollout_ids, run_group, run_groups
 
 ENV = EnvSection(game_pool=1, seed=1234, max_turns=2)
 
@@ -406,3 +406,29 @@ def test_case16_cut_inside_think_is_truncated_not_a_format_error(game, backend):
     assert ids[t2.response_end - 1 : t2.response_end + 2] == [eos, 198, 1]
     assert ids[t3.response_end - 1 :] == [endoftext]  # the last turn: nothing appended after it
     assert all(ids[k : k + 2] != [eos, eos] for k in range(len(ids)))
+
+
+def test_run_groups_batches_groups_and_isolates_a_broken_one(game, backend, chat):
+    rollout = RolloutSection(group_size=2, max_new_tokens=8, batch_size=16)
+    alone, _ = run_group(make_task(game), backend, chat, ENV, rollout, 2048, seed=11)
+    # A group whose task is malformed fails alone; the good ones share each turn's generate call.
+    broken = make_task(game)
+    broken.game = {"spec": {"seed": "not a seed"}, "task_id": "x"}
+    other = make_task(game)
+    other.group_id = "g-other"
+    rec = Recorder(backend, 2048)
+    results = run_groups([make_task(game), broken, other], rec, chat, ENV, rollout, 2048, seeds=[11, 12, 13])
+    assert isinstance(results[1], ValueError)
+    (g0, s0), (g2, _) = results[0], results[2]
+    assert len(rec.calls) == max(len(t.turns) for t in g0.trajectories + g2.trajectories)
+    assert len(rec.calls[0][0]) == 4  # both good groups' episodes in the first call
+    assert s0.generate_calls == max(len(t.turns) for t in g0.trajectories)  # the calls it took part in
+    for g in (g0, g2):
+        g.validate(backend.vocab_size)
+    # One group alone is played exactly as run_group plays it; a batch is reproducible from its seeds.
+    (solo, _), = run_groups([make_task(game)], backend, chat, ENV, rollout, 2048, seeds=[11])
+    assert [t.token_ids_S.tolist() for t in solo.trajectories] == [t.token_ids_S.tolist() for t in alone.trajectories]
+    again = run_groups([make_task(game), broken, other], backend, chat, ENV, rollout, 2048, seeds=[11, 12, 13])
+    assert [t.token_ids_S.tolist() for t in again[2][0].trajectories] == [t.token_ids_S.tolist() for t in g2.trajectories]
+    with pytest.raises(ValueError, match="seeds"):
+        run_groups([make_task(game)], backend, chat, ENV, rollout, 2048, seeds=[])

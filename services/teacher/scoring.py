@@ -32,6 +32,7 @@ from opsd.chat import ChatFormat, decode, parse_response
 from opsd.config import RunConfig
 from opsd.credit import alignopsd
 from opsd.embedding_api import CorrespondResponse
+from opsd.skills import turn_privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
 
 log = logging.getLogger("teacher")
@@ -149,7 +150,9 @@ def score_group(
     with each trajectory's token ids, 0 off the loss mask) and stats. Needs
     `backend` to hold the group's policy version already. Every privileged
     view of a trajectory's turns is a prefix of `prefix + token_ids_S`, so
-    each trajectory costs one cached forward per pass (`backend.branch`):
+    each trajectory costs one cached forward per pass (`backend.branch`;
+    one per distinct privileged text with a per-turn hint, env.privileged
+    "remaining", see `_privileged_views`):
     pass 1 gives the identity log-probs and the teacher's own response at
     each turn; pass 2 (only where sources matched) scores the targets'
     responses after each source turn's privileged history. Without an
@@ -175,13 +178,15 @@ def score_group(
     t0 = time.perf_counter()
     stats = TeacherStats()
     max_len = cfg.model.max_model_len
-    prefix = chat.privileged_prefix_ids(group.task.privileged_info)
-    P = len(prefix)
     trajs = group.trajectories
     turns = group.canonical_turns()
     M = len(turns)
-    bases = [prefix + t.token_ids_S.tolist() for t in trajs]
-    turn_cuts = [[P + rec.response_start for rec in t.turns] for t in trajs]  # privileged prompt lengths
+    views = _privileged_views(group, chat, cfg.env.privileged)
+    # bases[i][v]: view v's privileged prefix + trajectory i's ids (up to its last turn's response).
+    bases = [[pre + t.token_ids_S[:end].tolist() for pre, _, end in views[i]] for i, t in enumerate(trajs)]
+    view_of = {(i, k): v for i in range(len(trajs)) for v, (_, ks, _) in enumerate(views[i]) for k in ks}
+    turn_cuts = [[len(views[i][view_of[(i, k)]][0]) + rec.response_start for k, rec in enumerate(t.turns)]
+                 for i, t in enumerate(trajs)]  # privileged prompt lengths
     seed = zlib.crc32(group.group_id.encode()) + 7919 * group.task.policy_version
 
     # Pass 1: identity log-probs of every trajectory, and (AlignOPSD) the teacher's own response per turn.
@@ -191,18 +196,31 @@ def score_group(
     own: dict[tuple[int, int], str] = {}
     max_entropy = float(np.log(backend.vocab_size))
     for i, t in enumerate(trajs):
-        res = backend.branch(bases[i], P, turn_cuts[i] if budget else [], generate_tokens=budget,
-                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=seed + i,
-                             return_entropy=True)
-        teacher_S.append(np.where(t.loss_mask_S == 1, res.base_logprobs, 0.0).astype(np.float32))
-        if res.base_entropies is None:
+        lp_S = np.zeros(t.token_ids_S.shape[0], dtype=np.float32)
+        ent_S: np.ndarray | None = np.zeros_like(lp_S)
+        for v, (pre, ks, end) in enumerate(views[i]):
+            res = backend.branch(bases[i][v], len(pre), [turn_cuts[i][k] for k in ks] if budget else [],
+                                 generate_tokens=budget, temperature=cfg.rollout.temperature,
+                                 top_p=cfg.rollout.top_p, seed=seed + i + 104729 * v, return_entropy=True,
+                                 **_loss_tokens_only(backend, t, ks, end))
+            own_lp = np.asarray(res.base_logprobs, dtype=np.float32)
+            own_ent = None if res.base_entropies is None else np.asarray(res.base_entropies, dtype=np.float32)
+            for k in ks:  # a view holds only its own turns' responses
+                sl = t.response_slice(k)
+                lp_S[sl] = own_lp[sl]
+                if own_ent is None:
+                    ent_S = None
+                elif ent_S is not None:
+                    ent_S[sl] = own_ent[sl]
+            for k, g in zip(ks if budget else [], res.generations):
+                if g is not None:
+                    own[(i, k)] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
+                    stats.generated_tokens += len(g.token_ids)
+        teacher_S.append(np.where(t.loss_mask_S == 1, lp_S, 0.0).astype(np.float32))
+        if ent_S is None:
             entropy_S = None
         elif entropy_S is not None:
-            entropy_S.append(np.where(t.loss_mask_S == 1, np.clip(res.base_entropies, 0.0, max_entropy), 0.0).astype(np.float32))
-        for k, g in enumerate(res.generations):
-            if g is not None:
-                own[(i, k)] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
-                stats.generated_tokens += len(g.token_ids)
+            entropy_S.append(np.where(t.loss_mask_S == 1, np.clip(ent_S, 0.0, max_entropy), 0.0).astype(np.float32))
     teacher_parsed = [parse_response(own[(i, k)], chat.prompt_format) if (i, k) in own else None for i, k in turns]
 
     # Correspondences. Action-only format: the action text stands in for the thinking.
@@ -269,20 +287,21 @@ def score_group(
             metrics.EMBEDDER_FALLBACKS.labels("teacher").inc()
 
     # Pass 2: each target's response under each matched source turn's privileged history.
-    wanted: dict[int, dict[int, list[int]]] = {}  # source trajectory -> source turn -> target rows
+    wanted: dict[tuple[int, int], dict[int, list[int]]] = {}  # (source trajectory, view) -> source turn -> target rows
     for t, (ti, tk) in enumerate(turns):
         n_resp = trajs[ti].turns[tk].response_end - trajs[ti].turns[tk].response_start
         for s in sources[t]:
             si, sk = turns[s]
             if turn_cuts[si][sk] + n_resp <= max_len:  # a view past the context budget is dropped
-                wanted.setdefault(si, {}).setdefault(sk, []).append(t)
+                wanted.setdefault((si, view_of[(si, sk)]), {}).setdefault(sk, []).append(t)
     cross: dict[tuple[int, int], np.ndarray] = {}  # (target row, source row) -> log-probs [response]
-    for si, by_turn in wanted.items():
+    row_of = {turns[m]: m for m in range(M)}
+    for (si, v), by_turn in wanted.items():
         ks = sorted(by_turn)
         conts = [[trajs[turns[t][0]].token_ids_S[trajs[turns[t][0]].response_slice(turns[t][1])].tolist() for t in by_turn[k]] for k in ks]
         # start = len(base): only the prefix up to the last cut is run again, nothing re-scored.
-        res = backend.branch(bases[si], len(bases[si]), [turn_cuts[si][k] for k in ks], continuations=conts)
-        row_of = {turns[m]: m for m in range(M)}
+        base = bases[si][v]
+        res = backend.branch(base, len(base), [turn_cuts[si][k] for k in ks], continuations=conts)
         for k, lps in zip(ks, res.continuation_logprobs):
             for t, lp in zip(by_turn[k], lps):
                 cross[(t, row_of[(si, k)])] = lp
@@ -341,3 +360,41 @@ def score_group(
          scored.student_action_emb_MD, scored.teacher_action_emb_MD) = embeddings
     scored.validate(backend.vocab_size)
     return scored, stats
+
+
+def _privileged_views(group: RolloutGroup, chat: ChatFormat, mode: str) -> list[list[tuple[list[int], list[int], int]]]:
+    """Per trajectory, its teacher views as (privileged prefix ids, turn indices, ids end).
+
+    Turns whose privileged text is the same share one view, scored in one forward over
+    ``prefix + token_ids_S[:end]`` (end: S for a view holding every turn, else its last
+    turn's response end). With a task-level privileged context (EnvSection.privileged
+    skills / walkthrough / both) that is one view per trajectory; with the per-turn modes
+    ("remaining", "skills+remaining") each distinct remaining walkthrough is its own view
+    (`opsd.skills.turn_privileged_text`). A trajectory without turns has no view.
+    """
+    cache: dict[str, list[int]] = {}
+    out = []
+    for t in group.trajectories:
+        by_text: dict[str, list[int]] = {}
+        for k, rec in enumerate(t.turns):
+            by_text.setdefault(turn_privileged_text(group.task.privileged_info, rec.hint, mode), []).append(k)
+        views = []
+        for text, ks in by_text.items():
+            if text not in cache:
+                cache[text] = chat.privileged_prefix_ids(text)
+            end = t.token_ids_S.shape[0] if len(ks) == len(t.turns) else t.turns[ks[-1]].response_end
+            views.append((cache[text], ks, end))
+        out.append(views)
+    return out
+
+
+def _loss_tokens_only(backend, traj, turns: list[int], end: int) -> dict:
+    """`branch`'s score_mask for one view: only its turns' loss tokens are read from the result, so a
+    backend that takes the mask (HFBackend.SCORES_MASKED) skips the LM head, log_softmax and entropy of
+    every other position (~11% of a quickstart teacher step). {} for one that scores every position."""
+    if not getattr(backend, "SCORES_MASKED", False):
+        return {}
+    want = np.zeros(end, dtype=bool)
+    for k in turns:
+        want[traj.response_slice(k)] = True
+    return {"score_mask": want & (traj.loss_mask_S[:end] == 1)}

@@ -26,6 +26,7 @@ import random
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from opsd.models import load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.types import RolloutGroup, ScoredGroup
-from opsd.weights import prune_versions, weights_path
+from opsd.weights import keep_snapshot, prune_versions, weights_path
 from services.trainer.checkpoint import CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
@@ -51,14 +52,17 @@ RECLAIM_AT_START = 4096  # entries claimed at once from the dead trainer consume
 log = logging.getLogger(ROLE)
 
 
-def publish(backend, run_dir, client, prefix: str, version: int, keep: int, backoff: Backoff) -> None:
+def publish(backend, run_dir, client, prefix: str, version: int, keep: int, backoff: Backoff,
+            snapshot_every: int = 0) -> None:
     """Write policy `version`'s weights file, delete those no in-flight task can carry, set the Redis version key.
 
+    trainer.snapshot_every: every Nth version's file is also kept in <run_dir>/snapshots/ (learning curves).
     With trainer.lora the file holds the adapter only (opsd-lora format, `backend.save_weights`); workers
     merge it onto their base weights, so names and pruning are the same in both modes.
     """
     backend.policy_version = version
     backend.save_weights(weights_path(run_dir, version))
+    keep_snapshot(run_dir, version, snapshot_every)
     prune_versions(run_dir, version, keep)
     backoff.retry(lambda: client.set(f"{prefix}:policy_version", version))
 
@@ -136,14 +140,20 @@ def train() -> None:
     keep = cfg.run.max_staleness + 2
     step, version = state.step, state.policy_version
     if version >= 1 or cfg.run.max_staleness >= 1:  # a worker may need this version's file (module docstring of opsd.weights)
-        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff)
+        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every)
     # The trainer is a singleton: whatever a dead trainer consumer held is ours now.
     backoff.retry(lambda: [collector.offer(d, version, step) for d in queue.reclaim(0, count=RECLAIM_AT_START)])
     metrics.POLICY_VERSION.labels(ROLE).set(version)
     for event in CREDIT_EVENTS:  # at 0 from the start: the first event must show as an increase
         metrics.CREDIT_EVENTS.labels(ROLE, event)
     proc.status.update(policy_version=version, step=step, ready=True)
+    if cfg.simulate.enabled:
+        log.warning("simulated compute: each step's credit + update is held for %.2f s (simulate.trainer_s), model %s",
+                    cfg.simulate.trainer_s, cfg.model.name)
     saved_step = step
+    # metrics.png is drawn off the step's path (matplotlib took 1-2.5 s a step on 2 busy cores, which held back
+    # the next step's tasks); a plot still drawing is not queued behind, and the last one is drawn at the end.
+    plotter, plotting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plot"), None
 
     while step < cfg.run.steps:
         t_step = time.perf_counter()
@@ -156,6 +166,8 @@ def train() -> None:
         groups = [s.rollout for s in ordered] if cfg.needs_teacher else ordered
         dump = run_dir / "credit" / f"step_{step:05d}.json" if cfg.trainer.dump_credit else None
         result = learn(cfg, par.module, optimizer, groups, scored, base_model, dump, world)
+        if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): credit + update take trainer_s in all
+            proc.stop.wait(max(0.0, cfg.simulate.trainer_s - (time.perf_counter() - t_compute)))
         record = {"step": step, "policy_version": version + 1, **summarize(groups, scored)}
         step, version = step + 1, version + 1
         state.step, state.policy_version, state.applied, state.counts = step, version, collector.applied, dict(collector.counts)
@@ -177,14 +189,21 @@ def train() -> None:
             save_checkpoint(run_dir, full_model, full_optimizer, state, hashed, records, backend.tokenizer)
             collector.release_trained()
             saved_step = step
-        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff)
+        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every)
         backoff.retry(collector.flush)
+        if cfg.simulate.enabled:
+            record["simulated_compute"] = True
+        record["finished_at"] = time.time()  # wall clock (unix s) once the step's weights are out: throughput
         append_metrics(run_dir, record)
-        plot_metrics(run_dir)
+        if plotting is None or plotting.done():
+            plotting = plotter.submit(plot_metrics, run_dir)
         export_step(record, len(groups))
         proc.status.update(policy_version=version, step=step)
         log.info("step %d done: %s", step - 1, json.dumps({k: record[k] for k in ("success_rate", "reward_mean", "loss", "step_seconds")}))
 
+    plotter.shutdown(wait=True)
+    if plotting is not None:
+        plot_metrics(run_dir)  # every record, and a plotting error surfaces here
     if step > saved_step:  # stopped between checkpoints: keep the finished steps
         save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer)
         collector.release_trained()
@@ -231,6 +250,8 @@ def export_step(record: dict, n_groups: int) -> None:
     metrics.SAMPLER_MISMATCH_KL.labels(ROLE).set(record["mismatch_kl"])
     if "teacher_student_gap" in record:
         metrics.TEACHER_STUDENT_GAP.labels(ROLE).set(record["teacher_student_gap"])
+    if record.get("privileged_signal") is not None:
+        metrics.PRIVILEGED_SIGNAL.labels(ROLE).set(record["privileged_signal"])
     if "mean_span_length" in record:
         metrics.MEAN_SPAN_LENGTH.labels(ROLE).set(record["mean_span_length"])
     for key, value in record.items():

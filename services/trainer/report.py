@@ -61,7 +61,39 @@ def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> d
         out["teacher_seconds"] = float(sum(sg.teacher_seconds for sg in scored))
         out["embedder_fallbacks"] = sum(sg.identity_fallback for sg in scored)
         out["matched_turn_rate"] = float(np.mean([bool(s) for sg in scored for s in sg.selected_sources_M])) if turns else 0.0
+        out.update(privileged_signal(scored))
     return out
+
+
+def _norm(action: str) -> str:
+    return " ".join(action.lower().split())
+
+
+def privileged_signal(scored: list[ScoredGroup]) -> dict[str, float | int | None]:
+    """Does the teacher's privileged context carry signal? Over the turns where the env knew the
+    hint (`TurnRecord.hint`, the remaining gold path), the mean per-turn teacher - student gap
+    (identity view minus sampler log-probs, averaged over the turn's loss tokens; nats/token) on
+    turns whose action is the hint's next command, minus the same mean on the other turns.
+
+    A teacher that uses its context favours the gold command: the signal is positive. Near 0 the
+    teacher scores gold and other actions alike (issue 8: SmolLM2-135M barely reads its privileged
+    context). Returns {"privileged_signal": float | None (None when either set of turns is empty),
+    "hint_match_turns": int, "hint_other_turns": int}.
+    """
+    match: list[float] = []
+    other: list[float] = []
+    for sg in scored:
+        for t, lp_S in zip(sg.rollout.trajectories, sg.teacher_logprobs_S):
+            for rec in t.turns:
+                sl = slice(rec.response_start, rec.response_end)
+                m = t.loss_mask_S[sl] == 1
+                if not rec.hint or not m.any():
+                    continue
+                gap = float((lp_S[sl][m] - t.sampler_logprobs_S[sl][m]).mean())
+                hit = rec.format_valid and _norm(rec.action) == _norm(rec.hint[0])
+                (match if hit else other).append(gap)
+    signal = float(np.mean(match) - np.mean(other)) if match and other else None
+    return {"privileged_signal": signal, "hint_match_turns": len(match), "hint_other_turns": len(other)}
 
 
 def _line(record: dict) -> str:

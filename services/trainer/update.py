@@ -59,6 +59,10 @@ def _pad(seqs: list[Sequence], device: torch.device | str = "cpu") -> dict[str, 
         out["sampler"][b, :n] = torch.from_numpy(s.sampler_logprobs_S)
         if s.teacher_logprobs_S is not None:
             out["teacher"][b, :n] = torch.from_numpy(s.teacher_logprobs_S)
+    # LM-head positions of the update (`_loss_position_logprobs`): t where some row's id t+1 is a loss token;
+    # at least one, so a loss-free placeholder micro-batch still runs the same forward and backward.
+    keep = out["mask"][:, 1:].any(0).nonzero().flatten()
+    out["keep"] = keep if keep.numel() else torch.zeros(1, dtype=torch.long)
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -155,12 +159,7 @@ def ppo_update(
         epoch = dict.fromkeys(sums, 0.0)  # merged into sums only if the epoch's gradient is finite
         for j, b in enumerate(batches):
             with _accumulating(model, last=j == len(batches) - 1):
-                with autocast(dtype, device):
-                    logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
-                logits = logits[:, :-1].float()
-                # Position t's log-prob comes from the logits at t-1; position 0 is always prompt.
-                lp = token_logprobs(logits, b["ids"][:, 1:], temperature)
-                ent = entropy_from_logits(logits, temperature)
+                lp, ent = _loss_position_logprobs(model, b, dtype, device, temperature)
                 mask = b["mask"][:, 1:]
                 if old[j] is None:
                     old[j] = lp.detach()
@@ -219,6 +218,27 @@ def ppo_update(
         "skipped_steps": float(skipped),
         "sdar_loss": sums["sdar"] / e,
     }
+
+
+def _loss_position_logprobs(
+    model: torch.nn.Module, b: dict[str, torch.Tensor], dtype: str, device: torch.device, temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of each id given the ids before it, and the entropies they were drawn from: float32 [B, S-1].
+
+    Position t of the results belongs to id t+1 (position 0 is always prompt). Only the positions where
+    some row of the micro-batch has a loss token (`b["keep"]`) go through the LM head, log_softmax and
+    entropy; the others hold 0 (the loss masks them). A step's loss tokens are about a tenth of its
+    positions (the prompts and observations are not trained on), and the full [B, S, V] logits, their
+    log_softmax and their entropy were 10% of a quickstart trainer step plus their backward.
+    """
+    keep = b["keep"]
+    with autocast(dtype, device):
+        logits = model(input_ids=b["ids"], attention_mask=b["attn"], logits_to_keep=keep).logits  # [B, K, V]
+    logits = logits.float()
+    lp_BK = token_logprobs(logits, b["ids"][:, keep + 1], temperature)
+    ent_BK = entropy_from_logits(logits, temperature)
+    zeros = lp_BK.new_zeros((b["ids"].shape[0], b["ids"].shape[1] - 1))
+    return zeros.index_copy(1, keep, lp_BK), zeros.index_copy(1, keep, ent_BK)
 
 
 @torch.no_grad()

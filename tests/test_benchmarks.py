@@ -1,0 +1,192 @@
+"""Smoke tests of the benchmark suite: each script runs at tiny sizes and writes a valid report;
+the driver combines reports into one table. Values are checked for sense, never against timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from benchmarks import common, run, transport
+from opsd import wire
+from opsd.redis_server import connect
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, out: Path, *args: str, timeout: int = 600) -> dict:
+    """Run benchmarks/<script> with --json `out` as `make bench` does; returns the JSON it wrote."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", *args, "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return common.load_report(out)
+
+
+def check_report(doc: dict, benchmark: str) -> dict[str, dict]:
+    """The report is well formed: rows with finite positive values (or None with a reason), parseable targets,
+    ok consistent with value and target. Returns the rows by name."""
+    assert doc["benchmark"] == benchmark
+    assert "cores" in doc["machine"] and doc["command"].startswith("OMP_NUM_THREADS=1 .venv/bin/python benchmarks/")
+    assert doc["rows"]
+    for r in doc["rows"]:
+        assert set(r) == {"name", "value", "unit", "target", "ok", "note"}
+        if r["value"] is None:
+            assert r["note"], f"{r['name']}: no value and no reason"
+        else:
+            assert math.isfinite(r["value"]) and r["value"] > 0, r
+        if r["target"] is not None:
+            common.parse_target(r["target"])
+            if r["value"] is not None:
+                assert r["ok"] == common.meets(r["value"], r["target"])
+    return {r["name"]: r for r in doc["rows"]}
+
+
+# ---------------------------------------------------------------- common.py
+
+
+def test_targets_parse_and_decide_ok():
+    assert common.parse_target("< 2 %") == ("<", 2.0, "%")
+    assert common.parse_target(">= 2 x") == (">=", 2.0, "x")
+    assert common.parse_target("<=1e-3") == ("<=", 1e-3, "")
+    assert common.meets(1.99, "< 2") and not common.meets(2.0, "< 2") and common.meets(2.0, ">= 2 x")
+    for bad in ("2x or more", "under 2%", "", "< two"):
+        with pytest.raises(ValueError):
+            common.parse_target(bad)
+    assert common.Row("a", 0.5, "%", target="< 2 %").ok is True
+    assert common.Row("a", 3.0, "x", target=">= 2 x").ok is True
+    assert common.Row("a", 1.0, "x", target=">= 2 x").ok is False
+    assert common.Row("a", None, "x", target=">= 2 x").ok is None  # not measured: neither met nor missed
+    with pytest.raises(ValueError, match="unit"):
+        common.Row("a", 1.0, "ms", target="< 2 s")
+    nan = common.Row("a", float("nan"), "s")
+    assert nan.value is None and nan.ok is False and "nan" in nan.note  # JSON stays valid, the problem visible
+
+
+def test_the_driver_combines_two_reports_into_one_table(tmp_path):
+    a = common.write_json(tmp_path / "a.json", "transport", "cmd a",
+                          [common.Row("msgs", 12.5, "msg/s"), common.Row("share", 0.1, "%", target="< 2 %")])
+    common.write_json(tmp_path / "b.json", "credit", "cmd b", [common.Row("grpo: median s", 0.02, "s", target="< 0.1 s")])
+    assert json.loads((tmp_path / "a.json").read_text()) == a
+    reports = run.load_reports([tmp_path / "a.json", tmp_path / "b.json", tmp_path / "missing.json"])
+    cells = common.table_rows(reports)
+    assert cells == [["transport", "msgs", "12.5", "msg/s", "", ""],
+                     ["transport", "share", "0.1", "%", "< 2 %", "yes"],
+                     ["credit", "grpo: median s", "0.02", "s", "< 0.1 s", "yes"],
+                     ["missing", cells[3][1], "n/a", "", "", "NO"]]
+    assert cells[3][1].startswith("failed: unreadable")
+    md = run.summary_markdown(reports, "2 cores (test)", "driver", 60.0)
+    assert md.count("| benchmark | measure | value |") == 1  # one table for every benchmark
+    assert "| credit | grpo: median s | 0.02 | s | < 0.1 s | yes |" in md and "`cmd a`" in md
+    assert run.failures(reports) == [f"missing: {cells[3][1]}"]
+    common.print_table(reports)  # rich renders it without error
+
+
+def test_the_driver_reports_a_missing_script_and_goes_on(tmp_path):
+    rep = run.run_script(run.Script("nothing", "benchmarks/does_not_exist.py"), tmp_path, quick=True, timeout_s=None)
+    assert rep["rows"][0]["name"] == "failed: benchmarks/does_not_exist.py does not exist"
+    assert rep["rows"][0]["value"] is None and rep["rows"][0]["ok"] is False
+    names = [s.stem for s in run.SCRIPTS]
+    assert names[:6] == ["transport", "overlap", "backends", "embedder", "credit", "scaling"]
+    assert not next(s for s in run.SCRIPTS if s.stem == "learning").default  # 3 hours: only with --learning
+
+
+# ---------------------------------------------------------------- transport
+
+
+@pytest.mark.redis
+def test_transport_messages_are_valid_and_survive_the_queue_path(redis_url):
+    shape = transport.Shape("tiny", G=2, turns=3, prompt_ids=20, response_ids=6, obs_ids=5, think=True, env="alfworld")
+    msgs = [transport.make_task(shape, 0), transport.make_rollout_group(shape, 0), transport.make_scored_group(shape, 0)]
+    msgs[1].validate(transport.VOCAB_SIZE)
+    msgs[2].validate(transport.VOCAB_SIZE)
+    assert [len(t.turns) for t in msgs[1].trajectories] == [3, 3]
+    client = connect(redis_url, block_ms=2000)
+    try:
+        for msg in msgs:
+            hop = transport.run_hop(client, [msg], n=2)
+            assert hop.identical and hop.n == 2 and hop.messages_per_s > 0
+            assert hop.mean_bytes == len(wire.encode(msg))
+    finally:
+        client.close()
+    # ALFWorld scale is what the issue names: 8 x 50 turns of several thousand ids each.
+    alf = transport.make_rollout_group(transport.ALFWORLD, 0)
+    assert len(alf.trajectories) == 8 and all(len(t.turns) == 50 for t in alf.trajectories)
+    assert all(5000 < len(t.token_ids_S) < 10000 for t in alf.trajectories)
+
+
+def test_transport_quick_writes_its_rows(tmp_path):
+    rows = check_report(run_benchmark("transport.py", tmp_path / "t.json", "--quick", "--messages", "2"), "transport")
+    assert rows["self-check: every decoded message == the original"]["value"] == 1.0
+    rates = [r for n, r in rows.items() if n.endswith("messages/s")]
+    assert len(rates) == 5 and all(r["value"] > 0 for r in rates)  # 2 ALFWorld kinds + 3 quickstart kinds
+    share = rows["quickstart step: transport share of step time"]
+    assert share["target"] == "< 2 %" and share["unit"] == "%"
+    step_ms = rows["quickstart step: transport time"]["value"]
+    assert share["value"] == pytest.approx(100 * step_ms / 1000 / transport.DEFAULT_STEP_S)
+    bench = [r for n, r in rows.items() if "redis-benchmark" in n]
+    assert len(bench) == 2
+    for r in bench:  # measured, or no value with the reason
+        assert r["value"] is not None or "redis-benchmark" in r["note"]
+
+
+# ---------------------------------------------------------------- embedder and credit
+
+
+def test_embedder_quick_serves_embed_and_correspond(tmp_path):
+    doc = run_benchmark("embedder.py", tmp_path / "e.json", "--quick", "--repeats", "1", "--embed-batch", "8",
+                        "--group-size", "2", "--turns", "3")
+    rows = check_report(doc, "embedder")
+    assert rows["/embed: thinking traces/s (8 a request)"]["value"] > 0
+    assert rows["/correspond: groups/s (G=2 x 3 turns, M=6)"]["value"] > 0
+    assert rows["/correspond: turns/s (G=2 x 3 turns)"]["value"] == pytest.approx(
+        6 * rows["/correspond: groups/s (G=2 x 3 turns, M=6)"]["value"])
+
+
+def test_embedder_payload_is_what_the_teacher_sends():
+    from opsd.config import RunConfig
+    from opsd.embedding_api import CorrespondRequest
+
+    from benchmarks import embedder
+
+    payload = embedder.correspond_payload(8, 50, seed=1, cfg=RunConfig())
+    req = CorrespondRequest.model_validate(payload)
+    assert len(req.turns) == 400
+    words = [len(t.teacher_text.split()) for t in req.turns]
+    assert 45 <= min(words) and np.mean(words) < 90  # ~60-word thinking traces
+
+
+def test_credit_tiny_writes_its_rows(tmp_path):
+    doc = run_benchmark("credit.py", tmp_path / "c.json", "--tasks", "1", "--rollouts", "4", "--turns", "4",
+                        "--tokens", "16", "--repeats", "1", "--methods", "grpo", "alignopsd")
+    rows = check_report(doc, "credit")
+    assert list(rows) == ["grpo (1x4x4x16): median s", "alignopsd (1x4x4x16): median s"]
+    assert all(r["target"] is None for r in rows.values())  # targets are for the issue's size only
+
+
+def test_learning_configs_differ_only_in_the_method_and_the_plot_is_written(tmp_path):
+    from benchmarks import learning
+    from opsd.config import RunConfig
+
+    base = yaml_config = yaml.safe_load((common.REPO / "configs" / "learning.yaml").read_text())
+    cfgs = {m: learning.method_config(base, m, steps=3) for m in learning.METHODS}
+    for m, cfg in cfgs.items():
+        RunConfig.model_validate(cfg)  # each is a valid run config
+        assert cfg["run"]["method"] == m and cfg["run"]["steps"] == 3
+        rest = {k: v for k, v in cfg.items() if k != "run"}
+        assert rest == {k: v for k, v in yaml_config.items() if k != "run"}  # same env, seeds, budget
+    assert base["run"]["method"] == "grpo" and base["trainer"]["snapshot_every"] >= 1
+    assert base["env"]["privileged"] == "remaining"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "success_rate": 0.25, "privileged_signal": null}\nnot json\n')
+    assert learning.training_records(tmp_path)[0]["success_rate"] == 0.25
+    result = {"untrained": {"success": 0.1, "lo": 0.05, "hi": 0.2},
+              "curves": {"grpo": [{"step": 4, "success": 0.3, "lo": 0.2, "hi": 0.4}], "alignopsd": []}}
+    out = learning.plot(result, tmp_path / "learning.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
