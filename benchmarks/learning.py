@@ -177,10 +177,8 @@ def main() -> None:
         run_dir = train(method_config(base, method, args.steps), out, method)
         result["seconds"][f"train/{method}"] = time.perf_counter() - t0
         result["training"][method] = training_records(run_dir)
-        from opsd.weights import _NAME
-
-        snaps = sorted((int(m.group(1)), p) for p in (run_dir / "snapshots").glob("*.safetensors")
-                       if (m := _NAME.fullmatch(p.name)))
+        snaps = sorted((int(p.stem.removeprefix("policy-v")), p)
+                       for p in (run_dir / "snapshots").glob("policy-v*.safetensors"))
         for version, path in snaps:
             if version == 0:
                 continue  # the untrained policy: evaluated once above
