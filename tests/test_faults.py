@@ -167,13 +167,16 @@ def test_rollout_killed_holding_a_group_is_redelivered_and_trained_once(tmp_path
 # ---------------------------------------------------------------- trainer killed mid-step, then resumed
 
 STEPS = 3
+# 16 PPO epochs hold each step's training for seconds (one epoch takes ~0.3 s with the tiny model), so a kill
+# sent just after a step's groups are scored lands mid-step.
+MID_STEP = {"run": {"steps": STEPS}, "trainer": {"ppo_epochs": 16}}
 
 
 @pytest.fixture(scope="module")
 def reference_run(tiny_model, tmp_path_factory) -> Path:
     """The uninterrupted run every resumed run is compared with (seeded, synchronous: run.max_staleness 0)."""
     tmp = tmp_path_factory.mktemp("reference")
-    run, run_dir = start(tmp, write_config(tmp / "reference.yaml", tiny_model, run={"steps": STEPS}))
+    run, run_dir = start(tmp, write_config(tmp / "reference.yaml", tiny_model, **MID_STEP))
     finish(run)
     return run_dir
 
@@ -183,7 +186,7 @@ def kill_mid_step(run: OpsdRun, run_dir: Path, step: int, kill) -> None:
     metrics, teacher_log = run_dir / "metrics.jsonl", run_dir / "logs" / "teacher.log"
     wait_until(lambda: lines(metrics) == step and teacher_log.read_text().count(f"group s{step:05d}-") == 2, 300,
                f"step {step}'s groups scored", run, poll_s=0.05)
-    time.sleep(0.5)  # the trainer takes them as they arrive (a blocking read) and trains for seconds
+    time.sleep(0.5)  # the trainer takes them as they arrive (a blocking read) and trains for seconds (MID_STEP)
     kill()
     assert lines(metrics) == step, "the step finished before the kill: not a mid-step kill"
 
@@ -204,7 +207,7 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
 
 @e2e
 def test_trainer_killed_mid_step_is_restarted_and_ends_bit_identical(tmp_path, tiny_model, reference_run):
-    run, run_dir = start(tmp_path, write_config(tmp_path / "killed.yaml", tiny_model, run={"steps": STEPS}))
+    run, run_dir = start(tmp_path, write_config(tmp_path / "killed.yaml", tiny_model, **MID_STEP))
     kill_mid_step(run, run_dir, 1, lambda: kill_role(run, "trainer"))
     finish(run)
     assert json.loads((run_dir / "run_summary.json").read_text())["restarts"]["trainer"] == 1
@@ -215,7 +218,7 @@ def test_trainer_killed_mid_step_is_restarted_and_ends_bit_identical(tmp_path, t
 
 @e2e
 def test_whole_run_crashed_mid_step_resumes_bit_identical(tmp_path, tiny_model, reference_run):
-    run, run_dir = start(tmp_path, write_config(tmp_path / "crashed.yaml", tiny_model, run={"steps": STEPS}))
+    run, run_dir = start(tmp_path, write_config(tmp_path / "crashed.yaml", tiny_model, **MID_STEP))
     killed = []
     kill_mid_step(run, run_dir, 1, lambda: killed.extend(run.crash()))
     assert len(killed) >= 5  # the CLI, its redis-server and the three roles (and anything they started)
