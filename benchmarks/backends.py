@@ -1,7 +1,7 @@
 """Serving backends on CPU: transformers vs vLLM for generation, scoring and multi-view scoring.
 
-    OMP_NUM_THREADS=2 /tmp/venv-vllm/bin/python benchmarks/backends.py --out backends.json [--backends hf vllm]
-                                         [--quick] [--json OUT]
+    OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/backends.py --out backends.json [--backends hf vllm]
+                                        [--quick] [--json OUT]
 
 Needs both backends importable (the vLLM venv, `make install-vllm`); with the
 main venv pass `--backends hf`. The model is SmolLM2-135M-Instruct (packaged;
@@ -35,7 +35,7 @@ a benchmark JSON (benchmarks/common.py) for `make bench`'s table, with the
 issue's target for multi-view scoring: the faster of batched and shared at
 least 2x faster than one pass per view. `--quick`: small sizes for a smoke
 test (2 x 32-id prompts, 8 new ids; 2 x 64-id sequences; 5 views of 200 + 20
-ids + 30 scored; 1 repeat), where the speed-ups mean little.
+ids + 30 scored; 1 repeat), where the speed-ups mean little: no target there.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def table_rows(rows: list[dict], quick: bool) -> list[Row]:
-    """The benchmark-JSON rows: throughput per workload and backend, and the multi-view speed-ups (target >= 2x)."""
+    """The benchmark-JSON rows: throughput per workload and backend, and the multi-view speed-ups (target >= 2x,
+    none when `quick`)."""
     out = []
     for r in rows:
         if "tokens_per_s" in r:
@@ -194,8 +195,11 @@ def table_rows(rows: list[dict], quick: bool) -> list[Row]:
         for m, x in ups.items():
             out.append(Row(f"{b}: multi-view {m} vs per-view", x, "x", note="time of one pass per view / this"))
         best = max(ups, key=ups.get)
-        out.append(Row(f"{b}: multi-view best of batched/shared vs per-view", ups[best], "x", target=">= 2 x",
-                       note=f"best: {best}" + ("; --quick sizes: not the issue's measurement" if quick else "")))
+        # The target holds for the issue's sizes; --quick's are a smoke test (as in credit.py and overlap.py).
+        out.append(Row(f"{b}: multi-view best of batched/shared vs per-view", ups[best], "x",
+                       target=None if quick else ">= 2 x",
+                       note=f"best: {best}" + ("; --quick sizes: not the issue's measurement, target >= 2 x holds "
+                                               "for the default sizes" if quick else "")))
     return out
 
 

@@ -13,9 +13,13 @@ Step 0 (the untrained policy, shared by all methods) is evaluated once.
 
 Writes to DIR (default runs/learning/<timestamp>/): learning.json (every point, each run's
 per-step training records: success, privileged_signal, ...), learning.png (held-out success vs
-step, one line per method, bootstrap bands) and one run directory per method. The JSON is
-rewritten after every evaluation, so a run stopped early keeps what it measured.
-`--quick`: GRPO only, 1 step of 4 episodes of 2 turns, 2 eval games (a smoke test of the whole path).
+step, one line per method, bootstrap bands) and one run directory per method,
+DIR/<method>/<run>/, which keeps the run's final `checkpoint/` (about 1.6 GB for SmolLM2 in fp32 with
+the optimizer state: delete it when done). The JSON is rewritten after every evaluation, so a run
+stopped early keeps what it measured; its "config" holds the steps actually run (--steps, --quick).
+Every method's config is validated as `opsd run` validates it before anything is evaluated.
+`--quick`: GRPO only, 1 step of env.num_games groups x 4 episodes (2 x 4 with configs/learning.yaml)
+of at most 2 turns, held-out on 2 games x 1 episode (a smoke test of the whole path).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -54,6 +59,20 @@ def method_config(base: dict, method: str, steps: int | None) -> dict:
     if steps is not None:
         cfg["run"]["steps"] = steps
     return cfg
+
+
+def validated(cfg: dict, path: Path):
+    """`cfg` written to `path` and read back as `opsd run` reads it: a RunConfig, or exit 2 after the CLI has
+    printed one line per problem (its typer.Exit would otherwise end this script with a traceback)."""
+    import typer
+
+    from opsd.cli import _installed, load_config
+
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    try:
+        return _installed(load_config(path))
+    except typer.Exit as e:
+        raise SystemExit(e.exit_code) from None
 
 
 def train(cfg: dict, out: Path, method: str) -> Path:
@@ -126,28 +145,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "learning.yaml")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    ap.add_argument("--steps", type=int, default=None, help="override run.steps")
+    ap.add_argument("--steps", type=int, default=None, help="override run.steps (>= 1)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--keep-snapshots", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the benchmark rows here (benchmarks/run.py)")
     args = ap.parse_args()
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps must be >= 1 (got {args.steps})")
+    if not args.config.is_file():
+        ap.error(f"--config {args.config}: not a file (give a run config YAML, e.g. configs/learning.yaml)")
+    try:
+        base = yaml.safe_load(args.config.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        ap.error(f"--config {args.config}: cannot read it as YAML: {e}")
+    if not isinstance(base, dict):
+        ap.error(f"--config {args.config}: the top level must be a mapping of sections (run:, model:, ...)")
 
-    from opsd.cli import _installed, load_config
     from opsd.envs import local_context
     from opsd.models import load_backend
 
-    base = yaml.safe_load(args.config.read_text())
     if args.quick:
         args.methods, args.steps = ["grpo"], 1
         base.setdefault("env", {}).update(eval_pool=2, max_turns=2)
         base.setdefault("rollout", {}).update(group_size=4)
         base.setdefault("eval", {}).update(episodes_per_task=1)
         base.setdefault("trainer", {}).update(snapshot_every=1)
+    if args.steps is not None:  # into the shared config: learning.json and config.yaml record the steps run
+        base.setdefault("run", {})["steps"] = args.steps
+    # Every method's config now, as `opsd run` will read it: a bad one fails in seconds, not after the eval.
+    with tempfile.TemporaryDirectory(prefix="opsd-learning-") as tmp:
+        for method in args.methods:
+            validated(method_config(base, method, args.steps), Path(tmp) / f"{method}.yaml")
     out = args.out or ROOT / "runs" / "learning" / datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
-    run_cfg = _installed(load_config(out / "config.yaml"))
+    run_cfg = validated(base, out / "config.yaml")
     if run_cfg.trainer.snapshot_every < 1:
         raise SystemExit("trainer.snapshot_every must be >= 1: the curve is evaluated on the kept snapshots")
     command = command_line()

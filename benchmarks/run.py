@@ -13,7 +13,10 @@ exits non-zero or writes no valid JSON gets a row "failed: <reason>" and the
 driver goes on; the exit code is then 1. A target not met is a result, not a
 failure (its row says NO).
 
-The learning benchmark (about 3 hours) runs only with `--learning`. Teacher
+The learning benchmark (about 3 hours) runs only with `--learning` (or `--only
+learning`, which implies it). `--only` takes file stems (transport, overlap,
+backends, embedder, credit, scaling, learning) or the table's names
+("teacher scoring (backends)", short "teacher"). Teacher
 scoring runs the transformers backend; `--backends hf vllm` adds vLLM, run
 with `.venv-vllm/bin/python` when that venv exists (`make install-vllm`).
 """
@@ -67,6 +70,20 @@ SCRIPTS = [
     Script("scaling", "benchmarks/scaling.py"),
     Script("learning", "benchmarks/learning.py", default=False),
 ]
+# `--only` names: file stems, the table's names, and "teacher" (the table's teacher-scoring row is backends.py).
+ONLY_NAMES = {s.stem: s.stem for s in SCRIPTS} | {s.name: s.stem for s in SCRIPTS} | {"teacher": "backends"}
+
+
+def selected(only: list[str] | None, learning: bool) -> list[Script]:
+    """The scripts to run: the default ones (+ learning with `learning`), or exactly those named in `only`
+    (ONLY_NAMES keys; naming learning runs it). Raises ValueError for an unknown name."""
+    if only is None:
+        return [s for s in SCRIPTS if s.default or (learning and s.stem == "learning")]
+    unknown = [n for n in only if n not in ONLY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {', '.join(map(repr, unknown))}; valid: {', '.join(ONLY_NAMES)}")
+    stems = {ONLY_NAMES[n] for n in only}
+    return [s for s in SCRIPTS if s.stem in stems]
 
 
 def failed_report(script: Script, command: str, reason: str) -> dict[str, Any]:
@@ -164,14 +181,20 @@ def main() -> int:
     ap.add_argument("--learning", action="store_true", help="also run benchmarks/learning.py (about 3 hours)")
     ap.add_argument("--backends", nargs="+", choices=["hf", "vllm"], default=["hf"],
                     help="teacher-scoring backends; vllm runs with .venv-vllm/bin/python when it exists")
-    ap.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these (file stems, e.g. transport)")
-    ap.add_argument("--timeout-s", type=float, default=None, help="per benchmark (default: none)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help=f"run only these: {', '.join(s.stem for s in SCRIPTS)} (file stems) or the table's names, "
+                         f"e.g. teacher for backends; naming learning implies --learning")
+    ap.add_argument("--timeout-s", type=float, default=None, help="seconds per benchmark, > 0 (default: none)")
     args = ap.parse_args()
+    if args.timeout_s is not None and not args.timeout_s > 0:  # also NaN; 0 meant no limit, < 0 killed at once
+        ap.error(f"--timeout-s must be > 0 seconds (got {args.timeout_s:g}); leave it out for no limit")
+    try:
+        scripts = selected(args.only, args.learning)
+    except ValueError as e:
+        ap.error(f"--only: {e}")
 
     out = (args.out or REPO / "runs" / "bench" / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    scripts = [s for s in SCRIPTS if (s.default or (args.learning and s.stem == "learning"))
-               and (args.only is None or s.stem in args.only)]
     reports: list[dict[str, Any]] = []
     if "vllm" in args.backends:
         for s in scripts:

@@ -520,17 +520,22 @@ def main() -> None:
                     help=f"G {QUICK_GROUP_SIZES} x K {QUICK_TURNS} on {TINY_RANDOM} unless --model is given")
     ap.add_argument("--model", default=None, help="packaged model name, tiny-random, or a local HF directory "
                                                   "(default: the config's, SmolLM2-135M-Instruct)")
-    ap.add_argument("--group-sizes", type=int, nargs="+", default=None, help=f"default {GROUP_SIZES}")
-    ap.add_argument("--turns", type=int, nargs="+", default=None, help=f"default {TURNS}")
+    ap.add_argument("--group-sizes", type=int, nargs="+", default=None, help=f">= 1 each; default {GROUP_SIZES}")
+    ap.add_argument("--turns", type=int, nargs="+", default=None, help=f">= 1 each; default {TURNS}")
     ap.add_argument("--obs-tokens", type=int, default=8, help="ids of the fixed observation text")
     ap.add_argument("--max-new-tokens", type=int, default=12, help="student and teacher new ids per turn")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of the embedder (median); credit: 10x as many")
     ap.add_argument("--budget-s", type=float, default=900.0,
-                    help="wall seconds for the grid: a cell predicted to pass it is skipped (0: run every cell)")
+                    help="wall seconds for the grid, >= 0: a cell predicted to pass it is skipped (0: run every cell)")
     ap.add_argument("--json", type=Path, default=None, help="write the benchmark JSON here")
     args = ap.parse_args()
+    if not args.budget_s >= 0:  # also NaN
+        ap.error(f"--budget-s must be >= 0 seconds (0: no budget, every cell runs); got {args.budget_s:g}")
+    for flag, values in (("--group-sizes", args.group_sizes), ("--turns", args.turns)):
+        if values and min(values) < 1:  # a 0 gives empty groups and NaN fits
+            ap.error(f"{flag} values must be >= 1; got {' '.join(map(str, values))}")
     Gs = args.group_sizes or (QUICK_GROUP_SIZES if args.quick else GROUP_SIZES)
     Ks = args.turns or (QUICK_TURNS if args.quick else TURNS)
     model = args.model or (TINY_RANDOM if args.quick else None)

@@ -316,12 +316,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer messages and redis-benchmark requests (< 60 s)")
     ap.add_argument("--json", type=Path, default=None, help="write the benchmark JSON here")
-    ap.add_argument("--messages", type=int, default=None, help="messages per kind (default 40; --quick 5)")
+    ap.add_argument("--messages", type=int, default=None, help="messages per kind, >= 1 (default 40; --quick 5)")
     ap.add_argument("--step-seconds", type=float, default=DEFAULT_STEP_S,
-                    help=f"quickstart step time for the share (default {DEFAULT_STEP_S:.0f} s, README.md's fastest)")
+                    help=f"quickstart step seconds for the share, > 0 (default {DEFAULT_STEP_S:.0f}: README's fastest)")
     ap.add_argument("--no-appendonly", action="store_true", help="Redis without the append-only file (not how runs go)")
     args = ap.parse_args()
-    n = args.messages or (5 if args.quick else 40)
+    if not 0 < args.step_seconds < float("inf"):  # also NaN: the share divides by it
+        ap.error(f"--step-seconds must be a number of seconds > 0 (got {args.step_seconds:g})")
+    if args.messages is not None and args.messages < 1:
+        ap.error(f"--messages must be >= 1 (got {args.messages}); leave it out for the default")
+    n = args.messages if args.messages is not None else (5 if args.quick else 40)
     variants = 2 if args.quick else 4  # distinct messages per kind, cycled
     aof = not args.no_appendonly
 

@@ -193,6 +193,14 @@ class EnvSection(_Section):
     webshop: WebShopSection = WebShopSection()
     reasoning_gym: ReasoningGymSection = ReasoningGymSection()
 
+    @model_validator(mode="after")
+    def _per_turn_hint_needs_a_gold_path(self) -> "EnvSection":
+        if self.privileged in ("remaining", "skills+remaining") and self.name in ("search", "webshop"):
+            # These envs report no policy_commands: the teacher would see no hint, and no error would say so.
+            raise ValueError(f"env.privileged {self.privileged!r} needs an env that reports its remaining gold path "
+                             f"(textworld, twx, scienceworld, alfworld, reasoning_gym), not {self.name!r}")
+        return self
+
 
 class RolloutSection(_Section):
     group_size: int = Field(4, ge=1)
@@ -440,8 +448,9 @@ class TrainerSection(_Section):
     truncated_is: bool = False
     tis_cap: float = Field(5.0, gt=0)
     checkpoint_every: int = Field(1, ge=1)  # steps between checkpoints (resume point; the last step always saves)
-    # Keep the published weights of every Nth policy version (and version 0) in <run_dir>/snapshots/
-    # (learning curves: benchmarks/learning.py evaluates them); 0 = keep none. ~540 MB each for SmolLM2 fp32.
+    # Keep the published weights of every Nth policy version in <run_dir>/snapshots/ (version 0 too when it is
+    # published: run.max_staleness >= 1), for learning curves (benchmarks/learning.py evaluates them);
+    # 0 = keep none. ~540 MB each for SmolLM2 fp32.
     snapshot_every: int = Field(0, ge=0)
     dump_credit: bool = False  # write each step's credit inputs to <run_dir>/credit/ (replay: opsd credit check)
     # LoRA (opsd/lora.py): None = full fine-tuning; set = train and publish adapters only.

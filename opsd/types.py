@@ -191,6 +191,8 @@ class Trajectory:
                 f"{name}: turn {k} span [{t.response_start},{t.response_end}) out of order or bounds",
             )
             _check(t.finish_reason in FINISH_REASONS, f"{name}: turn {k} finish_reason {t.finish_reason!r}")
+            _check(isinstance(t.hint, list) and all(isinstance(a, str) for a in t.hint),
+                   f"{name}: turn {k} hint must be a list of str, got {type(t.hint).__name__}")
             _check(len(t.hint) <= MAX_HINT_ACTIONS and all(len(a) <= MAX_HINT_CHARS for a in t.hint),
                    f"{name}: turn {k} hint longer than {MAX_HINT_ACTIONS} actions of {MAX_HINT_CHARS} chars")
             prev_end = t.response_end

@@ -65,7 +65,10 @@ def encode(msg: Any, max_bytes: int | None = None) -> bytes:
     body = _pack(msg, cls, cls.__name__)  # first: its type errors name the field path
     _validate(msg, cls.__name__)
     envelope = {"schema": SCHEMA_VERSION, "type": cls.__name__, "body": body}
-    data = msgpack.packb(envelope, use_bin_type=True)
+    try:
+        data = msgpack.packb(envelope, use_bin_type=True)
+    except UnicodeEncodeError as err:  # a lone surrogate (e.g. from errors="surrogateescape" decoding) in a str field
+        raise WireError(f"cannot encode {cls.__name__}: a string is not valid UTF-8 ({err.reason})") from err
     if max_bytes is not None and len(data) > max_bytes:
         raise WireError(f"{cls.__name__}: encoded size {len(data)} B > limit {max_bytes} B", reason="oversized")
     return data

@@ -98,6 +98,98 @@ def test_the_driver_reports_a_missing_script_and_goes_on(tmp_path):
     assert not next(s for s in run.SCRIPTS if s.stem == "learning").default  # 3 hours: only with --learning
 
 
+def test_the_driver_selects_by_stem_or_table_name_and_refuses_unknown_names():
+    assert [s.stem for s in run.selected(None, learning=False)] == [s.stem for s in run.SCRIPTS if s.default]
+    assert [s.stem for s in run.selected(None, learning=True)][-1] == "learning"
+    assert [s.stem for s in run.selected(["teacher", "transport"], learning=False)] == ["transport", "backends"]
+    assert [s.stem for s in run.selected(["teacher scoring (backends)"], learning=False)] == ["backends"]
+    assert [s.stem for s in run.selected(["learning"], learning=False)] == ["learning"]  # naming it implies --learning
+    with pytest.raises(ValueError, match="'transprot'.*valid: transport, overlap, backends"):
+        run.selected(["transprot"], learning=False)
+
+
+# ---------------------------------------------------------------- argument errors: exit 2 before any work
+
+# Each case that would start a benchmark if its check were lost also carries a bad argument checked after it
+# (or --quick sizes): a regression then fails on the message, it does not start a long run.
+BAD_ARGS = [
+    ("run.py", ["--only", "transprot"], "--only"),
+    ("run.py", ["--only", "transprot", "--timeout-s", "0"], "--timeout-s"),
+    ("scaling.py", ["--quick", "--budget-s", "-1", "--turns", "0"], "--budget-s"),
+    ("scaling.py", ["--quick", "--group-sizes", "4", "0", "--turns", "0"], "--group-sizes"),
+    ("scaling.py", ["--quick", "--turns", "0"], "--turns"),
+    ("learning.py", ["--steps", "0", "--config", "missing.yaml"], "--steps"),
+    ("learning.py", ["--config", "missing.yaml"], "--config"),
+    ("overlap.py", ["--pairs", "0", "--config", "missing.yaml"], "--pairs"),
+    ("overlap.py", ["--steps", "0", "--config", "missing.yaml"], "--steps"),
+    ("overlap.py", ["--steps", "3", "--config", "missing.yaml"], "--steps"),  # 2 warm-up steps + 2 measured
+    ("overlap.py", ["--quick", "--steps", "2", "--config", "missing.yaml"], "--steps"),  # 1 warm-up + 2
+    ("transport.py", ["--step-seconds", "-200", "--messages", "0"], "--step-seconds"),
+    ("transport.py", ["--step-seconds", "0", "--messages", "0"], "--step-seconds"),
+    ("transport.py", ["--quick", "--messages", "0"], "--messages"),
+]
+
+
+@pytest.mark.parametrize("script,args,flag", BAD_ARGS, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_ARGS])
+def test_bad_arguments_exit_2_naming_the_argument(script, args, flag, tmp_path):
+    out = ["--out", str(tmp_path / "out")] if script in ("run.py", "learning.py") else []
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", *args, *out], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: error: {flag}"), proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_learning_checks_every_methods_config_before_evaluating(tmp_path):
+    from benchmarks import learning
+    from opsd.config import RunConfig
+
+    bad = yaml.safe_load((common.REPO / "configs" / "learning.yaml").read_text())
+    bad["model"]["name"] = "tiny-random"  # if the check were lost: a small model, not SmolLM2's evaluation
+    bad["rollout"]["temperature"] = 0.7  # fine for grpo (the base config's method), not for alignopsd
+    RunConfig.model_validate(learning.method_config(bad, "grpo", None))
+    with pytest.raises(ValueError, match="temperature"):
+        RunConfig.model_validate(learning.method_config(bad, "alignopsd", None))
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--config", str(tmp_path / "bad.yaml"),
+                           "--methods", "grpo", "alignopsd", "--out", str(tmp_path / "out")], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "alignopsd" in proc.stdout and "rollout temperature" in proc.stdout and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # refused before the untrained evaluation
+
+
+def test_overlap_removes_its_temp_dir_when_a_run_fails(tmp_path, monkeypatch):
+    from benchmarks import overlap
+
+    work = tmp_path / "opsd-overlap-test"
+
+    def failing_run(*args, **kwargs):
+        (work / "0-sync" / "runs").mkdir(parents=True)
+        raise RuntimeError("sync run failed (exit 1)")
+
+    monkeypatch.setattr(overlap.tempfile, "mkdtemp", lambda prefix: str(work))
+    monkeypatch.setattr(overlap, "measure", failing_run)
+    monkeypatch.setattr(sys, "argv", ["benchmarks/overlap.py", "--quick"])
+    with pytest.raises(RuntimeError, match="sync run failed"):
+        overlap.main()
+    assert not work.exists()
+
+
+def test_backends_judges_its_target_only_at_full_size():
+    from benchmarks import backends
+
+    rows = [{"backend": "hf", "workload": f"multi-view: {m}", "seconds": s, "tokens": 10, "tokens_per_s": 10 / s,
+             "shape": "5 views", "unit": "view tok/s", "max_abs_diff_vs_per_view": 0.0}
+            for m, s in (("shared", 1.0), ("per-view", 3.0), ("batched", 2.0))]
+    best = {q: backends.table_rows(rows, quick=q)[-1] for q in (False, True)}
+    assert best[False].name == best[True].name == "hf: multi-view best of batched/shared vs per-view"
+    assert best[False].value == best[True].value == 3.0
+    assert (best[False].target, best[False].ok) == (">= 2 x", True)
+    assert (best[True].target, best[True].ok) == (None, None) and "--quick" in best[True].note
+
+
 # ---------------------------------------------------------------- transport
 
 

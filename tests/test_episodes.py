@@ -7,6 +7,7 @@ sampled model cannot be forced into (no action, NaN log-prob, token cap, a win).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -432,3 +433,32 @@ def test_run_groups_batches_groups_and_isolates_a_broken_one(game, backend, chat
     assert [t.token_ids_S.tolist() for t in again[2][0].trajectories] == [t.token_ids_S.tolist() for t in g2.trajectories]
     with pytest.raises(ValueError, match="seeds"):
         run_groups([make_task(game)], backend, chat, ENV, rollout, 2048, seeds=[])
+
+
+def test_run_groups_survives_an_env_that_fails_to_close_or_reports_a_malformed_hint(game, backend, chat, monkeypatch):
+    """An env whose close() raises loses no group and leaks no other env; an env reporting policy_commands
+    that is not a list of str ends that episode as "error" (not a hint of single characters)."""
+    from opsd.envs import textworld as tw
+
+    real_close, real_step, closed = tw.TextWorldEnv.close, tw.TextWorldEnv.step, []
+
+    def close(self):
+        closed.append(self)
+        real_close(self)
+        if len(closed) == 1:
+            raise OSError("close failed")
+
+    def step(self, action):
+        return dataclasses.replace(real_step(self, action), policy_commands="take coin")
+
+    monkeypatch.setattr(tw.TextWorldEnv, "close", close)
+    monkeypatch.setattr(tw.TextWorldEnv, "step", step)
+    rollout = RolloutSection(group_size=2, max_new_tokens=8, batch_size=16)
+    other = make_task(game)
+    other.group_id = "g-other"
+    results = run_groups([make_task(game), other], backend, chat, ENV, rollout, 2048, seeds=[11, 12])
+    assert len(closed) == 4  # every env closed although the first close raised
+    trajectories = [t for r in results for t in r[0].trajectories]  # both groups came back
+    stepped = [t for t in trajectories if any(rec.format_valid for rec in t.turns)]
+    assert stepped and all(t.ending == "error" for t in stepped)
+    assert all(rec.hint != list("take coin") for t in trajectories for rec in t.turns)

@@ -198,7 +198,9 @@ def test_scripted_success_per_category_and_failed_task(policy_backend, tmp_path)
     assert report["policy_version"] == 5 and report["errors"] == 1
     failed = [t for t in report["tasks"] if t["error"]]
     assert [t["task_id"] for t in failed] == [tasks[3].task_id] and "scripted failure" in failed[0]["error"]
-    assert failed[0]["episodes"] == []
+    assert failed[0]["episodes"] == [] and failed[0]["alone"]  # its chunk failed together, then replayed task by task
+    assert report["tasks_per_call"] >= 1 and all(t["chunk"] == i // report["tasks_per_call"]
+                                                  for i, t in enumerate(report["tasks"]))
     # Same config, same numbers (seeds from eval.seed and the task ids).
     again = evaluate(cfg, AnswerBackend(policy_backend, by_q, answer, fail=[fail]), local_context(cfg), tmp_path / "out2")
     assert again["overall"] == ov and [t["seed"] for t in again["tasks"]] == [t["seed"] for t in report["tasks"]]

@@ -105,13 +105,14 @@ def _scored(turns: list[tuple[str, list[str], float]]) -> ScoredGroup:
 
 def test_privileged_signal_compares_hint_turns_with_the_others():
     sg = _scored([("Take  Coin", ["take coin", "eat coin"], 0.75),  # matches (case and spaces ignored)
+                  ("go east.", ["go east"], 0.25),  # matches: the envs drop a trailing period too
                   ("look", ["take coin"], -0.25), ("go west", ["take coin"], 0.25),
                   ("inventory", [], 0.5)])  # no hint: not counted
     out = privileged_signal([sg])
-    assert out == {"privileged_signal": pytest.approx(0.75 - 0.0), "hint_match_turns": 1, "hint_other_turns": 2}
+    assert out == {"privileged_signal": pytest.approx(0.5 - 0.0), "hint_match_turns": 2, "hint_other_turns": 2}
     # Every hint turn on one side: no comparison, reported as None (null in metrics.jsonl), never 0.
     assert privileged_signal([_scored([("look", ["take coin"], 0.5)])])["privileged_signal"] is None
-    assert summarize([sg.rollout], [sg])["privileged_signal"] == pytest.approx(0.75)
+    assert summarize([sg.rollout], [sg])["privileged_signal"] == pytest.approx(0.5)
 
 
 def test_snapshots_keep_every_nth_version(tmp_path):
@@ -125,3 +126,29 @@ def test_snapshots_keep_every_nth_version(tmp_path):
     assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["policy-v00000.safetensors", "policy-v00002.safetensors"]
     assert (tmp_path / "snapshots" / "policy-v00002.safetensors").read_bytes() == b"v2"
     assert keep_snapshot(tmp_path, 3, every=0) is None
+
+
+def test_the_hint_is_a_prefix_of_the_path_and_never_a_cut_command():
+    from opsd.envs.base import EnvStep
+    from opsd.types import MAX_HINT_ACTIONS, MAX_HINT_CHARS
+    from services.rollout.episodes import _hint
+
+    def hint(commands):
+        return _hint(EnvStep("o", [], won=False, lost=False, done=False, score=0.0, policy_commands=commands))
+
+    assert hint(["go east", "take coin"]) == ["go east", "take coin"]
+    assert hint(["x"] * (MAX_HINT_ACTIONS + 5)) == ["x"] * MAX_HINT_ACTIONS
+    long = "a" * (MAX_HINT_CHARS + 1)
+    assert hint(["go east", long, "take coin"]) == ["go east"]  # the path up to the command that does not fit
+    assert hint([long]) == []  # a long answer (reasoning-gym) gives no hint rather than a cut one
+    with pytest.raises(TypeError, match="list of str"):
+        hint("take coin")
+    with pytest.raises(TypeError, match="list of str"):
+        hint([1, 2])
+
+
+@pytest.mark.parametrize("env", ["search", "webshop"])
+def test_a_per_turn_hint_on_an_env_without_a_gold_path_is_a_config_error(env):
+    with pytest.raises(ValueError, match="remaining gold path"):
+        EnvSection(name=env, privileged="remaining")
+    assert EnvSection(name=env, privileged="both").privileged == "both"

@@ -129,9 +129,12 @@ def test_control_characters_and_meta_commands_never_reach_the_interpreter(specs,
         env.reset()
         step = env.step("look\x00 around")
         assert not step.won and step.observation
+        remaining = step.policy_commands
+        assert remaining == list(specs[0].walkthrough)  # looking changed nothing
         for meta in ("save", "restore", "SAVE game", "script", "quit", "restart", "\x00"):
             step = env.step(meta)
             assert step.invalid_action and not step.done and "not available" in step.observation, meta
+            assert step.policy_commands == remaining, meta  # a refusal keeps the state, so the hint too
         assert list(tmp_path.iterdir()) == [], "a command wrote a file into the working directory"
         for cmd in specs[0].walkthrough:  # the game still plays to a win afterwards
             step = env.step(cmd)

@@ -94,6 +94,18 @@ def test_wire_error_is_a_message_error():
 # ---------------------------------------------------------------- encode refuses bad messages
 
 
+def test_encode_rejects_a_lone_surrogate_and_a_malformed_hint_as_wire_errors():
+    rg = make_rollout_group(G=1, turns=2, seed=0)
+    rg.trajectories[0].turns[0].hint = ["take \udcff coin"]  # what errors="surrogateescape" decoding leaves
+    with pytest.raises(WireError, match="UTF-8"):
+        encode(rg)
+    rg.trajectories[0].turns[0].hint = ["take coin"]
+    assert decode(encode(rg), RolloutGroup, LIMIT).trajectories[0].turns[0].hint == ["take coin"]
+    rg.trajectories[0].turns[0].hint = None  # validate() itself (not only the wire's type check) names the field
+    with pytest.raises(MessageError, match="hint must be a list of str"):
+        rg.validate()
+
+
 def test_encode_rejects_nan_logprob():
     rg = make_rollout_group(G=2, turns=2, seed=0)
     rg.trajectories[1].sampler_logprobs_S[3] = np.nan

@@ -274,6 +274,7 @@ class TextWorldEnv(ClosingEnv):
             self._env = textworld.start(self.spec.path, request_infos=self._INFOS)
         self._done = True  # until reset()
         self._admissible: list[str] = []
+        self._policy: list[str] = []  # the remaining gold path at the current state (kept across refusals)
         self._score = 0.0
 
     def _to_step(self, state: Any, done: bool, invalid: bool = False) -> EnvStep:
@@ -282,6 +283,7 @@ class TextWorldEnv(ClosingEnv):
         self._done = bool(done or won or lost)
         self._admissible = list(state.get("admissible_commands") or [])
         self._score = float(state.get("score") or 0)
+        self._policy = list(state.get("policy_commands") or [])
         return EnvStep(
             observation=clean_observation(state.feedback or "", self.max_observation_chars),
             admissible_commands=list(state.get("admissible_commands") or []),
@@ -289,7 +291,7 @@ class TextWorldEnv(ClosingEnv):
             lost=lost,
             done=self._done,
             score=float(state.get("score") or 0),
-            policy_commands=list(state.get("policy_commands") or []),
+            policy_commands=list(self._policy),
             invalid_action=invalid,
         )
 
@@ -310,7 +312,7 @@ class TextWorldEnv(ClosingEnv):
         invalid = command.strip().lower() not in {c.lower() for c in self._admissible}
         if not command.strip() or command.split()[0].lower() in _META_COMMANDS:
             return EnvStep(observation=_REFUSED, admissible_commands=list(self._admissible), won=False, lost=False,
-                           done=False, score=self._score, invalid_action=True)
+                           done=False, score=self._score, policy_commands=list(self._policy), invalid_action=True)
         state, _score, done = self._env.step(command)
         return self._to_step(state, done, invalid)
 

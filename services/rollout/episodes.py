@@ -282,7 +282,10 @@ def run_groups(
     finally:
         for g in groups:
             for ep in g.episodes:
-                ep.env.close()
+                try:
+                    ep.env.close()
+                except Exception:  # noqa: BLE001 - one env failing to close must not leak the others or lose results
+                    log.exception("group %s %s: env.close() failed", g.task.group_id, ep.rollout_id)
 
     results: list[tuple[RolloutGroup, RolloutStats] | Exception] = []
     for g in groups:
@@ -394,8 +397,20 @@ def _start(adapter: Any, env_task: Task, env_cfg: EnvSection, ctx: EnvContext, t
 
 
 def _hint(step: EnvStep) -> list[str]:
-    """The remaining gold path the env reports (the teacher's per-turn hint), cut to the wire's bounds."""
-    return [str(a)[:MAX_HINT_CHARS] for a in step.policy_commands[:MAX_HINT_ACTIONS]]
+    """The remaining gold path the env reports (the teacher's per-turn hint) within the wire's bounds:
+    its first MAX_HINT_ACTIONS commands, up to the first one longer than MAX_HINT_CHARS. A command is
+    never cut (a cut answer shown to the teacher as the gold one would be wrong privileged text), so
+    an answer that does not fit gives no hint. TypeError when the env's policy_commands is not a
+    list of str (a broken env: its episode ends "error")."""
+    commands = step.policy_commands
+    if not isinstance(commands, (list, tuple)) or not all(isinstance(a, str) for a in commands):
+        raise TypeError(f"env policy_commands must be a list of str, got {type(commands).__name__}: {commands!r:.80}")
+    hint: list[str] = []
+    for command in commands[:MAX_HINT_ACTIONS]:
+        if len(command) > MAX_HINT_CHARS:
+            break
+        hint.append(command)
+    return hint
 
 
 def _reward(step: EnvStep, task: TaskGroup) -> float:
@@ -474,13 +489,13 @@ def _play_turn(
         t0 = time.perf_counter()
         try:
             step: EnvStep = ep.env.step(action)
-            reward = _reward(step, task)
+            reward, next_hint = _reward(step, task), _hint(step)
         except Exception:  # a broken game (or a dead env server) must not take the sibling episodes down
             log.exception("group %s %s: env.step(%r) failed", task.group_id, ep.rollout_id, action)
             ep.ending = "error"
         else:
             ep.admissible = step.admissible_commands
-            ep.hint = _hint(step)
+            ep.hint = next_hint
             ep.reward = reward
             stats.env_invalid_actions += bool(step.invalid_action)
             if step.won:

@@ -149,9 +149,12 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
     on_task: called with each task's result dict as it finishes (progress display).
 
     Returns the report written to eval.json: config name, env, metric(s), checkpoint,
-    policy_version, temperature, episodes_per_task, "categories" {name: `summarize`},
-    "overall", "tasks" [{task_id, category, seed, seconds, error (None or "Type: message"),
+    policy_version, temperature, episodes_per_task, tasks_per_call, "categories" {name: `summarize`},
+    "overall", "tasks" [{task_id, category, seed, chunk, alone, seconds, error (None or "Type: message"),
     episodes [{rollout_id, reward, won, ending, turns, valid_turns}]}] and the written paths.
+    Tasks share generate calls `tasks_per_call` at a time (eval.parallel_tasks, rollout.batch_size);
+    a call samples from its first task's seed, so the same config (and `chunk`/`alone`) replays the
+    same episodes, and another eval.parallel_tasks draws others.
     Raises what the adapter's make_tasks raises (no task could be built); errors of
     single tasks are recorded instead.
     """
@@ -179,12 +182,12 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
         seeds = [task_seed(cfg.eval.seed, task.task_id) for task in chunk]
         groups = [task_group(cfg, task, group_id=f"eval-{task.task_id}", step=0, policy_version=version,
                              group_size=cfg.eval.episodes_per_task) for task in chunk]
-        t_chunk = time.perf_counter()
+        t_chunk, alone = time.perf_counter(), False
         try:
             played = run_groups(groups, backend, chat, cfg.env, rollout, cfg.model.max_model_len, seeds, ctx=ctx)
         except Exception as e:  # noqa: BLE001 - a failed batched call: each task alone, so one bad task fails alone
             log.warning("eval tasks %s failed together (%r); playing them one by one", [t.task_id for t in chunk], e)
-            played = []
+            played, alone = [], True
             for group, seed in zip(groups, seeds):
                 try:
                     played += run_groups([group], backend, chat, cfg.env, rollout, cfg.model.max_model_len, [seed], ctx=ctx)
@@ -192,8 +195,10 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
                     played.append(err)
         seconds = (time.perf_counter() - t_chunk) / len(chunk)  # the chunk's wall time, shared
         for task, seed, outcome in zip(chunk, seeds, played):
-            result = {"task_id": task.task_id, "category": task.category, "seed": seed, "error": None, "episodes": [],
-                      "seconds": seconds}
+            # The sampler draws once per generate call, so a task's episodes depend on the tasks that shared its
+            # calls: `chunk` (tasks_per_call apart) and `alone` (replayed by itself) make an eval reproducible.
+            result = {"task_id": task.task_id, "category": task.category, "seed": seed, "chunk": lo // per_call,
+                      "alone": alone or len(chunk) == 1, "error": None, "episodes": [], "seconds": seconds}
             if isinstance(outcome, Exception):  # one broken task (a game that fails, a server error) must not end the eval
                 log.error("eval task %s failed: %r", task.task_id, outcome)
                 result["error"] = f"{type(outcome).__name__}: {outcome}"
@@ -210,7 +215,7 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
         "config": cfg.run.name, "env": cfg.env.name, "metric": metric, "metrics": list(METRICS[metric]),
         "checkpoint": checkpoint or cfg.model.name, "policy_version": version,
         "temperature": cfg.eval.temperature, "top_p": 1.0, "episodes_per_task": cfg.eval.episodes_per_task,
-        "bootstrap_samples": cfg.eval.bootstrap_samples, "seed": cfg.eval.seed,
+        "bootstrap_samples": cfg.eval.bootstrap_samples, "seed": cfg.eval.seed, "tasks_per_call": per_call,
         **report_numbers(results, metric, cfg.eval.bootstrap_samples, cfg.eval.seed),
         "tasks": results, "seconds": time.perf_counter() - t0,
         "created": datetime.now().isoformat(timespec="seconds"),

@@ -182,6 +182,11 @@ def train() -> None:
             train_seconds=time.perf_counter() - t_compute, step_seconds=time.perf_counter() - t_step,
             advantage_abs_mean=float(np.abs(result.advantages_ML[mask]).mean()) if mask.any() else 0.0,
         )
+        if cfg.simulate.enabled:
+            record["simulated_compute"] = True
+        # Wall clock (unix s) once the step's update is applied: throughput. Set before the checkpoint copies
+        # the records, so a resumed run keeps it for every step (its checkpoint and publish follow: seconds).
+        record["finished_at"] = time.time()
         records.append(record)
         due = step % cfg.trainer.checkpoint_every == 0 or step == cfg.run.steps
         full_model, full_optimizer = par.gather(optimizer=due)  # FSDP2: all-gathered (into backend.model); else the model
@@ -191,9 +196,6 @@ def train() -> None:
             saved_step = step
         publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every)
         backoff.retry(collector.flush)
-        if cfg.simulate.enabled:
-            record["simulated_compute"] = True
-        record["finished_at"] = time.time()  # wall clock (unix s) once the step's weights are out: throughput
         append_metrics(run_dir, record)
         if plotting is None or plotting.done():
             plotting = plotter.submit(plot_metrics, run_dir)

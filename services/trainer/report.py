@@ -66,7 +66,9 @@ def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> d
 
 
 def _norm(action: str) -> str:
-    return " ".join(action.lower().split())
+    # As the envs compare commands (twx.clean_action, alfworld._normalize): case, whitespace runs and a
+    # trailing period do not make "take coin." a different command from "take coin".
+    return " ".join(action.lower().split()).rstrip(".").strip()
 
 
 def privileged_signal(scored: list[ScoredGroup]) -> dict[str, float | int | None]:
