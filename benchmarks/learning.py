@@ -50,6 +50,7 @@ from benchmarks.common import Row, command_line, machine, write_json  # noqa: E4
 
 METHODS = ("grpo", "agentopsd", "alignopsd")
 COLORS = {"grpo": "tab:blue", "agentopsd": "tab:orange", "alignopsd": "tab:green"}
+STYLES = {"grpo": ("o", "-"), "agentopsd": ("s", "--"), "alignopsd": ("^", ":")}  # equal curves stay visible
 
 
 def method_config(base: dict, method: str, steps: int | None) -> dict:
@@ -107,16 +108,18 @@ def plot(result: dict, path: Path) -> Path:
     """learning.png: held-out success vs step per method (95% bootstrap band), step 0 shared."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     base = result.get("untrained")
-    for method, points in result["curves"].items():
+    for i, (method, points) in enumerate(result["curves"].items()):
         pts = ([{"step": 0, **base}] if base else []) + points
         if not pts:
             continue
-        xs = [p["step"] for p in pts]
-        ax.plot(xs, [p["success"] for p in pts], marker="o", label=method, color=COLORS.get(method))
+        shift = 0.06 * (i - (len(result["curves"]) - 1) / 2)  # methods side by side: identical points do not hide
+        xs = [p["step"] + shift for p in pts]
+        marker, line = STYLES.get(method, ("o", "-"))
+        ax.plot(xs, [p["success"] for p in pts], marker=marker, linestyle=line, label=method, color=COLORS.get(method))
         ax.fill_between(xs, [p["lo"] for p in pts], [p["hi"] for p in pts], alpha=0.15, color=COLORS.get(method))
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out success rate")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(-0.02, 1.04)
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(result.get("title", "held-out success"), fontsize=9)
