@@ -146,6 +146,12 @@ def fmt_ok(ok: bool | None) -> str:
     return "" if ok is None else ("yes" if ok else "NO")
 
 
+def print_rows(rows: list[Row], width: int = 60) -> None:
+    """Print one script's rows, a line each: name, value (n/a when not measured), unit, target, ok, note."""
+    for r in rows:
+        print(f"{r.name:<{width}} {fmt_value(r.value):>10} {r.unit:<8} {r.target or '':<8} {fmt_ok(r.ok):<3} {r.note}")
+
+
 def table_rows(reports: list[dict[str, Any]], notes: bool = False) -> list[list[str]]:
     """The cells of one combined table, a list per row in COLUMNS order (+ note when `notes`).
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import REPO, Row, command_line, write_json  # noqa: E402
+from benchmarks.common import REPO, Row, command_line, print_rows, write_json  # noqa: E402
 from opsd.config import RunConfig  # noqa: E402
 from opsd.embedding_api import CorrespondResponse, EmbedResponse  # noqa: E402
 from opsd.service import embedder_url  # noqa: E402
@@ -198,8 +198,7 @@ def main() -> int:
                          f"{' and actions, action filter on' if n_texts > 2 * M else ''}); "
                          f"{matched} of {M} turns got a source; teacher's EmbedderClient"))
     rows.append(Row(f"/correspond: turns/s (G={G} x {turns} turns)", M / corr_s, "turns/s"))
-    for r in rows:
-        print(f"{r.name:<60} {r.value:>10,.2f} {r.unit}   {r.note}")
+    print_rows(rows)
     if args.json:
         write_json(args.json, "embedder", command_line(), rows)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -56,7 +56,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks.common` importable
 
-from benchmarks.common import REPO, Row, command_line, machine, write_json  # noqa: E402
+from benchmarks.common import REPO, Row, command_line, machine, print_rows, write_json  # noqa: E402
 
 WARMUP_STEPS = 2  # simulated runs: discarded steps (start-up, and the one-step-off pipeline filling up)
 MODES = {"sync": 0, "one-step-off": 1}  # name -> run.max_staleness
@@ -256,8 +256,7 @@ def measure(args: argparse.Namespace, base: Path, work: Path, steps: int, warmup
                 + "; can pass 100 %: the ideal leaves out the pipeline's own cost (checkpoint, weight publishing), "
                   "which sync pays every step and one-step-off partly overlaps"),
         ]
-    for row in rows:  # each run's line was printed as it finished
-        print(f"{row.name:<44} {row.value:8.3f} {row.unit:<9} {row.target or '':<9} {'' if row.ok is None else ('ok' if row.ok else 'NO')}")
+    print_rows(rows, width=44)  # each run's line was printed as it finished
     print(machine())
     if args.json:
         write_json(args.json, "overlap", command_line(), rows)

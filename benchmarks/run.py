@@ -15,7 +15,7 @@ failure (its row says NO).
 
 The learning benchmark (about 3 hours) runs only with `--learning` (or `--only
 learning`, which implies it). `--only` takes file stems (transport, overlap,
-backends, embedder, credit, scaling, learning) or the table's names
+backends, embedder, credit, scaling, inflight, learning) or the table's names
 ("teacher scoring (backends)", short "teacher"). Teacher
 scoring runs the transformers backend; `--backends hf vllm` adds vLLM, run
 with `.venv-vllm/bin/python` when that venv exists (`make install-vllm`).
@@ -68,6 +68,7 @@ SCRIPTS = [
     Script("embedder", "benchmarks/embedder.py"),
     Script("credit", "benchmarks/credit.py"),
     Script("scaling", "benchmarks/scaling.py"),
+    Script("in flight (hf)", "benchmarks/inflight.py", ["--backend", "hf"]),
     Script("learning", "benchmarks/learning.py", default=False),
 ]
 # `--only` names: file stems, the table's names, and "teacher" (the table's teacher-scoring row is backends.py).

@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks.common import Row, command_line, write_json  # noqa: E402
+from benchmarks.common import Row, command_line, print_rows, write_json  # noqa: E402
 from opsd import wire  # noqa: E402
 from opsd.config import RedisSection  # noqa: E402
 from opsd.queue import StreamQueue, produce_message  # noqa: E402
@@ -280,15 +280,17 @@ def run_hop(client: redis.Redis, msgs: list, n: int) -> HopResult:
         identical=identical)
 
 
-def redis_benchmark(server: LocalRedis, client: redis.Redis, size: int, requests: int) -> tuple[dict[str, float] | None, str]:
+def redis_benchmark(server: LocalRedis, client: redis.Redis, size: int, requests: int,
+                    exe: str | None = None) -> tuple[dict[str, float] | None, str]:
     """SET and GET requests/s of `size`-byte values from one redis-benchmark client on `server`.
 
+    exe: the redis-benchmark executable (default: the one on PATH).
     Returns ({"SET": rps, "GET": rps}, version) or (None, the reason it could not run).
     redis-benchmark 7.0 reads no password from the environment: it logs in as a
     throwaway ACL user made for this call and deleted after it, so the run's
     password never appears on a command line.
     """
-    exe = shutil.which("redis-benchmark")
+    exe = shutil.which(exe or "redis-benchmark")
     if exe is None:
         return None, "redis-benchmark not found: install Debian's redis-tools (`make bench` does)"
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
@@ -319,6 +321,8 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=None, help="messages per kind, >= 1 (default 40; --quick 5)")
     ap.add_argument("--step-seconds", type=float, default=DEFAULT_STEP_S,
                     help=f"quickstart step seconds for the share, > 0 (default {DEFAULT_STEP_S:.0f}: README's fastest)")
+    ap.add_argument("--redis-benchmark", default=None, metavar="PATH",
+                    help="the redis-benchmark executable (default: the one on PATH; a missing one gives rows without values)")
     ap.add_argument("--no-appendonly", action="store_true", help="Redis without the append-only file (not how runs go)")
     args = ap.parse_args()
     if not 0 < args.step_seconds < float("inf"):  # also NaN: the share divides by it
@@ -348,7 +352,8 @@ def main() -> int:
                     print(f"{scale} {cls.__name__}: {r.mean_bytes / 1e6:.3f} MB, {r.per_message_ms:.2f} ms/message "
                           f"(encode {r.encode_ms:.2f}, decode {r.decode_ms:.2f})", file=sys.stderr)
             ref_bytes = int(hops[("ALFWorld", RolloutGroup)].mean_bytes)
-            rps, rb_info = redis_benchmark(server, client, ref_bytes, 20 if args.quick else 200)
+            rps, rb_info = redis_benchmark(server, client, ref_bytes, 20 if args.quick else 200,
+                                           args.redis_benchmark)
             client.close()
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -387,9 +392,7 @@ def main() -> int:
     rows.append(Row("self-check: every decoded message == the original", float(identical), "bool", target="== 1",
                     note="each received message re-encoded byte-identical to what was sent"))
 
-    for r in rows:
-        print(f"{r.name:<78} {r.value if r.value is None else f'{r.value:,.3f}':>12} {r.unit:<6} "
-              f"{r.target or '':<7} {'' if r.ok is None else ('ok' if r.ok else 'NOT MET')}")
+    print_rows(rows, width=78)
     if args.json:
         write_json(args.json, "transport", command_line(), rows)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -207,7 +207,11 @@ class RolloutSection(_Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(24, ge=1)
-    batch_size: int = Field(16, ge=1)  # episodes generated together
+    batch_size: int = Field(16, ge=1)  # episodes generated together (with groups in flight: rows per transformers wave)
+    # TaskGroups a worker plays at once, every episode on its own (services/rollout/inflight.py); 1 = one group at
+    # a time in lockstep, reproducible bit for bit. None: 1 on transformers, 16 on vLLM (RunConfig.groups_in_flight).
+    max_groups_in_flight: int | None = Field(None, ge=1, le=256)
+    kv_cache_mb: int = Field(1024, ge=0)  # transformers backend, groups in flight: episodes' KV kept between turns
     metrics_port: int = 0  # 0 = pick a free port
 
 
@@ -221,6 +225,8 @@ class TeacherSection(_Section):
     # views only (counted in opsd_embedder_fallbacks_total). A 4xx is not retried.
     embedder_deadline_s: float = Field(120.0, gt=0)
     metrics_port: int = 0
+    # RolloutGroups scored at once (services/teacher). None: 1 on transformers, 8 on vLLM (RunConfig.groups_in_flight).
+    max_groups_in_flight: int | None = Field(None, ge=1, le=64)
 
 
 class EmbedderSection(_Section):
@@ -509,6 +515,15 @@ class RunConfig(_Section):
     trainer: TrainerSection = TrainerSection()
     eval: EvalSection = EvalSection()
     simulate: SimulateSection = SimulateSection()
+
+    def groups_in_flight(self, role: Literal["rollout", "teacher"]) -> int:
+        """How many groups a `role` worker holds at once: its section's max_groups_in_flight, or by default 1
+        on transformers (one group at a time, bit-reproducible) and several on vLLM (rollout 16, teacher 8),
+        whose async engine batches the requests of every group in flight."""
+        value = getattr(self, role).max_groups_in_flight
+        if value is not None:
+            return value
+        return {"rollout": 16, "teacher": 8}[role] if self.model.backend == "vllm" else 1
 
     @model_validator(mode="after")
     def _known_method(self) -> "RunConfig":

@@ -40,6 +40,18 @@ REDIS_RECONNECTS = Counter("opsd_redis_reconnects_total", "Redis connection loss
 SAMPLER_MISMATCH_KL = Gauge(
     "opsd_sampler_mismatch_kl", "KL(sampler || trainer) estimate on the last step's loss tokens (k3, nats/token)", ["role"]
 )
+GROUPS_IN_FLIGHT = Gauge("opsd_groups_in_flight", "Groups a worker holds now (at most its max_groups_in_flight)", ["role"])
+ENGINE_REQUESTS = Gauge("opsd_engine_requests", "Requests in the worker's inference engine, by state (running, waiting)",
+                        ["role", "state"])
+KV_CACHE_USAGE = Gauge("opsd_kv_cache_usage_ratio", "Share of the engine's KV-cache budget in use", ["role"])
+PREFIX_CACHE_HIT_RATE = Gauge(
+    "opsd_prefix_cache_hit_ratio", "Prompt tokens served from the engine's prefix cache / prompt tokens looked up, "
+    "since the engine started", ["role"])
+ENV_SECONDS = Counter("opsd_env_seconds_total", "Seconds episodes spent waiting on their environments (start, steps)",
+                      ["role"])
+VERSION_SWITCH_SECONDS = Histogram(
+    "opsd_version_switch_seconds", "A worker's switch to another policy version: draining the groups of the old one "
+    "(drain), loading the new weights (load)", ["role", "phase"], buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
 HTTP_REJECTED = Counter("opsd_http_rejected_total", "HTTP requests refused before the handler (auth, size)", ["role", "status"])
 
 
@@ -62,3 +74,24 @@ def init_series(role: str) -> None:
     if role == "trainer":
         for reason in ("duplicate", "stale"):
             GROUPS_DROPPED.labels(role, reason)
+
+
+def watch_engine(role: str, engine, stop, period_s: float = 1.0) -> None:
+    """Export `engine.stats()` (opsd.models.engine.EngineStats) to the engine gauges every `period_s` until
+    `stop` (a threading.Event) is set. Runs in a daemon thread of its own (returns at once)."""
+    import threading
+
+    running, waiting = ENGINE_REQUESTS.labels(role, "running"), ENGINE_REQUESTS.labels(role, "waiting")
+    kv, hits = KV_CACHE_USAGE.labels(role), PREFIX_CACHE_HIT_RATE.labels(role)
+
+    def loop() -> None:
+        while True:
+            s = engine.stats()
+            running.set(s.running)
+            waiting.set(s.waiting)
+            kv.set(s.kv_cache_usage)
+            hits.set(s.prefix_hit_rate)
+            if stop.wait(period_s):
+                return
+
+    threading.Thread(target=loop, name=f"{role}-engine-stats", daemon=True).start()

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -42,6 +43,7 @@ REDIS_RETRY_FIRST_S = 0.5  # after the client's own ~1.5 s of retries: a restart
 REDIS_RETRY_MAX_S = 10.0
 BIND_HOST_ENV = "OPSD_BIND_HOST"  # 0.0.0.0 inside containers; loopback by default
 PORT_ENV = "OPSD_PORT"  # containers: every role serves on one fixed port (8000), whatever the config says
+_STATUS_LOCK = threading.Lock()  # proc.status counters updated by job threads
 PARENT_PID_ENV = "OPSD_PARENT_PID"  # set by `opsd run`: its roles stop when it dies (see `die_with_parent`)
 
 
@@ -306,13 +308,21 @@ def consume_forever(
     reclaim_idle_ms: int,
     block_ms: int,
     out_group: str | None = None,
+    max_in_flight: int = 1,
 ) -> None:
     """The rollout/teacher job loop: take a message, `handle` it, write the output, then ack.
 
     queue: the role's StreamQueue on its input stream; out_stream/out_group:
     where outputs go and the consumer group that reads them (tasks ->
     "rollout", rollouts -> "teacher", or "trainer" for grpo, scored ->
-    "trainer"); None disables backpressure. Returns when `proc.stop` is set.
+    "trainer"); None disables backpressure. Returns when `proc.stop` is set
+    (after the jobs in flight have finished or been left pending).
+
+    max_in_flight: jobs held at once (>= 1). With more than one, each job
+    runs `handle` in a thread of its own (so `handle` must be thread-safe)
+    and is heartbeated and acknowledged on its own, when its own output is
+    written; the loop takes a new job whenever one of the K slots is free.
+    GROUPS_IN_FLIGHT{role} shows how many are held.
 
     Backpressure: before taking the next job the loop waits while
     `out_stream` holds more than `redis.max_stream_lag` entries not yet
@@ -335,6 +345,7 @@ def consume_forever(
     log = logging.getLogger(proc.role)
     max_lag = proc.cfg.redis.max_stream_lag
     last_depth = 0.0
+    running: set[Future] = set()  # jobs in flight
 
     def take() -> list:
         nonlocal last_depth
@@ -343,7 +354,8 @@ def consume_forever(
         if time.monotonic() - last_depth > DEPTH_EVERY_S:  # lag can cost a scan on old servers: not every loop
             queue.depth()
             last_depth = time.monotonic()
-        return queue.reclaim(reclaim_idle_ms, count=1) or queue.consume(block_ms, count=1)
+        free = max_in_flight - len(running)
+        return queue.reclaim(reclaim_idle_ms, count=free) or queue.consume(block_ms, count=free)
 
     config_key = StreamNames(proc.cfg.redis.stream_prefix).config_hash
     own_hash = proc.config_hash
@@ -352,30 +364,63 @@ def consume_forever(
         value = queue.client.get(config_key)
         return value.decode() if value is not None else None
 
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if out_group is not None:
         metrics.BACKPRESSURE_SECONDS.labels(role=proc.role, stream=out_stream)
-    while not proc.stop.is_set():
-        # Before taking anything: a worker with another config than the trainer's must not claim (and so
-        # count a delivery of) a job it will not do. Each container reads its own config file.
-        ok, published = retry_redis(proc, "reading the trainer's config hash", trainer_config)
-        if not ok:
-            return
-        if published is not None and published != own_hash:
-            log.error("this %s's config differs from the one the trainer published (config hash %s != %s): in "
-                      "containers give every role the run's config file; after `opsd run --resume`, config.yaml was "
-                      "changed in a field a run cannot resume with; stopping", proc.role, own_hash[:12], published[:12])
-            sys.exit(FATAL_EXIT)
-        ok, deliveries = retry_redis(proc, "reading jobs", take)
-        if not ok:
-            return
-        for d in deliveries:
-            if proc.stop.is_set():
-                return
+    in_flight = metrics.GROUPS_IN_FLIGHT.labels(proc.role)
+    exits: list[SystemExit] = []  # a job thread that must end the process (e.g. a refused token)
+
+    def job(d) -> None:
+        try:
             _run_job(proc, queue, out_stream, handle, d, reclaim_idle_ms, log)
+        except SystemExit as e:
+            exits.append(e)
+            proc.stop.set()
+
+    # One job at a time runs in this thread, as it always did; more run in a pool.
+    pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="job") if max_in_flight > 1 else None
+    try:
+        while not proc.stop.is_set():
+            running -= {f for f in running if f.done()}
+            in_flight.set(len(running))
+            if len(running) >= max_in_flight:  # every slot busy: wait for one (or for stop)
+                wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                continue
+            # Before taking anything: a worker with another config than the trainer's must not claim (and so
+            # count a delivery of) a job it will not do. Each container reads its own config file.
+            ok, published = retry_redis(proc, "reading the trainer's config hash", trainer_config)
+            if not ok:
+                return
+            if published is not None and published != own_hash:
+                log.error("this %s's config differs from the one the trainer published (config hash %s != %s): in "
+                          "containers give every role the run's config file; after `opsd run --resume`, config.yaml "
+                          "was changed in a field a run cannot resume with; stopping", proc.role, own_hash[:12],
+                          published[:12])
+                sys.exit(FATAL_EXIT)
+            ok, deliveries = retry_redis(proc, "reading jobs", take)
+            if not ok:
+                return
+            for d in deliveries:
+                if proc.stop.is_set():
+                    return
+                if pool is None:
+                    in_flight.set(1)
+                    _run_job(proc, queue, out_stream, handle, d, reclaim_idle_ms, log)
+                else:
+                    running.add(pool.submit(job, d))
+                in_flight.set(len(running))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)  # jobs in flight finish, or stop at proc.stop and stay pending
+        in_flight.set(0)
+        if exits:
+            raise exits[0]
 
 
 def _run_job(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], Any], d, reclaim_idle_ms: int, log) -> None:
-    proc.status["busy"] = True
+    with _STATUS_LOCK:
+        proc.status["busy"] = proc.status.get("busy", 0) + 1  # jobs running (0: idle)
     done = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(queue, d.entry_id, done, reclaim_idle_ms / 3000), daemon=True)
     beat.start()
@@ -406,11 +451,13 @@ def _run_job(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], 
         if out_id is None:
             log.warning("job %s was re-claimed by another worker, or finished by a retry whose reply was lost; "
                         "its output exists once", d.entry_id)
-        proc.status["jobs_done"] = proc.status.get("jobs_done", 0) + 1
+        with _STATUS_LOCK:
+            proc.status["jobs_done"] = proc.status.get("jobs_done", 0) + 1
     finally:
         done.set()
         beat.join()
-        proc.status["busy"] = False
+        with _STATUS_LOCK:
+            proc.status["busy"] -= 1
 
 
 def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:

@@ -12,10 +12,12 @@ The latest published version is also stored under the Redis key
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -107,3 +109,77 @@ def ensure_version(backend, run_dir: Path, version: int) -> bool:
             f"policy version {version} was deleted ({path} is gone; newest is {newest}): the job is too stale to train on"
         )
     raise FileNotFoundError(f"policy version {version} not published yet: {path} is missing")
+
+
+class VersionGate:
+    """Serve the groups a worker holds one policy version at a time (rollout and teacher, many groups in flight).
+
+    A group of version v runs only while the engine holds v and no group of a
+    LOWER version waits: the lowest version held is served first (the
+    trainer's oldest step is the one it waits for). A switch to another
+    version waits until every running group of the current one has finished
+    (drained), then loads it (`ensure_version(engine, run_dir, v)`), so no
+    request of version v runs after v+1 is loaded and no group mixes two.
+
+    engine: what `ensure_version` loads into (policy_version, load_weights);
+    on_switch(drain_s, load_s): called after each load (metrics), drain_s
+    counted from the first group that waited for it.
+    """
+
+    def __init__(self, engine, run_dir: Path, on_switch=None):
+        self.engine, self.run_dir, self.on_switch = engine, Path(run_dir), on_switch
+        self._cond = threading.Condition()
+        self._running = 0  # groups running, all of the engine's version
+        self._waiting: list[int] = []  # versions of the groups waiting
+        self._drain_since: float | None = None
+
+    def enter(self, version: int) -> None:
+        """Block until a group of `version` may run; loads it when the worker is drained.
+
+        Raises what `ensure_version` raises (StalePolicyError,
+        FileNotFoundError, a bad weights file) for this group alone; the
+        engine then keeps the version it held.
+        """
+        with self._cond:
+            self._waiting.append(version)
+            try:
+                while True:
+                    lowest = min(self._waiting)
+                    if version == lowest and self.engine.policy_version == version:
+                        self._running += 1
+                        return
+                    if version == lowest and self._running == 0:
+                        t0 = time.perf_counter()
+                        drain_s = t0 - self._drain_since if self._drain_since is not None else 0.0
+                        self._drain_since = None
+                        ensure_version(self.engine, self.run_dir, version)  # others wait: the lock is held
+                        if self.on_switch is not None:
+                            self.on_switch(drain_s, time.perf_counter() - t0)
+                        continue
+                    if self._drain_since is None and self._running and version != self.engine.policy_version:
+                        self._drain_since = time.perf_counter()
+                    self._cond.wait()
+            finally:
+                self._waiting.remove(version)
+                self._cond.notify_all()
+
+    def exit(self) -> None:
+        """A group entered with `enter` has finished (or failed)."""
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def serving(self, version: int):
+        """`enter(version)` ... `exit()` around a group's work."""
+        self.enter(version)
+        try:
+            yield
+        finally:
+            self.exit()
+
+    @property
+    def running(self) -> int:
+        """Groups running now."""
+        with self._cond:
+            return self._running

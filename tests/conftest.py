@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -13,6 +17,30 @@ if str(ROOT) not in sys.path:  # run from anywhere without installing the packag
     sys.path.insert(0, str(ROOT))
 
 from opsd.redis_server import LocalRedis, connect  # noqa: E402
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # .venv-vllm (tests/vllm) installs opsd[test] only: no property tests run there
+    settings = None
+if settings is not None:
+    # Hypothesis writes more than its example database under ./.hypothesis (e.g. a cache of constants
+    # parsed from the code under test): a temp dir per session instead, unless one is set already.
+    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        _hypothesis_home = tempfile.mkdtemp(prefix="opsd-hypothesis-")
+        atexit.register(shutil.rmtree, _hypothesis_home, ignore_errors=True)
+        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = _hypothesis_home  # read at its first use, not at import
+    # No example database: no run replays examples another run left behind. On CI (CI=true) the
+    # examples are derived from each test itself, so every run tries the same ones. No wall-clock
+    # checks: deadline=None (each property test sets it too) and no too_slow health check, which a
+    # loaded 2-core machine trips.
+    settings.register_profile(
+        "opsd",
+        database=None,
+        derandomize=os.environ.get("CI") == "true",
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    settings.load_profile("opsd")
 
 try:
     import vllm  # noqa: F401

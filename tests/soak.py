@@ -3,15 +3,19 @@
     python -m tests.soak --kills 8 --steps 12 [--seed 0] [--out DIR]
 
 Runs method alignopsd (embedder, rollout, teacher, trainer) with
-run.max_staleness 1 on the tiny model (tests/tiny_model.py) against a
+run.max_staleness 1 and several groups in flight per rollout and teacher worker on the tiny model (tests/tiny_model.py) against a
 redis-server this script owns (append-only file, fsync always). A seeded RNG
-picks when to strike (a uniform gap of `gap_s` seconds) and what: every
-target once in a random order, then any. Targets: a role, "redis", or
-"trainer@checkpoint" (the trainer the moment its next checkpoint lands,
-before it acknowledges what the checkpoint covers). A killed role is
-restarted by `opsd run`'s supervisor; a killed redis-server is started again
-on its data dir. Faults start once step 0 is logged. After the last kill the
-soak waits for the run to finish and checks:
+plans what to strike, every target once in a random order, then any, and
+when, keyed to the run's progress, never to wall time (`fault_plan`): each
+fault waits until a drawn number of steps is logged (at least one, and at
+least two steps left to run), then, for a role that reads a stream, until
+that role holds a job (an entry of its consumer group pending), so it dies
+mid-work. The same plan strikes whether the machine is fast or slow.
+Targets: a role, "redis", or "trainer@checkpoint" (the trainer the moment
+its next checkpoint lands, before it acknowledges what the checkpoint
+covers). A killed role is restarted by `opsd run`'s supervisor; a killed
+redis-server is started again on its data dir. After the last kill the soak
+waits for the run to finish and checks:
 
   * the run finished: exit code 0, DONE, the checkpoint at run.steps;
   * tasks issued (counts hash field produced:<tasks>) == run.steps x env.num_games;
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import Callable
 
 import yaml
+from redis import exceptions as redis_errors
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python tests/soak.py` as well as `python -m tests.soak`
@@ -285,18 +290,54 @@ def accounting(run_dir: Path, client) -> dict:
     return report
 
 
-def soak(kills: int, steps: int, seed: int = 0, out_dir: Path | None = None, gap_s: tuple[float, float] = (4.0, 12.0),
+# The stream and consumer group whose pending entries mean "this target holds a job" (alignopsd). The
+# embedder reads no stream: it is struck while the teacher, its only client, holds a group.
+HOLDS = {"rollout": ("tasks", "rollout"), "teacher": ("rollouts", "teacher"), "embedder": ("rollouts", "teacher"),
+         "trainer": ("scored", "trainer")}
+
+
+def fault_plan(rng: random.Random, kills: int, steps: int, targets: tuple[str, ...] = TARGETS) -> list[tuple[int, str]]:
+    """The soak's faults as (steps logged before the strike, target), in strike order.
+
+    Targets: every one of `targets` once in a random order, then random
+    picks; each fault's step count is drawn from 1..steps-2 (sorted), so a
+    strike always finds a running pipeline with at least two steps to go.
+    Raises ValueError for steps < 3, kills < 0 or no targets.
+    """
+    if steps < 3 or kills < 0 or not targets:
+        raise ValueError(f"a soak needs steps >= 3, kills >= 0 and a target (got {steps}, {kills}, {targets})")
+    order = rng.sample(targets, len(targets))
+    chosen = [order[i] if i < len(order) else rng.choice(targets) for i in range(kills)]
+    return list(zip(sorted(rng.randint(1, steps - 2) for _ in range(kills)), chosen))
+
+
+def holds_a_job(client, names: StreamNames, target: str) -> bool:
+    """True while `target`'s consumer group (HOLDS) has an entry delivered and not acknowledged.
+
+    False for a target that reads no stream, and while Redis or the group is not there.
+    """
+    if target not in HOLDS:
+        return False
+    stream, group = HOLDS[target]
+    try:
+        return int(client.xpending(getattr(names, stream), group)["pending"]) > 0
+    except (redis_errors.ResponseError, redis_errors.ConnectionError, redis_errors.TimeoutError):
+        return False
+
+
+def soak(kills: int, steps: int, seed: int = 0, out_dir: Path | None = None,
          targets: tuple[str, ...] = TARGETS, timeout_s: float = 1800.0, log: Callable[[str], None] = print,
-         model_dir: Path | None = None) -> dict:
+         model_dir: Path | None = None, groups_in_flight: int = 4) -> dict:
     """Run the soak (module docstring); returns the report, also written to <run_dir>/soak_report.json.
 
-    kills: faults to inject (fewer if the run finishes first: see
-    report["kills_done"]); steps: run.steps; seed: the run's seed and the
-    RNG's; out_dir: where the model, Redis data and run go (default: a new
-    temp dir); targets: some of TARGETS (roles, "redis", CHECKPOINT_KILL);
-    timeout_s: for the whole run; model_dir: a tiny model dir to use
-    (default: made in out_dir).
-    Raises TimeoutError if the run does not finish in time.
+    kills: faults to inject (fault_plan); steps: run.steps (>= 3); seed: the
+    run's seed and the fault plan's; out_dir: where the model, Redis data and run go
+    (default: a new temp dir); targets: some of TARGETS (roles, "redis",
+    CHECKPOINT_KILL); timeout_s: for the whole run; model_dir: a tiny model
+    dir to use (default: made in out_dir); groups_in_flight: the rollout
+    and teacher workers' max_groups_in_flight (several groups held per worker).
+    Raises TimeoutError if the run does not finish in time, AssertionError
+    if it exits before its last planned fault, ValueError for a bad plan.
     """
     from tests.tiny_model import make_tiny_model_dir
 
@@ -309,10 +350,12 @@ def soak(kills: int, steps: int, seed: int = 0, out_dir: Path | None = None, gap
         out_dir / "soak.yaml", model_dir,
         run={"name": "soak", "steps": steps, "seed": seed, "method": "alignopsd", "max_staleness": 1,
              "max_restarts": 10_000, "step_timeout_s": 900},
+        rollout={"max_groups_in_flight": groups_in_flight},
         redis={"max_deliveries": 10_000},  # every kill of a worker redelivers what it held: not poison
-        teacher={"embedder_deadline_s": 60},
+        teacher={"embedder_deadline_s": 60, "max_groups_in_flight": groups_in_flight},
     )
     rng = random.Random(seed)
+    plan = fault_plan(rng, kills, steps, targets)
     server = LocalRedis(out_dir / "redis.log", data_dir=out_dir / "redis", appendonly=True).start()
     t0 = time.monotonic()
     run = OpsdRun([str(cfg_path), "--output-dir", str(out_dir / "runs")], out_dir / "opsd.log", run_env(server.url))
@@ -321,14 +364,20 @@ def soak(kills: int, steps: int, seed: int = 0, out_dir: Path | None = None, gap
         run_dir = wait_until(lambda: next((p for p in (out_dir / "runs").glob("soak-*") if p.is_dir()), None), 120,
                              "run directory", run)
         metrics = run_dir / "metrics.jsonl"
-        # Faults start once step 0 is logged: they should hit a running pipeline, not only start-ups.
-        wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 600, "step 0", run, poll_s=0.5)
-        order = rng.sample(targets, len(targets))
-        while len(events) < kills:
-            time.sleep(rng.uniform(*gap_s))
-            if run.proc.poll() is not None or (run_dir / "DONE").exists():
-                break
-            target = order[len(events)] if len(events) < len(order) else rng.choice(targets)
+        names = StreamNames(RunConfig.load(cfg_path).redis.stream_prefix)
+        watch = connect(server.url, 1000)
+
+        def logged() -> int:
+            return metrics.read_text().count("\n") if metrics.exists() else 0
+
+        def remaining() -> float:
+            return max(timeout_s - (time.monotonic() - t0), 1.0)
+
+        for at, target in plan:
+            wait_until(lambda: logged() >= at, remaining(), f"{at} steps logged", run, poll_s=0.05)
+            # Mid-work: once the target holds a job, or (nothing left for it to take) once the next step is logged.
+            wait_until(lambda: target not in HOLDS or holds_a_job(watch, names, target) or logged() > at,
+                       remaining(), f"{target} to hold a job", run, poll_s=0.005)
             if target == "redis":
                 pid = server.process.pid
                 server.process.kill()
@@ -340,8 +389,9 @@ def soak(kills: int, steps: int, seed: int = 0, out_dir: Path | None = None, gap
             else:
                 pid = kill_role(run, target)
             events.append({"t": round(time.monotonic() - t0, 1), "target": target, "pid": pid,
-                           "steps_logged": metrics.read_text().count("\n")})
+                           "planned_at_steps": at, "steps_logged": logged()})
             log(f"soak: killed {target} (pid {pid}) at {events[-1]['t']}s, {events[-1]['steps_logged']} steps logged")
+        watch.close()
         rc = run.wait(max(timeout_s - (time.monotonic() - t0), 1.0))
         client = connect(server.url, 1000)
         try:
@@ -367,11 +417,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="run.steps")
     ap.add_argument("--seed", type=int, default=0, help="the run's seed and the fault RNG's")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: a new temp dir)")
-    ap.add_argument("--gap", type=float, nargs=2, default=(4.0, 12.0), metavar=("MIN_S", "MAX_S"),
-                    help="seconds between faults, drawn uniformly")
     ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    ap.add_argument("--groups-in-flight", type=int, default=4, help="rollout and teacher max_groups_in_flight")
     args = ap.parse_args()
-    report = soak(args.kills, args.steps, args.seed, args.out, tuple(args.gap), tuple(args.targets.split(",")))
+    report = soak(args.kills, args.steps, args.seed, args.out, tuple(args.targets.split(",")),
+                  groups_in_flight=args.groups_in_flight)
     sys.exit(0 if not report["violations"] else 1)
 
 

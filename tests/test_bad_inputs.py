@@ -94,6 +94,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -115,7 +116,7 @@ import torch
 from opsd.config import AlignSection, CreditSection, EmbedderSection, RunConfig, TrainerSection
 from opsd.credit import alignopsd, compute_advantages, registered
 from opsd.queue import StreamNames, StreamQueue
-from opsd.redis_server import LocalRedis, connect, find_redis_server
+from opsd.redis_server import LocalRedis, connect
 from opsd.types import MessageError, RolloutGroup, ScoredGroup, TaskGroup
 from opsd.wire import WireError, decode, encode
 from services.trainer.batch import build_credit_batch, scatter_advantages
@@ -126,6 +127,20 @@ from tests.factories import (
 
 LIMIT = 1 << 22
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _vllm_importable() -> bool:
+    try:
+        import vllm  # noqa: F401  (conftest.py imported it already when present: no extra cost)
+    except ImportError:
+        return False
+    return True
+
+
+# The tests of the missing-vLLM errors need an interpreter without vLLM (the main venv; `make install-vllm`
+# makes its own). The CLI checks importlib.util.find_spec, the roles `import vllm`: each test skips on its own.
+VLLM_FOUND = importlib.util.find_spec("vllm") is not None
+VLLM_IMPORTABLE = _vllm_importable()
 
 
 def tamper(data: bytes, edit) -> bytes:
@@ -235,7 +250,9 @@ def test_msgpack_bombs_only_raise_wire_error():
         t0 = time.monotonic()
         with pytest.raises(WireError):
             decode(data, TaskGroup, LIMIT)
-        assert time.monotonic() - t0 < 1.0
+        # Milliseconds when refused up front; a bomb that went off would take minutes and GBs (4 billion
+        # elements, 100k nested frames). 5 s leaves a loaded machine room and still tells them apart.
+        assert time.monotonic() - t0 < 5.0
 
 
 def _refuse_constant(name: str):
@@ -773,7 +790,9 @@ def test_redis_restart_does_not_kill_consumers(tmp_path):
     # XAUTOCLAIM and ack answered NOGROUP forever and the role loops crashed.
     server = LocalRedis(tmp_path / "redis.log").start()
     try:
-        client = connect(server.url, block_ms=1500)
+        # A long block (10 s): the reader is still blocked when the restart comes, however slow the
+        # machine; the restart cuts it off long before (the read then gets NOGROUP and returns []).
+        client = connect(server.url, block_ms=10_000)
         q = StreamQueue(client, "s:tasks", "rollout", "c1", TaskGroup, "rollout", LIMIT, "s:dead")
         q.ensure_group()
         q.produce(make_task(seed=1))
@@ -782,18 +801,23 @@ def test_redis_restart_does_not_kill_consumers(tmp_path):
 
         def blocked():
             try:
-                result["value"] = q.consume(block_ms=1500)
+                result["value"] = q.consume(block_ms=10_000)
             except Exception as e:  # noqa: BLE001 - the assertion below shows it
                 result["value"] = e
 
         reader = threading.Thread(target=blocked)
         reader.start()
-        time.sleep(0.3)  # the reader is blocked inside XREADGROUP
-        server.process.kill()
-        server.process.wait()
-        server.process = subprocess.Popen([find_redis_server(), str(Path(server._dir) / "redis.conf")],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        reader.join(timeout=20)
+        admin = connect(server.url, block_ms=0)
+        deadline = time.monotonic() + 30
+        # The server lists the reader's connection as blocked (flag b) in XREADGROUP.
+        while not any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in admin.client_list()):
+            assert reader.is_alive() and time.monotonic() < deadline, f"the reader never blocked: {result}"
+            time.sleep(0.02)
+        admin.close()
+        # Same port and password, back empty (no persistence); returns once the new server answers PING.
+        server.restart()
+        reader.join(timeout=30)
+        assert not reader.is_alive()
         assert result["value"] == [], result["value"]
         assert q.ack(held.entry_id) is False and q.keep_alive([held.entry_id]) == 0  # the held job died with the server
         assert q.produce_then_ack("s:rollouts", make_rollout_group(seed=1), held.entry_id) is None
@@ -834,7 +858,9 @@ def test_config_rejects_values_that_fail_mid_run(tmp_path, text, where):
     ("model:\n  backend: vllm\nrollout:\n  top_p: 0.9\n", [], "model.backend=vllm reports nucleus-renormalized"),
     ("run:\n  method: fire_opd\nmodel:\n  backend: vllm\n", [], "fire_opd needs the teacher's entropies"),
     # The main environment has no vLLM: refused before any directory or process is made.
-    ("run:\n  steps: 1\n", ["--backend", "vllm"], "needs vLLM in this environment: `make install-vllm`"),
+    pytest.param("run:\n  steps: 1\n", ["--backend", "vllm"], "needs vLLM in this environment: `make install-vllm`",
+                 marks=pytest.mark.skipif(VLLM_FOUND, reason="vLLM is installed in this interpreter: the CLI "
+                                          "has no missing-vLLM error to show")),
     ("run:\n  steps: 1\n", ["--backend", "vlm"], "model.backend: Input should be 'hf' or 'vllm'"),
 ])
 def test_cli_bad_config_gives_a_short_message_not_a_traceback(tmp_path, text, args, expect):
@@ -874,6 +900,8 @@ def test_trainer_refuses_to_run_alone_when_configured_for_several_ranks(tmp_path
     assert "trainer.nproc_per_node is 3 but 2 rank(s) run on this node" in proc.stdout + proc.stderr
 
 
+@pytest.mark.skipif(VLLM_IMPORTABLE, reason="vLLM is installed in this interpreter: the roles have no "
+                    "missing-vLLM error to show")
 @pytest.mark.parametrize("role", ["rollout", "teacher"])
 def test_worker_without_the_configured_backend_stops_instead_of_restarting(tmp_path, role):
     # A container image without vLLM given a config with model.backend: vllm: a restart cannot install it.

@@ -94,7 +94,7 @@ def test_the_driver_reports_a_missing_script_and_goes_on(tmp_path):
     assert rep["rows"][0]["name"] == "failed: benchmarks/does_not_exist.py does not exist"
     assert rep["rows"][0]["value"] is None and rep["rows"][0]["ok"] is False
     names = [s.stem for s in run.SCRIPTS]
-    assert names[:6] == ["transport", "overlap", "backends", "embedder", "credit", "scaling"]
+    assert names[:7] == ["transport", "overlap", "backends", "embedder", "credit", "scaling", "inflight"]
     assert not next(s for s in run.SCRIPTS if s.stem == "learning").default  # 3 hours: only with --learning
 
 
@@ -215,7 +215,15 @@ def test_transport_messages_are_valid_and_survive_the_queue_path(redis_url):
 
 
 def test_transport_quick_writes_its_rows(tmp_path):
-    rows = check_report(run_benchmark("transport.py", tmp_path / "t.json", "--quick", "--messages", "2"), "transport")
+    # A fresh machine has no redis-benchmark: the script must still print and save every row.
+    missing = tmp_path / "no-such-dir" / "redis-benchmark"
+    out = tmp_path / "t.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/transport.py", "--quick", "--messages", "2",
+                           "--redis-benchmark", str(missing), "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = check_report(common.load_report(out), "transport")
     assert rows["self-check: every decoded message == the original"]["value"] == 1.0
     rates = [r for n, r in rows.items() if n.endswith("messages/s")]
     assert len(rates) == 5 and all(r["value"] > 0 for r in rates)  # 2 ALFWorld kinds + 3 quickstart kinds
@@ -225,8 +233,73 @@ def test_transport_quick_writes_its_rows(tmp_path):
     assert share["value"] == pytest.approx(100 * step_ms / 1000 / transport.DEFAULT_STEP_S)
     bench = [r for n, r in rows.items() if "redis-benchmark" in n]
     assert len(bench) == 2
-    for r in bench:  # measured, or no value with the reason
-        assert r["value"] is not None or "redis-benchmark" in r["note"]
+    for r in bench:
+        assert r["value"] is None and "redis-benchmark not found" in r["note"]
+    printed = [line for line in proc.stdout.splitlines() if "redis-benchmark" in line]
+    assert len(printed) == 2 and all(" n/a " in line for line in printed)
+
+
+def _fake_redis_benchmark(tmp_path: Path, csv: str, code: int = 0) -> Path:
+    """An executable that answers --version and prints `csv` as redis-benchmark --csv would."""
+    tmp_path.mkdir()
+    exe = tmp_path / "redis-benchmark"
+    exe.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "redis-benchmark 7.0.fake"; exit 0; fi\n'
+                   f"cat <<'EOF'\n{csv}\nEOF\nexit {code}\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_redis_benchmark_reads_its_csv_and_reports_a_failure(tmp_path):
+    from opsd.redis_server import LocalRedis
+
+    good = _fake_redis_benchmark(tmp_path / "good", '"test","rps"\n"SET","1250.00"\n"GET","2500.50"')
+    bad = _fake_redis_benchmark(tmp_path / "bad", "ERR auth", code=1)
+    with LocalRedis(data_dir=str(tmp_path / "redis"), appendonly=False) as server:
+        client = connect(server.url, block_ms=2000)
+        try:
+            rps, version = transport.redis_benchmark(server, client, 100, 10, str(good))
+            assert rps == {"SET": 1250.0, "GET": 2500.5} and version == "redis-benchmark 7.0.fake"
+            rps, why = transport.redis_benchmark(server, client, 100, 10, str(bad))
+            assert rps is None and "exit 1" in why and "ERR auth" in why
+            # The throwaway ACL user is gone either way.
+            assert [u for u in client.execute_command("ACL", "USERS") if str(u).startswith("bench-")] == []
+        finally:
+            client.close()
+
+
+def test_print_rows_shows_a_missing_value_as_na(capsys):
+    common.print_rows([common.Row("measured", 1234.5, "MB/s", target="> 1 MB/s"),
+                       common.Row("not measured", None, "x", note="tool missing"),
+                       common.Row("overflowed", float("nan"), "s")], width=20)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].split()[:4] == ["measured", "1,234", "MB/s", ">"] and lines[0].split()[-1] == "yes"
+    assert lines[1].split()[:4] == ["not", "measured", "n/a", "x"] and lines[1].endswith("tool missing")
+    assert "n/a" in lines[2] and "value was nan" in lines[2] and " NO " in lines[2]
+
+
+# ---------------------------------------------------------------- groups in flight
+
+
+def test_inflight_quick_plays_every_mode_and_reports_the_ratios(tmp_path):
+    out = tmp_path / "raw.json"
+    rows = check_report(run_benchmark("inflight.py", tmp_path / "i.json", "--quick", "--groups", "2", "--turns", "1",
+                                      "--new", "4", "--threads", "1", "--out", str(out)), "in flight (hf)")
+    raw = json.loads(out.read_text())
+    modes = [r["mode"] for r in raw["rollout"]]
+    assert modes == ["(a) lockstep", "(b) 1 in flight", "(b) 2 in flight", "(c) engine alone"]
+    a, b1, b2, c = raw["rollout"]
+    assert a["episodes"] == b1["episodes"] == b2["episodes"] == 4  # 2 groups x 2 episodes, each way
+    best = max((b1, b2), key=lambda r: r["tokens_per_s"])
+    ratio = rows[f"hf rollout (b)/(a) at the best K ({best['k']}): episodes/s"]
+    assert ratio["value"] == pytest.approx(best["episodes_per_s"] / a["episodes_per_s"], rel=1e-6)
+    assert ratio["target"] is None  # --quick, and transformers: reported without a target
+    vs_engine = rows[f"hf rollout (b)/(c) at the best K ({best['k']}): tokens/s"]
+    assert vs_engine["value"] == pytest.approx(best["tokens_per_s"] / c["tokens_per_s"], rel=1e-6)
+    # The engine-alone pass generated exactly the response lengths (b) recorded: EOS ignored.
+    assert c["tokens"] == best["tokens"] and c["requests"] >= 4
+    assert [r["mode"] for r in raw["teacher"]] == ["(a) one group at a time", "(b) 2 in flight", "(c) one score call"]
+    assert len({r["tokens"] for r in raw["teacher"]}) == 1 and raw["teacher"][0]["tokens"] > 0
 
 
 # ---------------------------------------------------------------- embedder and credit

@@ -113,10 +113,14 @@ def test_held_groups_are_kept_alive_and_acked_only_after_release(redis_client, s
     e_next = _produce(redis_client, stream_prefix, _group(1, "tw-b", 0, seed=4))
     col.poll(0, 0, block_ms=100, reclaim_idle_ms=60_000)
     assert col.take(["s00000-tw-a"], 0, 0) is not None
+    # other.reclaim right after a poll must come within IDLE_MS of the poll's keep-alive: 2 s is far more
+    # than two Redis calls take on a loaded machine (200 ms was not). Each sleep outlasts IDLE_MS, so
+    # without the poll's keep-alive every reclaim below would take the entries.
+    IDLE_MS = 2000
     for _ in range(3):  # waiting for step 1 across a checkpoint_every > 1 gap
-        time.sleep(0.3)
+        time.sleep(IDLE_MS / 1000 + 0.1)
         col.poll(1, 1, block_ms=1, reclaim_idle_ms=60_000)
-        assert other.reclaim(200, count=10) == []  # idle < 200 ms: the poll refreshed both held entries
+        assert other.reclaim(IDLE_MS, count=10) == []  # idle < IDLE_MS: the poll refreshed both held entries
     assert _pending(redis_client, stream_prefix) == {e_a, e_next}
     # A re-claim of our own held entry (after a step longer than reclaim_idle_ms) changes nothing.
     (d,) = [d for d in q.reclaim(0, count=10) if d.entry_id == e_a]
@@ -125,8 +129,8 @@ def test_held_groups_are_kept_alive_and_acked_only_after_release(redis_client, s
     col.release_trained()  # a checkpoint now covers step 0
     assert col.flush() == 1
     assert _pending(redis_client, stream_prefix) == {e_next}
-    time.sleep(0.3)  # not polled: nothing keeps the buffered entry alive now
-    assert [d.entry_id for d in other.reclaim(200, count=10)] == [e_next]
+    time.sleep(IDLE_MS / 1000 + 0.1)  # not polled: nothing keeps the buffered entry alive now
+    assert [d.entry_id for d in other.reclaim(IDLE_MS, count=10)] == [e_next]
 
 
 def test_issuer_issues_each_step_once_in_one_transaction(redis_client, stream_prefix):

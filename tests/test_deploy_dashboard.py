@@ -25,7 +25,7 @@ from tests.deploy_tools import ROOT
 DASHBOARD = ROOT / "deploy/grafana/dashboards/opsd.json"
 SERVICE_MODULES = ("opsd.metrics", "services.rollout.__main__", "services.teacher.__main__", "services.embedder.app",
                    "services.embedder.__main__", "services.trainer.__main__")
-ROWS = ["Throughput", "Queues", "Policy & staleness", "Trainer", "Learning signal", "Reliability", "GPU"]
+ROWS = ["Throughput", "Engine", "Queues", "Policy & staleness", "Trainer", "Learning signal", "Reliability", "GPU"]
 DATASOURCE = "${datasource}"
 # Metrics of opsd/metrics.py the dashboard deliberately leaves out (name -> why). Keep it empty if possible.
 OMITTED: dict[str, str] = {}

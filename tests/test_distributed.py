@@ -35,7 +35,10 @@ if str(REPO) not in sys.path:  # the worker runs as `python -m tests.test_distri
 from services.trainer.distributed import Message, decode_message, encode_message, shard  # noqa: E402
 from services.trainer.update import Sequence, ppo_update  # noqa: E402
 
-WORLD_TIMEOUT_S = 100  # both ranks' whole run; measured 25-45 s on 2 cores, most of it importing transformers
+# Both ranks' whole run: measured 25-45 s on an idle 2-core machine, most of it importing transformers,
+# and a loaded CI machine can take several times that. A deadlock never finishes, so 300 s still tells
+# one apart, well inside pytest-timeout's 900 s (pyproject.toml) for the whole module fixture.
+WORLD_TIMEOUT_S = 300
 # Weights (and optimizer state) 1 vs 2 ranks, max abs difference. The ranks' gradients are summed in
 # another order than one process accumulates its micro-batches (DDP: each rank's sum, then the two), so
 # float32 rounding differs: measured 1.5e-8 with SGD. SGD keeps that difference linear in the gradient's;

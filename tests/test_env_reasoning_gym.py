@@ -152,7 +152,9 @@ def test_verifier_timeout_and_crash_score_zero_and_recover():
     assert _play(task, task.spec["answer"], cfg)[2].won  # the verifier process is up
     t0 = time.perf_counter()
     step = _play(task, "__import__('time').sleep(30) or [1]", cfg)[2]
-    assert time.perf_counter() - t0 < 1.0 + 1.5
+    # The 1 s timeout, then killing the verifier and spawning its replacement (not waited for): ~1.2 s
+    # idle, more on a loaded machine. Unbounded, the answer would hold the call for its 30 s sleep.
+    assert time.perf_counter() - t0 < 1.0 + 5.0
     assert (step.reward, step.won, step.done, step.info["verifier_error"]) == (0.0, False, True, "timeout")
     step = _play(task, "__import__('os')._exit(3)", cfg)[2]  # kills the (respawned) verifier process
     assert step.reward == 0.0 and step.info["verifier_error"].startswith("verifier process failed")

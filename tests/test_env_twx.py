@@ -43,7 +43,7 @@ def stop_and_wait(pid: int) -> None:
     import time
 
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # usually milliseconds; a loaded machine may schedule each thread late
     while time.monotonic() < deadline:
         states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
         if all(st == "T" for st in states):
@@ -212,12 +212,15 @@ def test_no_java_raises_runtime_error_naming_java(train, monkeypatch):
 
 
 def test_close_stops_the_jvm(train):
+    # Compared by pid, not as a whole set: another test's env may be collected (ClosingEnv.__del__
+    # closes it) at any point, so JVMs this test did not start may exit meanwhile; none may start.
     before = java_children()
     env = open_env(train[0], CFG, CTX)
-    assert len(java_children() - before) == 1
+    started = java_children() - before
+    assert len(started) == 1
     env.reset()
     env.close()
-    assert java_children() == before
+    assert not java_children() & started  # this env's JVM is gone and reaped (zombies are not listed)
     env.close()  # twice is fine
     with pytest.raises(RuntimeError):
         env.step("look around")
@@ -243,8 +246,10 @@ def test_stopped_jvm_times_out_kills_java_and_raises(train):
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="step_timeout_s=1 s"):
             env.step("look around")
-        assert time.monotonic() - t0 < 6.0
-        assert java_children() == before  # killed and reaped
+        # ~1 s, then kill and reap; 10 s leaves a loaded machine room and stays far below the 30 s a
+        # step would take were the 1 s deadline ignored (a stopped JVM never answers at all).
+        assert time.monotonic() - t0 < 10.0
+        assert pid not in java_children()  # killed and reaped (other tests' JVMs may come and go meanwhile)
     finally:
         if pid in java_children():  # only on failure: never leave a stopped JVM behind
             os.kill(pid, signal.SIGKILL)

@@ -159,7 +159,7 @@ def test_an_env_that_fails_to_start_is_retried_then_fails_the_group(policy_backe
     fails the whole group (redelivered by the queue) instead of training on a missing sibling."""
     import services.rollout.episodes as episodes
 
-    monkeypatch.setattr(episodes.time, "sleep", lambda s: None)
+    monkeypatch.setattr(episodes, "START_BACKOFF_S", 0.0)
     adapter = get_adapter("textworld")
     real_open, calls = adapter.open_env, []
 

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,8 @@ from safetensors.numpy import load_file
 
 from opsd.queue import StreamNames
 from opsd.redis_server import LocalRedis, connect
-from tests.soak import TARGETS, OpsdRun, accounting, alive, kill_role, run_env, soak, wait_until, write_config
+from tests.soak import (TARGETS, OpsdRun, accounting, alive, fault_plan, kill_role, run_env, soak, wait_until,
+                        write_config)
 from tests.tiny_model import make_tiny_model_dir
 
 e2e = pytest.mark.e2e  # every test here but the first runs a real `opsd run`
@@ -136,7 +136,7 @@ def test_rollout_killed_holding_a_group_is_redelivered_and_trained_once(tmp_path
 
     # Kill the worker while it works on a task; if it finished the task just before dying, try the next one.
     for _ in range(3):
-        entry = wait_until(held, 300, "a task held by the rollout worker", run, poll_s=0.01)
+        entry = wait_until(held, 300, "a task held by the rollout worker", run, poll_s=0.002)
         consumer, eid = entry["consumer"], entry["message_id"]
         pid = int(consumer.decode().rsplit("-", 1)[1])  # consumer names are rollout-<host>-<pid>
         if alive(pid):  # else a worker killed by an earlier try died holding this entry
@@ -168,7 +168,7 @@ def test_rollout_killed_holding_a_group_is_redelivered_and_trained_once(tmp_path
 
 STEPS = 3
 # 16 PPO epochs hold each step's training for seconds (one epoch takes ~0.3 s with the tiny model), so a kill
-# sent just after a step's groups are scored lands mid-step.
+# sent once the trainer has logged taking a step's groups lands mid-step.
 MID_STEP = {"run": {"steps": STEPS}, "trainer": {"ppo_epochs": 16}}
 
 
@@ -182,11 +182,13 @@ def reference_run(tiny_model, tmp_path_factory) -> Path:
 
 
 def kill_mid_step(run: OpsdRun, run_dir: Path, step: int, kill) -> None:
-    """Call `kill()` while the trainer trains `step`: its groups are scored, its metrics line not written yet."""
-    metrics, teacher_log = run_dir / "metrics.jsonl", run_dir / "logs" / "teacher.log"
-    wait_until(lambda: lines(metrics) == step and teacher_log.read_text().count(f"group s{step:05d}-") == 2, 300,
-               f"step {step}'s groups scored", run, poll_s=0.05)
-    time.sleep(0.5)  # the trainer takes them as they arrive (a blocking read) and trains for seconds (MID_STEP)
+    """Call `kill()` while the trainer trains `step`: it has logged taking the step's groups, not its metrics line.
+
+    Keyed to the trainer's own progress, not to a wait: the step then trains for seconds (MID_STEP).
+    """
+    metrics, trainer_log = run_dir / "metrics.jsonl", run_dir / "logs" / "trainer.log"
+    wait_until(lambda: trainer_log.exists() and f"step {step}: 2 groups in" in trainer_log.read_text(errors="replace"), 300,
+               f"the trainer to take step {step}'s groups", run, poll_s=0.005)
     kill()
     assert lines(metrics) == step, "the step finished before the kill: not a mid-step kill"
 
@@ -268,11 +270,27 @@ def test_embedder_down_falls_back_to_identity_views_and_counts_it(tmp_path, tiny
 # ---------------------------------------------------------------- randomized soak
 
 
+def test_fault_plan_strikes_every_target_at_steps_that_leave_two_to_run():
+    import random
+
+    for seed in range(20):
+        plan = fault_plan(random.Random(seed), kills=9, steps=8)
+        assert len(plan) == 9 and sorted(t for _, t in plan[: len(TARGETS)]) == sorted(TARGETS)  # each once first
+        at = [a for a, _ in plan]
+        assert at == sorted(at) and all(1 <= a <= 6 for a in at)  # step 0 logged first, two steps left after
+    assert fault_plan(random.Random(3), 6, 8) == fault_plan(random.Random(3), 6, 8)  # the seed fixes the plan
+    assert fault_plan(random.Random(3), 0, 8) == []
+    with pytest.raises(ValueError, match="steps >= 3"):
+        fault_plan(random.Random(0), 2, 2)
+
+
 @e2e
 def test_randomized_soak_keeps_the_books(tmp_path, tiny_model):
     """Each fault once (every role, Redis, the trainer as a checkpoint lands) in a seeded random order and pace."""
-    report = soak(kills=len(TARGETS), steps=8, seed=1, out_dir=tmp_path, gap_s=(2.0, 6.0), timeout_s=900,
-                  log=lambda _: None, model_dir=tiny_model)
+    report = soak(kills=len(TARGETS), steps=8, seed=1, out_dir=tmp_path, timeout_s=900, log=lambda _: None,
+                  model_dir=tiny_model)
     assert report["violations"] == [], json.dumps(report, indent=2)
     assert report["kills"] == dict.fromkeys(TARGETS, 1), report["kill_log"]
+    # Each fault struck a running pipeline, no earlier than its planned progress.
+    assert all(e["planned_at_steps"] <= e["steps_logged"] < 8 for e in report["kill_log"]), report["kill_log"]
     assert report["trained"] == report["produced"]["scored"] - report["dropped_stale"] == 16

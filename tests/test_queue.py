@@ -120,13 +120,17 @@ def test_keep_alive_protects_held_entries_from_reclaim(redis_client, stream_pref
     b = queue(redis_client, names, "b")
     a.produce(make_rollout_group(seed=1))
     (held,) = a.consume(block_ms=100)
-    time.sleep(0.15)
+    # The reclaims right after the keep-alive must come within IDLE_MS of it: 2 s is far more than
+    # a few Redis calls take on a loaded machine (100 ms was not); the sleeps make the entry idle past it.
+    IDLE_MS = 2000
+    time.sleep(IDLE_MS / 1000 + 0.1)  # without a keep-alive it could be reclaimed now
     assert a.keep_alive([held.entry_id, "0-1"]) == 1  # an id it does not hold is ignored
-    assert b.reclaim(min_idle_ms=100) == [] and a.reclaim(min_idle_ms=100) == []
+    assert b.reclaim(min_idle_ms=IDLE_MS) == [] and a.reclaim(min_idle_ms=IDLE_MS) == []
     ((info,),) = [redis_client.xpending_range(names.rollouts, "teacher", "-", "+", 10)]
     assert info["consumer"] == b"a" and info["times_delivered"] == 1  # a keep-alive is not a delivery
-    time.sleep(0.15)
-    (taken,) = b.reclaim(min_idle_ms=100)  # no keep-alive any more: b takes it over
+    assert info["time_since_delivered"] < IDLE_MS  # the keep-alive reset its idle time
+    time.sleep(IDLE_MS / 1000 + 0.1)
+    (taken,) = b.reclaim(min_idle_ms=IDLE_MS)  # no keep-alive any more: b takes it over
     assert taken.entry_id == held.entry_id and taken.deliveries == 2
     assert a.keep_alive([held.entry_id]) == 0  # and a cannot pull it back
 
@@ -293,7 +297,9 @@ def test_local_redis_dies_with_a_killed_parent(tmp_path):
     finally:
         parent.send_signal(signal.SIGKILL)  # no atexit runs
         parent.wait()
-    deadline = time.monotonic() + 5
+    # Milliseconds (the kernel's SIGTERM at once); without the parent-death signal the server would
+    # live on for good, so a generous 30 s only spares a loaded machine and still tells the two apart.
+    deadline = time.monotonic() + 30
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     if _alive(pid):  # do not leak it even when the test fails

@@ -44,6 +44,7 @@ from typing import Any
 
 from opsd.config import EnvSection
 from opsd.envs.base import ClosingEnv, EnvContext, EnvPrompt, EnvStep, Task, cap
+from opsd.envs.textworld import one_at_a_time  # ALFWorld runs on the textworld package
 
 NAME = "alfworld"
 ACTION_TAGS = ("action",)
@@ -548,6 +549,7 @@ class AlfWorldEnv(ClosingEnv):
             info={"category": self.task.category},
         )
 
+    @one_at_a_time
     def reset(self) -> EnvStep:
         """Start (or restart) the game: the room description and "Your task is to: ..."."""
         if self._env is None:
@@ -555,6 +557,7 @@ class AlfWorldEnv(ClosingEnv):
         self._moves = []
         return self._step(self._env.reset())
 
+    @one_at_a_time
     def step(self, action: str) -> EnvStep:
         """Play one command (any text; matched to the admissible commands after lower-casing and
         collapsing whitespace). Raises RuntimeError after the end or before reset()."""
@@ -575,6 +578,7 @@ class AlfWorldEnv(ClosingEnv):
                 _FREE_ENGINES.append(pddl)
 
 
+@one_at_a_time
 def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> AlfWorldEnv:
     """An env for `task` on this machine: a generated task is rebuilt from its spec (cache not needed);
     a data task is read from this machine's `cfg.alfworld.data_dir`. FileNotFoundError / ValueError

@@ -17,17 +17,19 @@ Reward is terminal and binary: 1.0 when the game is won, else 0.0.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import textworld
 from textworld import EnvInfos, GameOptions
@@ -36,6 +38,23 @@ from textworld.generator import compile_game, make_game
 from opsd.config import EnvSection
 from opsd.envs.base import ClosingEnv, EnvContext, EnvPrompt, EnvStep, Task, cap
 from opsd.skills import walkthrough_text
+
+F = TypeVar("F", bound=Callable[..., Any])
+# The textworld package keeps module-global state (one tatsu parser for its logic language, used as a game
+# loads and as it steps): episodes played in threads (rollout.max_groups_in_flight > 1) call into it one at
+# a time. A TextWorld step takes milliseconds and holds the GIL for most of them anyway.
+TEXTWORLD_LOCK = threading.RLock()
+
+
+def one_at_a_time(fn: F) -> F:
+    """`fn` run under TEXTWORLD_LOCK (TextWorld's and ALFWorld's env calls)."""
+
+    @functools.wraps(fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with TEXTWORLD_LOCK:
+            return fn(*args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 # Bump when the generation recipe below changes: the options hash (and so the
 # cache folder) changes with it, and stale games are never reused.
@@ -295,11 +314,13 @@ class TextWorldEnv(ClosingEnv):
             invalid_action=invalid,
         )
 
+    @one_at_a_time
     def reset(self) -> EnvStep:
         """Start (or restart) the game; returns the opening observation (objective + room)."""
         state = self._env.reset()
         return self._to_step(state, False)
 
+    @one_at_a_time
     def step(self, action: str) -> EnvStep:
         """Run one command (any text; unknown commands get the game's own complaint).
 
@@ -322,6 +343,7 @@ class TextWorldEnv(ClosingEnv):
         state is `EnvStep.policy_commands`."""
         return walkthrough_text(self.spec.walkthrough)
 
+    @one_at_a_time
     def close(self) -> None:
         """Release the interpreter; safe to call twice."""
         env, self._env = getattr(self, "_env", None), None
@@ -387,6 +409,7 @@ def make_tasks(cfg: EnvSection, ctx: EnvContext, split: str = "train") -> list[T
     return [_task(g) for g in make_games(eval_cfg, cache)]
 
 
+@one_at_a_time
 def open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> TextWorldEnv:
     """A TextWorldEnv for `task`, its game looked up (or regenerated) in this machine's cache, never at
     the path the spec names (a path from the wire does not choose where files are written)."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 from opsd.config import ModelSection
 from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, token_logprobs
 
-__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "ensure_model", "load_backend", "resolve_device",
-           "token_logprobs"]
+__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "ensure_model", "load_backend", "load_engine",
+           "resolve_device", "token_logprobs"]
 
 
 def resolve_device(cfg: ModelSection) -> str:
@@ -38,3 +38,17 @@ def load_backend(cfg: ModelSection, device: str | None = None, backend: str | No
 
         return VLLMBackend(cfg)
     raise ValueError(f"unknown model backend {name!r} (available: hf, vllm)")
+
+
+def load_engine(backend, max_batch: int, kv_cache_bytes: int):
+    """The Engine (opsd/models/engine.py) that serves `backend`'s requests from many threads at once.
+
+    The vLLM backend is one itself (its async engine); a transformers backend
+    gets an `HFEngine` (batched waves of at most `max_batch` rows, episodes'
+    KV kept in `kv_cache_bytes`). The caller closes an HFEngine it no longer needs.
+    """
+    if hasattr(backend, "submit"):
+        return backend
+    from opsd.models.hf_engine import HFEngine
+
+    return HFEngine(backend, max_batch=max_batch, kv_cache_bytes=kv_cache_bytes)

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 # Offline only: nothing may be fetched from a model hub at run time. Set before
 # transformers is imported (huggingface_hub reads it at import); every load
@@ -321,6 +323,17 @@ def check_branch_args(
     return base, cuts, conts
 
 
+def _one_caller(fn):
+    """The backend method `fn` under the backend's lock: threads (groups in flight) take turns on the model."""
+
+    @functools.wraps(fn)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return fn(self, *args, **kwargs)
+
+    return locked
+
+
 class HFBackend:
     """A causal LM served with transformers on one device (the vLLM backend keeps this interface).
 
@@ -345,6 +358,7 @@ class HFBackend:
             self.path, dtype=torch.float32, local_files_only=True
         ).to(self.device)
         self.model.eval()
+        self.lock = threading.RLock()  # generate/score/branch/load_weights and HFEngine's waves take turns
         self.policy_version = 0
         eot = self.tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
         if eot is None or eot == self.tokenizer.unk_token_id:
@@ -372,6 +386,7 @@ class HFBackend:
 
     # -- sampling ----------------------------------------------------------
 
+    @_one_caller
     @torch.no_grad()
     def generate(
         self,
@@ -436,12 +451,13 @@ class HFBackend:
         max_new_tokens: int,
         temperature: float,
         top_p: float,
-        gen: torch.Generator | None,
+        gen: torch.Generator | list[torch.Generator | None] | None,
         stops: torch.Tensor,
         labels: list[int],
         what: str,
+        on_finish: Callable[[int, Any, torch.Tensor, int], None] | None = None,
     ) -> list[Generation]:
-        """The sampling loop shared by `generate` and `branch`: B rows whose prompts are in `cache`.
+        """The sampling loop shared by `generate`, `branch` and `HFEngine`: B rows whose prompts are in `cache`.
 
         logits: float32 [B, V] raw logits for each row's first new token;
         mask: [B, P] attention mask over the cached positions; pos: [B, 1]
@@ -451,6 +467,12 @@ class HFBackend:
         of `stops` (kept, finish "stop") and drops finished rows from the
         batch so later steps pay only for live ones. `labels` name the rows in
         errors (NonFiniteLogitsError for NaN/inf logits of a live row).
+        gen: one generator for the batch, or one per row (row r draws from
+        gen[r] alone, so its sample does not depend on the other rows).
+        on_finish(row, cache, mask, b): called once per row as it finishes,
+        before it leaves the batch: the row's keys/values are
+        ``cache.layers[*].keys[b]`` at the positions where ``mask[b] == 1``
+        (its prompt and every sampled id but the last, which was never fed).
         """
         B = logits.shape[0]
         out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long)
@@ -464,7 +486,7 @@ class HFBackend:
             if bad.any():
                 idx = [labels[r] for r in live[bad].tolist()]
                 raise NonFiniteLogitsError(f"non-finite logits at new token {t} for {what} {idx}", idx)
-            nxt, ent = self._sample(logits, temperature, top_p, gen)
+            nxt, ent = self._sample(logits, temperature, top_p, [gen[r] for r in live.tolist()] if isinstance(gen, list) else gen)
             nxt_cpu = nxt.cpu()
             out_ids[live, t] = nxt_cpu
             out_lp[live, t] = token_logprobs(logits, nxt, temperature).cpu()
@@ -473,7 +495,11 @@ class HFBackend:
             hit = torch.isin(nxt_cpu, stops)  # the sampler's own stop decision
             for r in live[hit].tolist():
                 finish[r] = "stop"
-            if bool(hit.all()) or t == max_new_tokens - 1:
+            last = t == max_new_tokens - 1
+            if on_finish is not None:
+                for b in (range(len(live)) if last else hit.nonzero().flatten().tolist()):
+                    on_finish(int(live[b]), cache, mask, b)
+            if bool(hit.all()) or last:
                 break
             if bool(hit.any()):
                 keep = (~hit).nonzero().flatten()
@@ -501,33 +527,42 @@ class HFBackend:
 
     @staticmethod
     def _sample(
-        logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+        logits: torch.Tensor, temperature: float, top_p: float,
+        gen: torch.Generator | list[torch.Generator | None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one id per row from softmax(logits / T) truncated to the top-p nucleus.
 
-        logits: float32 [B, V]. Returns (ids int64 [B], entropy float32 [B]):
-        the entropy in nats of the distribution actually sampled from, i.e.
-        of softmax(logits / T) when top_p == 1, else of the nucleus
-        renormalized (q = p / Z over the kept ids: H = log Z - sum q log p),
-        clamped at 0 (float noise).
+        logits: float32 [B, V]; gen: one generator for all rows, or one per
+        row (each row drawn alone from its own). Returns (ids int64 [B],
+        entropy float32 [B]): the entropy in nats of the distribution
+        actually sampled from, i.e. of softmax(logits / T) when top_p == 1,
+        else of the nucleus renormalized (q = p / Z over the kept ids:
+        H = log Z - sum q log p), clamped at 0 (float noise).
         """
+
+        def draw(weights: torch.Tensor) -> torch.Tensor:  # [B, 1]
+            if not isinstance(gen, list):
+                return torch.multinomial(weights, 1, generator=gen)
+            return torch.cat([torch.multinomial(weights[r : r + 1], 1, generator=g) for r, g in enumerate(gen)])
+
         probs = torch.softmax(logits / temperature, dim=-1)
         if top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
             drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
-            choice = torch.multinomial(sorted_p, 1, generator=gen)
+            choice = draw(sorted_p)
             logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, order)
             Z = sorted_p.sum(-1, keepdim=True)
             q = sorted_p / Z
             ent = torch.log(Z.squeeze(-1)) - torch.where(q > 0, q * logp, torch.zeros_like(q)).sum(-1)
             return order.gather(-1, choice).squeeze(-1), ent.clamp(min=0.0)
         ent = entropy_from_logits(logits, temperature)
-        return torch.multinomial(probs, 1, generator=gen).squeeze(-1), ent.clamp(min=0.0)
+        return draw(probs).squeeze(-1), ent.clamp(min=0.0)
 
     # -- scoring -----------------------------------------------------------
 
+    @_one_caller
     @torch.no_grad()
     def score(
         self,
@@ -608,6 +643,7 @@ class HFBackend:
     SCORES_MASKED = True  # `branch` takes score_mask (the vLLM backend scores every position)
     _ENTROPY_ROWS = 256  # base rows per entropy chunk: temporaries of 256 x V floats (~50 MB for SmolLM2)
 
+    @_one_caller
     @torch.inference_mode()
     def branch(
         self,
@@ -872,6 +908,7 @@ class HFBackend:
     _lora_merged = None  # the opsd.lora.Adapter merged into the model now, or None
     _full_file_loaded = False  # a full file replaced the weights before any adapter: the base is gone
 
+    @_one_caller
     def load_weights(self, path: Path, version: int) -> None:
         """Load policy `version` from the file `path` and set policy_version = version.
 

@@ -1,12 +1,17 @@
 """Run the rollout role: `python -m services.rollout --config C --run-dir D`.
 
 Reads TaskGroups from `<prefix>:tasks`, plays G sibling episodes with the
-task's policy version, writes a RolloutGroup to `<prefix>:rollouts`.
+task's policy version, writes a RolloutGroup to `<prefix>:rollouts`. With
+`rollout.max_groups_in_flight` K > 1 it holds up to K groups at once, each
+episode on its own through one shared engine (services/rollout/inflight.py),
+one policy version at a time (opsd.weights.VersionGate); with K = 1 it plays
+one group at a time in lockstep (services/rollout/episodes.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 
 from opsd import metrics
@@ -16,8 +21,10 @@ from opsd.envs import EnvContext
 from opsd.queue import StreamNames
 from opsd.service import RoleProcess, consume_forever, embedder_url, load_worker_backend
 from opsd.types import RolloutGroup, TaskGroup
-from opsd.weights import ensure_version
+from opsd.models import load_engine
+from opsd.weights import VersionGate, ensure_version
 from services.rollout.episodes import run_group
+from services.rollout.inflight import play_group
 
 ROLE = "rollout"
 
@@ -50,17 +57,40 @@ def main() -> None:
     if cfg.simulate.enabled:
         log.warning("simulated compute: each group is held for %.2f s (simulate.rollout_s), model %s", cfg.simulate.rollout_s, cfg.model.name)
 
+    def version_switched(drain_s: float, load_s: float) -> None:
+        metrics.VERSION_SWITCH_SECONDS.labels(ROLE, "drain").observe(drain_s)
+        metrics.VERSION_SWITCH_SECONDS.labels(ROLE, "load").observe(load_s)
+        metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
+        proc.status["policy_version"] = backend.policy_version
+        log.info("switched to policy version %d: drained in %.2f s, loaded in %.2f s", backend.policy_version,
+                 drain_s, load_s)
+
+    in_flight = cfg.groups_in_flight("rollout")
+    engine = gate = None
+    if in_flight > 1:
+        engine = load_engine(backend, cfg.rollout.batch_size, cfg.rollout.kv_cache_mb << 20)
+        gate = VersionGate(engine, proc.run_dir, on_switch=version_switched)
+        metrics.watch_engine(ROLE, engine, proc.stop)
+        log.info("holding up to %d groups in flight", in_flight)
+
+    def play(task: TaskGroup, seed: int):
+        if gate is None:
+            t0 = time.perf_counter()
+            if ensure_version(backend, proc.run_dir, task.policy_version):  # one group at a time: nothing to drain
+                version_switched(0.0, time.perf_counter() - t0)
+            return run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx=ctx)
+        with gate.serving(task.policy_version):
+            return play_group(task, engine, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx)
+
     def handle(task: TaskGroup) -> RolloutGroup:
-        if ensure_version(backend, proc.run_dir, task.policy_version):
-            metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
-            proc.status["policy_version"] = backend.policy_version
         seed = cfg.run.seed * 1_000_003 + task.step * 1009 + zlib.crc32(task.group_id.encode()) % 1000
-        group, stats = run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx=ctx)
+        group, stats = play(task, seed)
         if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): the group takes rollout_s in all
             proc.stop.wait(max(0.0, cfg.simulate.rollout_s - group.rollout_seconds))
             group.rollout_seconds = max(group.rollout_seconds, cfg.simulate.rollout_s)
         metrics.GROUPS.labels(ROLE).inc()
         metrics.TOKENS.labels(ROLE).inc(stats.generated_tokens)
+        metrics.ENV_SECONDS.labels(ROLE).inc(stats.env_seconds)
         metrics.JOB_SECONDS.labels(ROLE).observe(group.rollout_seconds)
         n_turns = max(stats.turns, 1)
         # Invalid = no well-formed action, or one the environment did not accept (spec section 0).
@@ -73,7 +103,9 @@ def main() -> None:
         return group
 
     consume_forever(proc, queue, streams.rollouts, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms,
-                    out_group="teacher" if cfg.needs_teacher else "trainer")
+                    out_group="teacher" if cfg.needs_teacher else "trainer", max_in_flight=in_flight)
+    if engine is not None and engine is not backend:
+        engine.close()
     log.info("stopped")
 
 

@@ -67,11 +67,16 @@ class RolloutStats:
     env_seconds: float = 0.0
     seconds: float = 0.0
 
+    def add(self, other: "RolloutStats") -> None:
+        """Add `other`'s counters and seconds to these (one episode's stats into its group's)."""
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 @dataclass
 class _Episode:
     rollout_id: str
-    env: Env
+    env: Env | None  # None once closed
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
@@ -225,14 +230,8 @@ def run_groups(
     if len(seeds) != len(tasks):
         raise ValueError(f"run_groups: {len(tasks)} tasks but {len(seeds)} seeds")
     t_start = time.perf_counter()
-    adapter = get_adapter(env_cfg.name)
+    adapter = checked_adapter(chat, env_cfg)
     fmt = env_cfg.prompt_format
-    chat_fmt = getattr(chat, "prompt_format", fmt)
-    if chat_fmt != fmt:
-        raise ValueError(f"run_group: ChatFormat renders {chat_fmt!r} but env_cfg.prompt_format is {fmt!r}")
-    if tuple(getattr(chat, "action_tags", adapter.ACTION_TAGS)) != tuple(adapter.ACTION_TAGS):
-        raise ValueError(f"run_group: ChatFormat prefills for tags {chat.action_tags} but env {env_cfg.name!r} uses "
-                         f"{adapter.ACTION_TAGS} (build it with ChatFormat.for_env)")
     if ctx is None:
         ctx = EnvContext(cache_dir=Path(cache_dir) if cache_dir is not None else None)
     # Never promise more context than the backend itself accepts.
@@ -286,6 +285,9 @@ def run_groups(
                     ep.env.close()
                 except Exception:  # noqa: BLE001 - one env failing to close must not leak the others or lose results
                     log.exception("group %s %s: env.close() failed", g.task.group_id, ep.rollout_id)
+                # A failed group's error holds this frame (its traceback) and so every env: drop them now,
+                # not at the next full garbage collection.
+                ep.env = None
 
     results: list[tuple[RolloutGroup, RolloutStats] | Exception] = []
     for g in groups:
@@ -307,6 +309,22 @@ def run_groups(
             continue
         results.append((group, g.stats))
     return results
+
+
+def checked_adapter(chat: ChatFormat, env_cfg: EnvSection):
+    """The env adapter of `env_cfg.name`, after checking that `chat` renders its prompt format and action tags.
+
+    Raises ValueError for an unknown env or a ChatFormat built for another format or env.
+    """
+    adapter = get_adapter(env_cfg.name)
+    fmt = env_cfg.prompt_format
+    chat_fmt = getattr(chat, "prompt_format", fmt)
+    if chat_fmt != fmt:
+        raise ValueError(f"run_group: ChatFormat renders {chat_fmt!r} but env_cfg.prompt_format is {fmt!r}")
+    if tuple(getattr(chat, "action_tags", adapter.ACTION_TAGS)) != tuple(adapter.ACTION_TAGS):
+        raise ValueError(f"run_group: ChatFormat prefills for tags {chat.action_tags} but env {env_cfg.name!r} uses "
+                         f"{adapter.ACTION_TAGS} (build it with ChatFormat.for_env)")
+    return adapter
 
 
 def _checked_task(task: TaskGroup, env_cfg: EnvSection, backend: Any) -> Task:
@@ -367,6 +385,7 @@ def _generate(
 
 
 START_ATTEMPTS = 3
+START_BACKOFF_S = 1.0  # the first retry's wait; doubled for each later one
 
 
 def _start(adapter: Any, env_task: Task, env_cfg: EnvSection, ctx: EnvContext, task: TaskGroup, rid: str):
@@ -392,7 +411,7 @@ def _start(adapter: Any, env_task: Task, env_cfg: EnvSection, ctx: EnvContext, t
                 raise RuntimeError(f"group {task.group_id} {rid}: env {task.env!r} failed to start "
                                    f"{START_ATTEMPTS} times: {err!r}") from err
             log.warning("group %s %s: env failed to start (%r); retrying", task.group_id, rid, err)
-            time.sleep(2.0 ** attempt)
+            time.sleep(START_BACKOFF_S * 2.0 ** attempt)
     raise AssertionError("unreachable")
 
 

@@ -14,6 +14,7 @@ needs no teacher (grpo) it stays idle: it serves /health and consumes nothing.
 from __future__ import annotations
 
 import logging
+import time
 import sys
 
 from opsd import metrics
@@ -22,7 +23,7 @@ from opsd.chat import ChatFormat
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
 from opsd.types import RolloutGroup, ScoredGroup
-from opsd.weights import ensure_version
+from opsd.weights import VersionGate, ensure_version
 from services.teacher.scoring import EmbedderAuthError, EmbedderClient, score_group
 
 ROLE = "teacher"
@@ -63,12 +64,32 @@ def main() -> None:
     if cfg.simulate.enabled:
         log.warning("simulated compute: each group is held for %.2f s (simulate.teacher_s), model %s", cfg.simulate.teacher_s, cfg.model.name)
 
+    def version_switched(drain_s: float, load_s: float) -> None:
+        metrics.VERSION_SWITCH_SECONDS.labels(ROLE, "drain").observe(drain_s)
+        metrics.VERSION_SWITCH_SECONDS.labels(ROLE, "load").observe(load_s)
+        metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
+        proc.status["policy_version"] = backend.policy_version
+
+    # Several groups in flight: each in a job thread, one policy version at a time. On vLLM their requests
+    # batch in the engine; on transformers they take turns on the model (HFBackend.lock) while the others
+    # wait on the embedder.
+    in_flight = cfg.groups_in_flight("teacher")
+    gate = VersionGate(backend, proc.run_dir, on_switch=version_switched) if in_flight > 1 else None
+    if gate is not None and hasattr(backend, "stats"):
+        metrics.watch_engine(ROLE, backend, proc.stop)
+
+    def score(group: RolloutGroup):
+        if gate is None:
+            t0 = time.perf_counter()
+            if ensure_version(backend, proc.run_dir, group.task.policy_version):  # one group at a time: nothing to drain
+                version_switched(0.0, time.perf_counter() - t0)
+            return score_group(group, backend, chat, cfg, embedder)
+        with gate.serving(group.task.policy_version):
+            return score_group(group, backend, chat, cfg, embedder)
+
     def handle(group: RolloutGroup) -> ScoredGroup:
-        if ensure_version(backend, proc.run_dir, group.task.policy_version):
-            metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
-            proc.status["policy_version"] = backend.policy_version
         try:
-            scored, stats = score_group(group, backend, chat, cfg, embedder)
+            scored, stats = score(group)
         except EmbedderAuthError as e:
             # A refused token fails every group alike: stop the run with the reason (the job stays pending).
             log.error("%s", e)
@@ -85,7 +106,8 @@ def main() -> None:
                  stats.dropped_sources, stats.gap_sum / max(stats.gap_tokens, 1), scored.teacher_seconds)
         return scored
 
-    consume_forever(proc, queue, streams.scored, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms, out_group="trainer")
+    consume_forever(proc, queue, streams.scored, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms, out_group="trainer",
+                    max_in_flight=in_flight)
     log.info("stopped")
 
 

@@ -162,6 +162,7 @@ def train() -> None:
         if ordered is None:
             break
         t_compute = time.perf_counter()
+        log.info("step %d: %d groups in after %.1f s; training", step, len(ordered), t_compute - t_step)
         scored = ordered if cfg.needs_teacher else None
         groups = [s.rollout for s in ordered] if cfg.needs_teacher else ordered
         dump = run_dir / "credit" / f"step_{step:05d}.json" if cfg.trainer.dump_credit else None

@@ -18,6 +18,12 @@ from opsd.models import load_backend
 from services.trainer.update import Sequence, sequence_logprobs
 
 LOGPROB_ATOL = 1e-3  # nats, vLLM vs transformers on the same ids (float32); measured up to 9e-5
+# nats, vLLM vs itself on the same ids and weights. A repeated request may read the prefix cache and
+# batch or chunk the rest differently, so float32 kernels may round differently in the last bits. A
+# log-prob is a logit minus a log-sum-exp of magnitude ~10-20, whose float32 spacing is ~1e-6-2e-6:
+# 1e-5 allows a few ulps (as the cache-vs-re-run checks below do) and is far below any change of
+# weights (> 0.1 below) or of ids.
+SAME_ATOL = 1e-5
 RATIO_TOL = 1e-3  # |exp(trainer - sampler) - 1| on every sampled token (the first PPO epoch's ratio)
 
 
@@ -44,9 +50,10 @@ def test_prompt_logprobs_equal_transformers(hf_backend, vllm_backend):
     for a, b in zip(hf, vl):
         assert a.shape == b.shape and b.dtype == np.float32
     assert worst < LOGPROB_ATOL
-    # Scoring the same ids again reads the prefix cache (then re-runs what it must): same values.
+    # Scoring the same ids again reads the prefix cache (then re-runs what it must): the same values,
+    # up to float32 rounding (SAME_ATOL).
     again = vllm_backend.score(seqs, starts)
-    assert all(np.array_equal(a, b) for a, b in zip(vl, again))
+    assert all(a.shape == b.shape and np.allclose(a, b, rtol=0, atol=SAME_ATOL) for a, b in zip(vl, again))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -125,7 +132,9 @@ def test_weight_update_in_place_equals_a_fresh_engine(hf_backend, vllm_backend, 
     with pytest.raises(KeyError, match="missing"):
         vllm_backend.load_weights(bad, 2)
     assert vllm_backend.policy_version == 1
-    assert all(np.array_equal(a, b) for a, b in zip(after, vllm_backend.score(seqs, starts)))
+    # The engine still holds the same weights (the prefix cache may change the compute path: SAME_ATOL).
+    assert all(a.shape == b.shape and np.allclose(a, b, rtol=0, atol=SAME_ATOL)
+               for a, b in zip(after, vllm_backend.score(seqs, starts)))
     with pytest.raises(FileNotFoundError):
         vllm_backend.load_weights(tmp_path / "absent.safetensors", 2)
     # Refused before the engine sees them (a served NaN left the engine answering NaN for good,
@@ -147,7 +156,8 @@ def test_weight_update_in_place_equals_a_fresh_engine(hf_backend, vllm_backend, 
         with pytest.raises(ValueError, match=err):
             vllm_backend.load_weights(file, 2)
     assert vllm_backend.policy_version == 1
-    assert all(np.array_equal(a, b) for a, b in zip(after, vllm_backend.score(seqs, starts)))
+    assert all(a.shape == b.shape and np.allclose(a, b, rtol=0, atol=SAME_ATOL)
+               for a, b in zip(after, vllm_backend.score(seqs, starts)))
 
     vllm_backend.load_weights(_initial_weights(vllm_backend, tmp_path), 0)  # back to the initial policy
     assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(before, vllm_backend.score(seqs, starts)))
@@ -171,7 +181,9 @@ def test_branch_matches_separate_requests_and_transformers(hf_backend, vllm_back
     ref = hf_backend.branch(base, start, cuts, continuations=conts)
     assert res.base_entropies is None
     assert np.abs(res.base_logprobs - ref.base_logprobs).max() < LOGPROB_ATOL
-    assert np.array_equal(res.base_logprobs, vllm_backend.score([base], [start])[0])
+    # branch's base scoring is a plain score of the same ids (separate requests: SAME_ATOL).
+    alone = vllm_backend.score([base], [start])[0]
+    assert res.base_logprobs.shape == alone.shape and np.allclose(res.base_logprobs, alone, rtol=0, atol=SAME_ATOL)
     for i, (cs, rcs) in enumerate(zip(res.continuation_logprobs, ref.continuation_logprobs)):
         for j, (a, b) in enumerate(zip(cs, rcs)):
             sep = vllm_backend.score([base[: cuts[i]] + conts[i][j]], [cuts[i]])[0]
