@@ -1,6 +1,7 @@
 """Runs inside vLLM's worker processes: in-place weight updates (loaded via `worker_extension_cls`).
 
-vLLM mixes this class into its Worker, so `LLM.collective_rpc("opsd_reload_weights", ...)`
+vLLM mixes this class into its Worker, so the engine's ``collective_rpc("opsd_reload_weights", ...)``
+(``AsyncLLM.collective_rpc``, reached through `VLLMBackend.collective_rpc`)
 calls the method on every worker with plain arguments (a path string): no
 pickled callables cross the process boundary.
 """
