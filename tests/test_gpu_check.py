@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py end to end on the CPU: a random SmolLM2-135M, the transformers backend, every stage.
+"""scripts/gpu_check.py end to end on the CPU: a random SmolLM2-135M, the transformers backend, every stage
+(rollout on a few synthetic episodes).
 
 The device check itself runs on a lent GPU (scripts/gpu_check.sh); this keeps
 the script working where CI runs. One subprocess, as the wrapper calls it.
@@ -20,7 +21,13 @@ POSITIVE = [  # every stage's headline numbers: seconds, throughputs, counts
     "score_s", "score_forward_tokens", "scored_tokens", "score_tokens_per_s", "scored_tokens_per_s",
     "weight_save_s", "weight_load_s", "weight_sync_s", "weight_file_mb", "served_logprob_change_max",
     "train_step_s", "train_loss_tokens", "train_tokens", "train_grad_norm", "total_s",
+    "rollout_episodes", "rollout_requests", "rollout_prefix_hit_rate",
+    *[f"rollout_{way}_{what}" for way in ("lockstep", "inflight", "alone")
+      for what in ("s", "tokens", "tokens_per_s", "episodes_per_s")],
+    "rollout_inflight_vs_lockstep", "rollout_inflight_vs_alone",
 ]
+# The rollout stage's sizes, below --quick's 4 x 2 x 2 x 8 (the CPU here is small and often busy).
+GROUPS, GROUP_SIZE, TURNS, NEW, OBS = 3, 2, 2, 4, 4
 
 
 def test_gpu_check_cpu_quick_random_model(tmp_path):
@@ -29,8 +36,9 @@ def test_gpu_check_cpu_quick_random_model(tmp_path):
     env.pop("OUT", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick", "--model", "random",
-         "--batch", "2", "--new-tokens", "8", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+         "--batch", "2", "--new-tokens", "8", "--groups", str(GROUPS), "--group-size", str(GROUP_SIZE),
+         "--turns", str(TURNS), "--rollout-new-tokens", str(NEW), "--obs-len", str(OBS), "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -47,5 +55,29 @@ def test_gpu_check_cpu_quick_random_model(tmp_path):
     # The server is the same transformers model as the trainer after the sync: identical log-probs in fp32.
     assert m["served_vs_trainer_max_abs"] < 1e-4
     assert m["weight_sync_s"] == m["weight_save_s"] + m["weight_load_s"]
-    assert set(report["stage_seconds"]) == {"model", "load", "warmup", "generate", "score", "weight_sync", "train_step"}
+    check_rollout(m)
+    assert set(report["stage_seconds"]) == {"model", "load", "warmup", "generate", "score", "weight_sync", "train_step",
+                                            "rollout"}
     assert "| generate (new tokens/s)" in proc.stdout and "OK" in proc.stdout
+
+
+def check_rollout(m: dict) -> None:
+    """The rollout stage's figures make sense: counts, rates = quotients, ratios of the rates, (c) = (b)'s tokens."""
+    episodes = GROUPS * GROUP_SIZE
+    assert m["rollout_episodes"] == episodes
+    assert m["rollout_requests"] == episodes * TURNS  # every episode plays every turn through the engine
+    for way in ("lockstep", "inflight"):  # each request samples 1..NEW ids (fewer only at <|im_end|>)
+        assert episodes * TURNS <= m[f"rollout_{way}_tokens"] <= episodes * TURNS * NEW, way
+    for way in ("lockstep", "inflight", "alone"):
+        assert math.isclose(m[f"rollout_{way}_tokens_per_s"], m[f"rollout_{way}_tokens"] / m[f"rollout_{way}_s"])
+    assert math.isclose(m["rollout_lockstep_episodes_per_s"], episodes / m["rollout_lockstep_s"])
+    assert math.isclose(m["rollout_inflight_episodes_per_s"], episodes / m["rollout_inflight_s"])
+    # (c) generated exactly the requests (b) made, EOS ignored: the same tokens, so its episodes/s is over its time.
+    assert m["rollout_alone_tokens"] == m["rollout_inflight_tokens"]
+    assert math.isclose(m["rollout_alone_episodes_per_s"], episodes / m["rollout_alone_s"])
+    assert math.isclose(m["rollout_inflight_vs_lockstep"],
+                        m["rollout_inflight_tokens_per_s"] / m["rollout_lockstep_tokens_per_s"])
+    assert math.isclose(m["rollout_inflight_vs_alone"],
+                        m["rollout_inflight_tokens_per_s"] / m["rollout_alone_tokens_per_s"])
+    # Turn 2 resumes every episode from its kept KV; the new ids (last response id + observation) are never hits.
+    assert 0 < m["rollout_prefix_hit_rate"] < 1

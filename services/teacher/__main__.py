@@ -75,8 +75,10 @@ def main() -> None:
     # wait on the embedder.
     in_flight = cfg.groups_in_flight("teacher")
     gate = VersionGate(backend, proc.run_dir, on_switch=version_switched) if in_flight > 1 else None
-    if gate is not None and hasattr(backend, "stats"):
-        metrics.watch_engine(ROLE, backend, proc.stop)
+    if gate is not None:
+        log.info("holding up to %d groups in flight", in_flight)
+        if hasattr(backend, "stats"):  # an engine of its own (vLLM)
+            metrics.watch_engine(ROLE, backend, proc.stop)
 
     def score(group: RolloutGroup):
         if gate is None:
