@@ -345,7 +345,7 @@ def consume_forever(
     log = logging.getLogger(proc.role)
     max_lag = proc.cfg.redis.max_stream_lag
     last_depth = 0.0
-    running: set[Future] = set()  # jobs in flight
+    running: dict[Future, str] = {}  # jobs in flight -> their entry ids
 
     def take() -> list:
         nonlocal last_depth
@@ -369,20 +369,25 @@ def consume_forever(
     if out_group is not None:
         metrics.BACKPRESSURE_SECONDS.labels(role=proc.role, stream=out_stream)
     in_flight = metrics.GROUPS_IN_FLIGHT.labels(proc.role)
-    exits: list[SystemExit] = []  # a job thread that must end the process (e.g. a refused token)
+    # What escapes a job thread (SystemExit from a refused token, a Redis AuthenticationError, ...) ends the
+    # loop and is raised here, as it would be with one job at a time.
+    escaped: list[BaseException] = []
 
     def job(d) -> None:
         try:
             _run_job(proc, queue, out_stream, handle, d, reclaim_idle_ms, log)
-        except SystemExit as e:
-            exits.append(e)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the loop's thread
+            if not isinstance(e, SystemExit):
+                log.exception("job %s: unexpected error; stopping", d.entry_id)
+            escaped.append(e)
             proc.stop.set()
 
     # One job at a time runs in this thread, as it always did; more run in a pool.
     pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="job") if max_in_flight > 1 else None
     try:
         while not proc.stop.is_set():
-            running -= {f for f in running if f.done()}
+            for f in [f for f in running if f.done()]:
+                del running[f]
             in_flight.set(len(running))
             if len(running) >= max_in_flight:  # every slot busy: wait for one (or for stop)
                 wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -407,15 +412,18 @@ def consume_forever(
                 if pool is None:
                     in_flight.set(1)
                     _run_job(proc, queue, out_stream, handle, d, reclaim_idle_ms, log)
+                elif d.entry_id in running.values():
+                    # Our own job, re-claimed after its heartbeats lapsed (a Redis outage): it runs already.
+                    log.warning("job %s re-claimed while this worker runs it; not started twice", d.entry_id)
                 else:
-                    running.add(pool.submit(job, d))
+                    running[pool.submit(job, d)] = d.entry_id
                 in_flight.set(len(running))
     finally:
         if pool is not None:
             pool.shutdown(wait=True)  # jobs in flight finish, or stop at proc.stop and stay pending
         in_flight.set(0)
-        if exits:
-            raise exits[0]
+        if escaped:
+            raise escaped[0]
 
 
 def _run_job(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], Any], d, reclaim_idle_ms: int, log) -> None:

@@ -225,6 +225,56 @@ def test_a_job_thread_that_must_end_the_process_ends_consume_forever(redis_clien
     assert worker.depth() == (0, 1)  # the job stays pending for the next worker
 
 
+def test_an_error_escaping_a_job_thread_ends_consume_forever_as_with_one_job(redis_client, stream_prefix, tmp_path):
+    names = StreamNames(stream_prefix)
+    task_queue(redis_client, names, "trainer-0").produce_to(names.tasks, make_task(group_size=2, seed=1))
+    proc = role_process(tmp_path, stream_prefix, block_ms=200)
+    worker = task_queue(connect_like(redis_client), names, "rollout-1")
+
+    def handle(task: TaskGroup) -> RolloutGroup:
+        raise StalePolicyError("version 3 is gone")
+
+    def dead_letter(*args, **kwargs):
+        raise redis.AuthenticationError("WRONGPASS (test)")  # not an outage: retrying cannot fix it
+
+    worker.dead_letter = dead_letter
+    with pytest.raises(redis.AuthenticationError):
+        consume_forever(proc, worker, names.rollouts, handle, 600_000, 200, max_in_flight=3)
+    assert proc.stop.is_set()
+
+
+def test_a_job_re_claimed_by_its_own_worker_is_not_started_twice(redis_client, stream_prefix, tmp_path):
+    names = StreamNames(stream_prefix)
+    task = make_task(group_size=2, seed=4)
+    task_queue(redis_client, names, "trainer-0").produce_to(names.tasks, task)
+    proc = role_process(tmp_path, stream_prefix, block_ms=200)
+    worker = task_queue(connect_like(redis_client), names, "rollout-1")
+    worker.keep_alive = lambda ids: None  # heartbeats lost (a long Redis outage): the entry goes idle
+    calls, started = [], threading.Event()
+
+    def handle(t: TaskGroup) -> RolloutGroup:
+        calls.append(t.group_id)
+        started.set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # held until the loop has re-claimed (and skipped) its own entry
+            pending = redis_client.xpending_range(names.tasks, "rollout", "-", "+", 1)
+            if pending and pending[0]["times_delivered"] >= 2:
+                break
+            time.sleep(0.05)
+        return play(t)
+
+    loop = threading.Thread(target=consume_forever, args=(proc, worker, names.rollouts, handle, 300, 200),
+                            kwargs={"max_in_flight": 2})
+    loop.start()
+    try:
+        wait_until(lambda: redis_client.xlen(names.rollouts) == 1, timeout_s=60, what="the one output")
+    finally:
+        proc.stop.set()
+        loop.join(timeout=30)
+    assert calls == [task.group_id]  # re-claimed (delivered twice) but handled once
+    assert redis_client.hget(names.counts, f"produced:{names.rollouts}") == b"1"
+
+
 def connect_like(client: redis.Redis) -> redis.Redis:
     """A second client on the same server (a worker thread must not share the test's connections' state)."""
     kw = client.connection_pool.connection_kwargs

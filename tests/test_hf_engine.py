@@ -175,3 +175,109 @@ def test_closing_fails_what_still_waits(policy_backend):
     with pytest.raises(RuntimeError, match="closed"):
         eng.submit(SampleRequest(_prompts(policy_backend)[0], 2, 1.0))
     eng.close()  # idempotent
+
+
+def test_a_cancelled_request_leaves_its_wave_and_close_alone(policy_backend):
+    eng = HFEngine(policy_backend, max_batch=8)
+    try:
+        prompts = _prompts(policy_backend)
+        with eng._cond:  # one wave of four; the first is cancelled while it waits
+            futures = [eng.submit(SampleRequest(p, 3, 1.0, seed=i)) for i, p in enumerate(prompts)]
+            assert futures[0].cancel()
+        for i, f in enumerate(futures[1:], start=1):
+            _same(f.result(timeout=300), policy_backend.generate([prompts[i]], 3, 1.0, seed=i)[0])
+        assert eng.in_flight() == 0
+        with eng._cond:  # closing with a cancelled and a live request waiting
+            waiting = [eng.submit(SampleRequest(p, 3, 1.0)) for p in prompts[:2]]
+            waiting[0].cancel()
+            eng.close()
+        assert waiting[0].cancelled()
+        with pytest.raises(RuntimeError, match="closed"):
+            waiting[1].result(timeout=10)
+    finally:
+        eng.close()
+
+
+def test_the_engine_is_idle_before_a_caller_sees_its_result(policy_backend, engine):
+    p = _prompts(policy_backend)[3]
+    for i in range(10):  # a version switch loads right after the last result: it must not find a request in flight
+        engine.submit(SampleRequest(p, 1, 1.0, seed=i)).result(timeout=300)
+        assert engine.in_flight() == 0
+
+
+def test_seeds_are_integers_taken_mod_2_64_like_generate(policy_backend, engine):
+    p = _prompts(policy_backend)[0]
+    for bad in (1.5, float("nan"), "7", True):
+        with pytest.raises(ValueError, match="seed"):
+            engine.submit(SampleRequest(p, 2, 1.0, seed=bad))
+    for seed in (-1, 2**63 + 5, np.int64(9)):  # the values generate accepts draw what generate draws
+        got = engine.submit(SampleRequest(p, 3, 1.0, seed=seed)).result(timeout=300)
+        assert got.token_ids == policy_backend.generate([p], 3, 1.0, seed=int(seed))[0].token_ids
+    same = engine.submit(SampleRequest(p, 3, 1.0, seed=2**64 + 5)).result(timeout=300)
+    assert same.token_ids == policy_backend.generate([p], 3, 1.0, seed=5)[0].token_ids
+
+
+def test_a_row_with_non_finite_logits_fails_alone_and_its_wave_mates_keep_their_kv(policy_backend, monkeypatch):
+    from opsd.models.hf import NonFiniteLogitsError
+
+    eng = HFEngine(policy_backend, max_batch=8, kv_cache_bytes=256 << 20)
+    tok = policy_backend.tokenizer
+    poison = tok(" word" * 40)["input_ids"][:37]  # the row whose first new token gets NaN logits
+    real = policy_backend.model.forward
+
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        pos = kwargs.get("position_ids")
+        if pos is not None and pos.shape[1] == 1:  # decode steps only: the poisoned row's 2nd new token
+            out.logits[(pos[:, -1] == len(poison) + 1).nonzero().flatten()] = float("nan")
+        return out
+
+    try:
+        first = _prompts(policy_backend)[:2]
+        g0 = [eng.submit(SampleRequest(p, 3, 1.0, seed=i, cache_key=f"ep{i}")).result(timeout=300)
+              for i, p in enumerate(first)]
+        nxt = [p + g.token_ids + tok(" ok")["input_ids"] for p, g in zip(first, g0)]
+        s0 = eng.stats()
+        monkeypatch.setattr(policy_backend.model, "forward", forward)
+        with eng._cond:
+            futures = [eng.submit(SampleRequest(p, 4, 1.0, seed=10 + i, cache_key=f"ep{i}")) for i, p in enumerate(nxt)]
+            bad = eng.submit(SampleRequest(poison, 4, 1.0, seed=99))
+        with pytest.raises(NonFiniteLogitsError):
+            bad.result(timeout=300)
+        gens = [f.result(timeout=300) for f in futures]
+        monkeypatch.setattr(policy_backend.model, "forward", real)
+        for p, g, i in zip(nxt, gens, range(2)):
+            _same(g, policy_backend.generate([p], 4, 1.0, seed=10 + i)[0])
+        s1 = eng.stats()
+        # Counted once, for the attempt that succeeded; the retry still resumed from the kept KV.
+        assert s1.prefix_queries - s0.prefix_queries == sum(map(len, nxt))
+        assert s1.prefix_hits - s0.prefix_hits == sum(len(p) + len(g.token_ids) - 1 for p, g in zip(first, g0))
+    finally:
+        eng.close()
+
+
+def test_a_full_store_keeps_what_it_holds_instead_of_evicting_the_next_to_resume(policy_backend):
+    tok = policy_backend.tokenizer
+    prompts = _prompts(policy_backend)
+    eng = HFEngine(policy_backend, max_batch=8, kv_cache_bytes=256 << 20)
+    try:
+        g = eng.submit(SampleRequest(prompts[0], 2, 1.0, seed=0, cache_key="probe")).result(timeout=300)
+        one = eng.stats().kv_cache_usage * eng.kv_cache_bytes  # bytes of one short episode
+        eng.release("probe")
+    finally:
+        eng.close()
+    eng = HFEngine(policy_backend, max_batch=8, kv_cache_bytes=int(3.5 * one * 4))  # room for some, not all
+    try:
+        hist = {i: list(prompts[i % 4]) for i in range(6)}
+        hits_by_turn = []
+        for turn in range(3):
+            h0 = eng.stats().prefix_hits
+            futures = {i: eng.submit(SampleRequest(hist[i], 2, 1.0, seed=turn * 10 + i, cache_key=f"e{i}"))
+                       for i in hist}
+            for i, f in futures.items():
+                hist[i] = hist[i] + f.result(timeout=300).token_ids + tok(" ok")["input_ids"]
+            hits_by_turn.append(eng.stats().prefix_hits - h0)
+        assert hits_by_turn[1] > 0 and hits_by_turn[2] > 0  # the episodes it admitted keep being served
+        assert g.token_ids
+    finally:
+        eng.close()

@@ -11,8 +11,9 @@ An episode's KV is kept between its turns: when a row finishes, its keys and
 values (prompt and response, but the last sampled id) are copied out under
 its `cache_key`; the episode's next prompt extends those ids, so only the new
 tokens (the last response id and the next observation) are prefilled. The
-copies live in an LRU store of `kv_cache_bytes`; an episode pushed out, or one
-whose prompt does not extend its stored ids, is prefilled in full. A row
+copies live in a store of `kv_cache_bytes` that admits while it has room (a
+full store evicts nothing: see `_keep`); an episode not kept, or one whose
+prompt does not extend its stored ids, is prefilled in full. A row
 resumed from the store attends to its cached positions through an attention
 mask with holes, as `HFBackend.branch` does:
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from opsd.models.engine import EngineStats, SampleRequest
@@ -112,6 +114,9 @@ class HFEngine:
         if not b.fits(len(request.prompt_ids), request.max_new_tokens):
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens {request.max_new_tokens} "
                              f"exceeds max_model_len {b.max_model_len} (or the prompt is empty)")
+        if request.seed is not None and (isinstance(request.seed, (bool, np.bool_))
+                                         or not isinstance(request.seed, (int, np.integer))):
+            raise ValueError(f"seed must be an integer or None, got {type(request.seed).__name__} {request.seed!r}")
         b._check_ids(request.prompt_ids, "prompt")
         b._check_ids(request.stop_token_ids, "stop_token_ids")
         pending = _Pending(request)
@@ -158,13 +163,15 @@ class HFEngine:
                 self.backend.load_weights(path, version)
 
     def close(self) -> None:
-        """Stop the thread; requests still waiting fail with RuntimeError. Idempotent."""
+        """Stop the thread; requests still waiting fail with RuntimeError (cancelled ones stay cancelled).
+        Idempotent."""
         with self._cond:
             self._closed = True
             left, self._waiting = self._waiting, []
             self._cond.notify_all()
         for p in left:
-            p.future.set_exception(RuntimeError("the engine was closed"))
+            if p.future.set_running_or_notify_cancel():
+                p.future.set_exception(RuntimeError("the engine was closed"))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
 
@@ -183,17 +190,27 @@ class HFEngine:
                 self._running = len(wave)
             try:
                 with self.backend.lock:  # the model is the backend's: its own calls take turns with waves
-                    self._serve(wave)
+                    outcomes = self._serve(wave)
             except Exception as err:  # noqa: BLE001 - the futures carry it to the callers
-                for p in wave:
-                    if not p.future.done():
-                        p.future.set_exception(err)
-            finally:
-                with self._cond:
-                    self._running = 0
+                outcomes = [(p, err) for p in wave]
+            with self._cond:  # idle before any caller learns its result: a load right after it is allowed
+                self._running = 0
+                self._cond.notify_all()
+            for p, outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    p.future.set_exception(outcome)
+                else:
+                    p.future.set_result(outcome)
 
     def _take(self) -> list[_Pending]:
-        """The next wave: up to max_batch waiting requests that sample like the oldest one (called locked)."""
+        """The next wave: up to max_batch waiting requests that sample like the oldest one (called locked).
+
+        A request whose future was cancelled while it waited is dropped here;
+        the others' futures become running (no longer cancellable).
+        """
+        self._waiting = [p for p in self._waiting if not p.future.cancelled()]
+        if not self._waiting:
+            return []
         r0 = self._waiting[0].request
         key = (r0.max_new_tokens, r0.temperature, r0.top_p, tuple(sorted(r0.stop_token_ids)))
         wave, rest = [], []
@@ -202,11 +219,11 @@ class HFEngine:
             same = (r.max_new_tokens, r.temperature, r.top_p, tuple(sorted(r.stop_token_ids))) == key
             (wave if same and len(wave) < self.max_batch else rest).append(p)
         self._waiting = rest
-        return wave
+        return [p for p in wave if p.future.set_running_or_notify_cancel()]  # False: cancelled just now
 
     def _reuse(self, request: SampleRequest) -> _KV | None:
         """The kept KV of `request`'s episode when its ids are a strict prefix of the prompt (taken out of the store)."""
-        if request.cache_key is None:
+        if request.cache_key is None or not self.kv_cache_bytes:
             return None
         with self._cond:
             kv = self._store.pop(request.cache_key, None)
@@ -219,42 +236,47 @@ class HFEngine:
         return kv
 
     def _keep(self, key: str, kv: _KV) -> None:
+        """Keep `kv` under `key` if it fits the budget. A full store admits nothing more, evicting nothing:
+        waves serve the oldest requests first, so the least recently kept episode is the one resumed next
+        (LRU eviction would drop exactly that one, every time)."""
         with self._cond:
             old = self._store.pop(key, None)
             if old is not None:
                 self._store_bytes -= old.nbytes
-            if kv.nbytes > self.kv_cache_bytes:
-                return
-            self._store[key] = kv
-            self._store_bytes += kv.nbytes
-            while self._store_bytes > self.kv_cache_bytes:
-                _, out = self._store.popitem(last=False)
-                self._store_bytes -= out.nbytes
+            if self._store_bytes + kv.nbytes <= self.kv_cache_bytes:
+                self._store[key] = kv
+                self._store_bytes += kv.nbytes
 
     @torch.no_grad()
-    def _serve(self, wave: list[_Pending]) -> None:
-        """Prefill and decode one wave; resolve its futures. Rows with non-finite logits fail alone."""
+    def _serve(self, wave: list[_Pending]) -> list[tuple[_Pending, Any]]:
+        """Prefill and decode one wave; returns (request, Generation or the exception that failed it) per row.
+
+        Rows with non-finite logits fail alone: the others run again, with
+        the KV they had kept (taken once for the wave).
+        """
+        reuse = [self._reuse(p.request) for p in wave]
+        outcomes: list[tuple[_Pending, Any]] = []
         while wave:
             try:
-                gens = self._run(wave)
+                gens = self._run(wave, reuse)
             except NonFiniteLogitsError as err:
                 bad = set(err.rows)
                 if not bad or not bad <= set(range(len(wave))):
                     raise
-                for i in sorted(bad):
-                    wave[i].future.set_exception(NonFiniteLogitsError(f"non-finite logits for this request: {err}", [0]))
+                outcomes += [(wave[i], NonFiniteLogitsError(f"non-finite logits for this request: {err}", [0]))
+                             for i in sorted(bad)]
                 wave = [p for i, p in enumerate(wave) if i not in bad]
+                reuse = [kv for i, kv in enumerate(reuse) if i not in bad]
                 continue
-            for p, g in zip(wave, gens):
-                p.future.set_result(g)
-            return
+            return outcomes + list(zip(wave, gens))
+        return outcomes
 
-    def _run(self, wave: list[_Pending]) -> list[Generation]:
+    def _run(self, wave: list[_Pending], reuse_all: list[_KV | None]) -> list[Generation]:
+        """One wave's prefill and decode; `reuse_all[i]`: the kept KV row i resumes from (None: prefill in full)."""
         b = self.backend
         dev = b.device
         reqs = [p.request for p in wave]
         B = len(reqs)
-        reuse_all = [self._reuse(r) if self.kv_cache_bytes else None for r in reqs]
         # Rows with the same prompt and nothing kept (an episode's siblings on their first turn) are prefilled once.
         first: dict = {}
         which = [first.setdefault(("row", r) if kv else tuple(req.prompt_ids), len(first))
@@ -288,10 +310,8 @@ class HFEngine:
 
             past = DynamicCache(layers, config=b.model.config)
             mask = torch.cat([old_mask, new_mask], dim=1)
-        with self._cond:
-            self._stats.prefix_queries += sum(len(r.prompt_ids) for r in reqs)
-            # Kept KV, and the prompts of rows whose twin was prefilled for them.
-            self._stats.prefix_hits += sum(cached) + sum(len(reqs[r].prompt_ids) for r in range(B) if r not in uniq)
+        # Kept KV, and the prompts of rows whose twin was prefilled for them (counted once the wave succeeds).
+        hits = sum(cached) + sum(len(reqs[r].prompt_ids) for r in range(B) if r not in uniq)
         with autocast(b.dtype, dev):
             out = b.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                           past_key_values=past, use_cache=True, logits_to_keep=1)
@@ -307,7 +327,7 @@ class HFEngine:
             g = None
             if r.seed is not None:
                 g = torch.Generator(device=dev)
-                g.manual_seed(int(r.seed) % 2**63)
+                g.manual_seed(int(r.seed) % 2**64)  # as generate's manual_seed(seed) for any seed it accepts
             gens_rng.append(g)
         r0 = reqs[0]
         stops = torch.tensor(sorted({b.eos_token_id, *r0.stop_token_ids}), dtype=torch.long)
@@ -331,6 +351,8 @@ class HFEngine:
             if layers and layers[0][0].shape[2] == len(kept_ids):
                 self._keep(reqs[row].cache_key, _KV(kept_ids, layers))
         with self._cond:
+            self._stats.prefix_queries += sum(len(r.prompt_ids) for r in reqs)
+            self._stats.prefix_hits += hits
             self._stats.generated_tokens += sum(len(g.token_ids) for g in gens)
             self._stats.requests += len(gens)
         return gens
