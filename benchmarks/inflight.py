@@ -216,8 +216,8 @@ def main() -> int:
     ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--groups", type=int, default=None, help="TaskGroups in the workload (default 64; --quick 4)")
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="groups in flight (default 1 4 16 64; --quick 1 2)")
-    ap.add_argument("--group-size", type=int, default=None, help="episodes per group (default 4; --quick 2)")
-    ap.add_argument("--turns", type=int, default=None, help="max turns (default 3; --quick 2)")
+    ap.add_argument("--group-size", type=int, default=None, help="episodes per group (default 2; --quick 2)")
+    ap.add_argument("--turns", type=int, default=None, help="max turns (default 2; --quick 2)")
     ap.add_argument("--new", type=int, default=None, help="max new tokens a turn (default 16; --quick 8)")
     ap.add_argument("--batch", type=int, default=64, help="rows per transformers wave (HFEngine max_batch)")
     ap.add_argument("--limit-batches", type=int, nargs="+", default=None,
@@ -230,7 +230,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="benchmark JSON (benchmarks/common.py)")
     ap.add_argument("--out", type=Path, default=None, help="the raw results (JSON)")
     args = ap.parse_args()
-    defaults = {"groups": (64, 4), "ks": ([1, 4, 16, 64], [1, 2]), "group_size": (4, 2), "turns": (3, 2), "new": (16, 8),
+    # 64 groups x 2 episodes x 2 turns: K up to 64, about 45 min of 2 CPU cores per backend (prefill-bound there).
+    defaults = {"groups": (64, 4), "ks": ([1, 4, 16, 64], [1, 2]), "group_size": (2, 2), "turns": (2, 2), "new": (16, 8),
                 "limit_batches": ([8, 64], [2, 4])}
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:

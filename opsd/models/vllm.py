@@ -186,7 +186,8 @@ class VLLMBackend:
 
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
             _cpu_engine_env(cfg)
         t0 = time.perf_counter()
         # The engine's context is the model's position limit: the teacher scores privileged views
@@ -203,6 +204,11 @@ class VLLMBackend:
             tensor_parallel_size=cfg.vllm.tensor_parallel_size,
             worker_extension_cls=WORKER_EXTENSION,
             seed=0,
+            # vLLM 0.32 rewinds a seeded request's generator offset after each partial (chunked) prefill,
+            # which CPU generators do not have: the engine died once a step split a seeded prompt
+            # (benchmarks/inflight.py at 64 groups in flight). On CPU a step holds whole prompts instead.
+            enable_chunked_prefill=not on_cpu,
+            max_num_batched_tokens=max(self.max_positions, 2048) if on_cpu else None,
             # No default (console) stat logger; our own logger below turns stats on (`engine.log_stats`).
             disable_log_stats=True,
         )
