@@ -184,8 +184,9 @@ class EnvSection(_Section):
     # What the teacher's privileged context holds (spec section 0): the SkillBank's skills
     # (opsd/skills/<env>/), the environment's walkthrough / gold path where it has one, or both;
     # "remaining": per turn, the gold path left from the state the turn acted in (the env's
-    # policy_commands; one teacher view per turn), "skills+remaining": the skills plus that.
-    privileged: Literal["skills", "walkthrough", "both", "remaining", "skills+remaining"] = "both"
+    # policy_commands; one teacher view per turn), "skills+remaining": the skills plus that; "none": no
+    # privileged context, the teacher sees the student's exact prompt (plain OPD with an external teacher).
+    privileged: Literal["skills", "walkthrough", "both", "remaining", "skills+remaining", "none"] = "both"
     twx: TWXSection = TWXSection()
     scienceworld: ScienceWorldSection = ScienceWorldSection()
     alfworld: AlfWorldSection = AlfWorldSection()
@@ -216,7 +217,15 @@ class RolloutSection(_Section):
 
 
 class TeacherSection(_Section):
-    source: Literal["self"] = "self"  # the same policy with privileged context
+    # "self": the live policy (the rollout's own policy version) with privileged context; "model": the frozen
+    # model of `model` below (a packaged model, a local HF dir, or an opsd run's final_model/ or checkpoint/),
+    # never reloaded on policy versions. Its tokenizer must be the student's (`opsd.models.check_same_tokenizer`).
+    source: Literal["self", "model"] = "self"
+    model: ModelSection | None = None  # source "model" only; its cache_dir defaults to the student's
+    # Which policy version a self teacher scores a group of version v with: "live" (v itself), "frozen" (the
+    # initial policy, version 0, never reloaded) or "lag:K" (max(0, v - K): the trainer keeps K more versions'
+    # files). An external teacher (source model) is frozen by nature and takes "live" or "frozen" alike.
+    version: str = Field("live", pattern=r"^(live|frozen|lag:[1-9][0-9]{0,3})$")
     thinking_max_new_tokens: int = Field(24, ge=1)
     score_batch_size: int = Field(8, ge=1)
     embedder_timeout_s: float = Field(30.0, gt=0)  # one /correspond attempt
@@ -392,6 +401,11 @@ class CreditSection(_Section):
     opd_coef: float = Field(1.0, ge=-100, le=100)  # grpo_opd: A = A_grpo + opd_coef * (teacher - student)
     use_invalid_action_penalty: bool = True
     invalid_action_penalty_coef: float = Field(0.1, ge=0)
+    # A teacher worse than its student (opsd/credit/guard.py): per step, the share of groups whose teacher scores
+    # the winning trajectories below the student is reported ("report"); "downweight" scales those groups'
+    # teacher-student gap by teacher_guard_weight before credit, "skip" sets it to 0 (no distillation term).
+    teacher_guard: Literal["report", "downweight", "skip"] = "report"
+    teacher_guard_weight: float = Field(0.5, ge=0, le=1)
     alignopsd: AlignSection = AlignSection()
     agentopsd: AgentOPSDSection = AgentOPSDSection()
     gc_opd: GCOPDSection = GCOPDSection()
@@ -516,6 +530,27 @@ class RunConfig(_Section):
     eval: EvalSection = EvalSection()
     simulate: SimulateSection = SimulateSection()
 
+    def teacher_version(self, policy_version: int) -> int:
+        """The policy version the teacher scores a group of `policy_version` with (teacher.version); 0 for an
+        external teacher (its one frozen version)."""
+        mode = self.teacher.version
+        if self.teacher.source == "model" or mode == "frozen":
+            return 0
+        if mode.startswith("lag:"):
+            return max(0, policy_version - int(mode[4:]))
+        return policy_version
+
+    @property
+    def teacher_lag(self) -> int:
+        """Versions the teacher may look back beyond a group's own (lag:K -> K, else 0): the trainer keeps their files."""
+        mode = self.teacher.version
+        return int(mode[4:]) if self.needs_teacher and self.teacher.source == "self" and mode.startswith("lag:") else 0
+
+    @property
+    def teacher_model(self) -> ModelSection:
+        """The model the teacher role serves: teacher.model for an external teacher, else the policy's."""
+        return self.teacher.model if self.teacher.source == "model" else self.model
+
     def groups_in_flight(self, role: Literal["rollout", "teacher"]) -> int:
         """How many groups a `role` worker holds at once: its section's max_groups_in_flight, or by default 1
         on transformers (one group at a time, bit-reproducible) and several on vLLM (rollout 16, teacher 8),
@@ -523,7 +558,25 @@ class RunConfig(_Section):
         value = getattr(self, role).max_groups_in_flight
         if value is not None:
             return value
-        return {"rollout": 16, "teacher": 8}[role] if self.model.backend == "vllm" else 1
+        backend = (self.teacher_model if role == "teacher" else self.model).backend
+        return {"rollout": 16, "teacher": 8}[role] if backend == "vllm" else 1
+
+    @model_validator(mode="after")
+    def _teacher_source(self) -> "RunConfig":
+        t = self.teacher
+        if t.source == "model" and t.model is None:
+            raise ValueError("teacher.source: model needs a teacher.model section (at least its name: a packaged model, "
+                             "a local HF directory or a run's final_model/ or checkpoint/)")
+        if t.source == "self" and t.model is not None:
+            raise ValueError("teacher.model is set but teacher.source is self (the live policy): set teacher.source: model "
+                             "to score with that model, or drop teacher.model")
+        if t.source == "model" and t.version.startswith("lag:"):
+            raise ValueError(f"teacher.version {t.version} needs the live policy's versions (teacher.source: self); "
+                             "an external teacher is frozen")
+        if t.model is not None:
+            if t.model.cache_dir is None and self.model.cache_dir is not None:
+                t.model = t.model.model_copy(update={"cache_dir": self.model.cache_dir})
+        return self
 
     @model_validator(mode="after")
     def _known_method(self) -> "RunConfig":
@@ -546,11 +599,31 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _simulated_compute(self) -> "RunConfig":
+        teacher = self.teacher.model
+        if self.simulate.enabled and teacher is not None and (teacher.name != "tiny-random" or teacher.backend != "hf"):
+            raise ValueError(f"simulate.enabled (simulated compute) runs only with a tiny-random hf teacher.model too "
+                             f"(got {teacher.name!r} on {teacher.backend!r})")
         if self.simulate.enabled and (self.model.name != "tiny-random" or self.model.backend != "hf"):
             raise ValueError(
                 f"simulate.enabled (simulated compute) runs only with model.name: tiny-random on the hf backend "
                 f"(got model.name {self.model.name!r}, backend {self.model.backend!r}): it would add sleeps to a real model's compute"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_guard(self) -> "RunConfig":
+        if self.run.method == "alignopsd" and self.credit.teacher_guard != "report":
+            # Its corrected teacher mixes matched views in log space (spec 4.2), so a gap scaled after the teacher
+            # would no longer be the rectification `opsd credit check` replays from the dumped views.
+            raise ValueError(f"credit.teacher_guard {self.credit.teacher_guard} is not available for alignopsd "
+                             "(its rectified teacher is nonlinear in the views): use report")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_entropies(self) -> "RunConfig":
+        if self.run.method == "fire_opd" and self.teacher_model.backend == "vllm":
+            raise ValueError("run.method=fire_opd needs the teacher's entropies, which the vllm backend does not report: "
+                             "serve the teacher with backend hf")
         return self
 
     @model_validator(mode="after")
@@ -564,8 +637,6 @@ class RunConfig(_Section):
                 f"model.backend=vllm reports nucleus-renormalized log-probs when rollout.top_p < 1 (got "
                 f"{self.rollout.top_p}); the trainer recomputes log softmax(z/T) over the whole vocabulary: use top_p 1.0"
             )
-        if self.run.method == "fire_opd":
-            raise ValueError("run.method=fire_opd needs the teacher's entropies, which model.backend=vllm does not report: use hf")
         if not 0.01 <= self.rollout.temperature <= 2.0:  # vLLM clamps below 0.01 and refuses above 2
             raise ValueError(f"model.backend=vllm samples at temperatures in [0.01, 2] (got rollout.temperature "
                              f"{self.rollout.temperature})")

@@ -252,17 +252,19 @@ def fatal(role: str, reason: str) -> NoReturn:
     sys.exit(FATAL_EXIT)
 
 
-def load_worker_backend(role: str, cfg) -> Any:
-    """`opsd.models.load_backend(cfg.model)` for rollout and teacher; a backend that is not installed is fatal.
+def load_worker_backend(role: str, cfg, model=None) -> Any:
+    """`opsd.models.load_backend(model or cfg.model)` for rollout and teacher; what cannot start is fatal.
 
-    An ImportError (model.backend vllm without vLLM in this environment) exits
-    FATAL_EXIT with the install hint: restarting the role cannot install it.
+    model: a ModelSection (the teacher passes `cfg.teacher_model`). An
+    ImportError (backend vllm without vLLM in this environment) or a missing
+    model directory exits FATAL_EXIT with the reason: restarting the role
+    cannot install it.
     """
     from opsd.models import load_backend
 
     try:
-        return load_backend(cfg.model)
-    except ImportError as e:
+        return load_backend(model or cfg.model)
+    except (ImportError, FileNotFoundError) as e:
         fatal(role, str(e))
 
 

@@ -310,6 +310,9 @@ class ScoredGroup:
     student_action_emb_MD: np.ndarray | None = None
     teacher_action_emb_MD: np.ndarray | None = None
     cross_logprobs_M: list[np.ndarray] | None = None
+    # Which teacher scored: "self:<teacher.version>" (the policy at teacher_version: live, frozen, lag:K) or
+    # "model:<name>" (an external frozen model; teacher_version is then 0, its only version).
+    teacher: str | None = None
 
     EMBEDDING_FIELDS = ("student_thinking_emb_MD", "teacher_thinking_emb_MD", "student_action_emb_MD", "teacher_action_emb_MD")
 
@@ -351,6 +354,8 @@ class ScoredGroup:
     def _validate_optional(self, M: int, vocab_size: int | None) -> None:
         """Checks of the optional fields (see the class docstring); each may be None."""
         trajs = self.rollout.trajectories
+        if self.teacher is not None:
+            _check(isinstance(self.teacher, str) and 0 < len(self.teacher) <= 1024, "ScoredGroup.teacher: 1-1024 characters")
         if self.teacher_entropy_S is not None:
             _check(len(self.teacher_entropy_S) == len(trajs), "ScoredGroup: teacher_entropy_S count != trajectories")
             for i, (traj, arr) in enumerate(zip(trajs, self.teacher_entropy_S)):

@@ -459,7 +459,7 @@ def test_credit_fields_default_to_none_and_old_messages_decode():
     assert {f.name: f.default for f in dataclasses.fields(Trajectory)}["sampler_entropy_S"] is None
 
     def strip(env):  # a message written before the optional fields existed
-        for name in [f.name for f in dataclasses.fields(ScoredGroup)][-10:]:
+        for name in [f.name for f in dataclasses.fields(ScoredGroup)][-11:]:
             env["body"].pop(name)
         for t in env["body"]["rollout"]["trajectories"]:
             t.pop("sampler_entropy_S")
@@ -467,6 +467,13 @@ def test_credit_fields_default_to_none_and_old_messages_decode():
     full = encode(with_credit_fields(make_scored_group(G=2, turns=2, seed=1)))
     old = decode(tamper(full, strip), ScoredGroup, LIMIT)
     assert old.teacher_entropy_S is None and old.cross_logprobs_M is None and old.teacher_action_M is None
+    assert old.teacher is None  # which teacher scored: unknown in a message from before the field
+    named = with_credit_fields(make_scored_group(G=2, turns=2, seed=1))
+    named.teacher = "model:/models/teacher"
+    assert decode(encode(named), ScoredGroup, LIMIT).teacher == "model:/models/teacher"
+    named.teacher = ""
+    with pytest.raises(WireError, match="ScoredGroup.teacher: 1-1024 characters"):
+        decode(encode(named), ScoredGroup, LIMIT)
     assert old.rollout.trajectories[0].sampler_entropy_S is None
     # Fields without a default are still required.
     with pytest.raises(WireError, match="missing field"):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from opsd.config import ModelSection
 from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, token_logprobs
 
-__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "ensure_model", "load_backend", "load_engine",
-           "resolve_device", "token_logprobs"]
+__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "check_same_tokenizer", "ensure_model", "load_backend",
+           "load_engine", "resolve_device", "token_logprobs"]
 
 
 def resolve_device(cfg: ModelSection) -> str:
@@ -52,3 +52,38 @@ def load_engine(backend, max_batch: int, kv_cache_bytes: int):
     from opsd.models.hf_engine import HFEngine
 
     return HFEngine(backend, max_batch=max_batch, kv_cache_bytes=kv_cache_bytes)
+
+
+def check_same_tokenizer(student: ModelSection, teacher: ModelSection) -> None:
+    """Refuse an external teacher (teacher.source: model) whose tokenizer is not the student's.
+
+    The teacher scores the student's exact token ids, so both must map every
+    string to the same ids: same vocabulary (added tokens included), same
+    special ids (bos, eos, pad, unk, ``<|im_end|>``) and the same chat
+    template (the privileged prompt is built with the student's). Loads both
+    tokenizers (converting a packaged model once, `ensure_model`). Raises
+    ValueError with one line naming the first difference; cross-tokenizer
+    distillation is out of scope. FileNotFoundError for a missing model.
+    """
+    from transformers import AutoTokenizer
+
+    from opsd.models.hf import END_OF_TURN_TOKEN
+
+    toks = [AutoTokenizer.from_pretrained(ensure_model(m), local_files_only=True) for m in (student, teacher)]
+    what = f"teacher.model {teacher.name!r} does not share the student's tokenizer ({student.name!r})"
+    tail = "cross-tokenizer distillation is not supported: pick a teacher of the student's model family"
+    vocab = [t.get_vocab() for t in toks]
+    if vocab[0] != vocab[1]:
+        differ = sorted(set(vocab[0].items()) ^ set(vocab[1].items()), key=lambda kv: kv[1])
+        tok, _ = differ[0]
+        raise ValueError(f"{what}: vocabularies of {len(vocab[0])} vs {len(vocab[1])} tokens, {tok!r} is "
+                         f"{vocab[0].get(tok)} vs {vocab[1].get(tok)}; {tail}")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = (getattr(t, name) for t in toks)
+        if a != b:
+            raise ValueError(f"{what}: {name} {a} vs {b}; {tail}")
+    a, b = (t.convert_tokens_to_ids(END_OF_TURN_TOKEN) for t in toks)
+    if a != b:
+        raise ValueError(f"{what}: {END_OF_TURN_TOKEN} is id {a} vs {b}; {tail}")
+    if toks[0].chat_template != toks[1].chat_template:
+        raise ValueError(f"{what}: the chat templates differ; {tail}")

@@ -66,7 +66,7 @@ def skill_text(env: str, skill_key: str, root: Path | None = None) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-PRIVILEGED_MODES = ("skills", "walkthrough", "both", "remaining", "skills+remaining")
+PRIVILEGED_MODES = ("skills", "walkthrough", "both", "remaining", "skills+remaining", "none")
 PER_TURN_MODES = ("remaining", "skills+remaining")  # the hint changes with the state: one teacher view per turn
 
 
@@ -74,7 +74,8 @@ def privileged_text(env: str, task: Task, mode: str = "both", root: Path | None 
     """The task-level privileged context of `task` (EnvSection.privileged): skills and/or its whole
     walkthrough ("skills", "walkthrough", "both"); for the per-turn modes only the task-level part
     ("remaining": "", "skills+remaining": the skills), the remaining walkthrough being added per turn
-    by `turn_privileged_text`. "" when the env has neither. ValueError on another mode."""
+    by `turn_privileged_text`; "none": "" (the teacher sees the student's prompt alone, without even the
+    privileged header). "" when the env has neither. ValueError on another mode."""
     if mode not in PRIVILEGED_MODES:
         raise ValueError(f"privileged mode must be one of {', '.join(PRIVILEGED_MODES)}, got {mode!r}")
     parts = []

@@ -1,7 +1,8 @@
 """Run the teacher role: `python -m services.teacher --config C --run-dir D`.
 
 Reads RolloutGroups from `<prefix>:rollouts`, scores them with the privileged
-teacher (same policy version as the group), writes ScoredGroups to
+teacher (teacher.source self: the group's own policy version; model: a frozen
+external model of the student's tokenizer, checked at start), writes ScoredGroups to
 `<prefix>:scored`. Finds the embedder (AlignOPSD) through the
 OPSD_EMBEDDER_URL environment variable or `<run_dir>/ports/embedder.json`,
 looked up again for every group: the teacher starts and keeps scoring
@@ -20,6 +21,7 @@ import sys
 from opsd import metrics
 from opsd.auth import api_token
 from opsd.chat import ChatFormat
+from opsd.models import check_same_tokenizer
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
 from opsd.types import RolloutGroup, ScoredGroup
@@ -50,7 +52,14 @@ def main() -> None:
             fatal(ROLE, str(e))
     proc.serve(port=cfg.teacher.metrics_port)
 
-    backend = load_worker_backend(ROLE, cfg)
+    external = cfg.teacher.source == "model"
+    frozen = external or cfg.teacher.version == "frozen"  # one set of weights for every policy version
+    if external:
+        try:
+            check_same_tokenizer(cfg.model, cfg.teacher_model)
+        except (ValueError, FileNotFoundError) as e:
+            fatal(ROLE, str(e))
+    backend = load_worker_backend(ROLE, cfg, cfg.teacher_model)
     chat = ChatFormat.for_env(backend.tokenizer, cfg.env)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     embedder = None
@@ -60,6 +69,12 @@ def main() -> None:
     streams = StreamNames(cfg.redis.stream_prefix)
     queue = proc.open_queue(streams.rollouts, RolloutGroup, backend.vocab_size)
     proc.status.update(policy_version=backend.policy_version, ready=True)
+    if external:
+        log.info("external teacher %s (%s, frozen: never reloaded on policy versions)", cfg.teacher_model.name,
+                 cfg.teacher_model.backend)
+    elif cfg.teacher.version != "live":
+        log.info("self teacher, version %s (%s)", cfg.teacher.version,
+                 "the initial policy" if frozen else "the policy that many versions before the group's")
     log.info("ready: consuming %s", streams.rollouts)
     if cfg.simulate.enabled:
         log.warning("simulated compute: each group is held for %.2f s (simulate.teacher_s), model %s", cfg.simulate.teacher_s, cfg.model.name)
@@ -74,19 +89,22 @@ def main() -> None:
     # batch in the engine; on transformers they take turns on the model (HFBackend.lock) while the others
     # wait on the embedder.
     in_flight = cfg.groups_in_flight("teacher")
-    gate = VersionGate(backend, proc.run_dir, on_switch=version_switched) if in_flight > 1 else None
-    if gate is not None:
+    gate = VersionGate(backend, proc.run_dir, on_switch=version_switched) if in_flight > 1 and not frozen else None
+    if in_flight > 1:
         log.info("holding up to %d groups in flight", in_flight)
         if hasattr(backend, "stats"):  # an engine of its own (vLLM)
             metrics.watch_engine(ROLE, backend, proc.stop)
 
     def score(group: RolloutGroup):
+        if frozen:  # the same weights for every policy version
+            return score_group(group, backend, chat, cfg, embedder)
+        version = cfg.teacher_version(group.task.policy_version)
         if gate is None:
             t0 = time.perf_counter()
-            if ensure_version(backend, proc.run_dir, group.task.policy_version):  # one group at a time: nothing to drain
+            if ensure_version(backend, proc.run_dir, version):  # one group at a time: nothing to drain
                 version_switched(0.0, time.perf_counter() - t0)
             return score_group(group, backend, chat, cfg, embedder)
-        with gate.serving(group.task.policy_version):
+        with gate.serving(version):
             return score_group(group, backend, chat, cfg, embedder)
 
     def handle(group: RolloutGroup) -> ScoredGroup:

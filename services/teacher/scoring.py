@@ -144,7 +144,10 @@ class EmbedderClient:
 def score_group(
     group: RolloutGroup, backend, chat: ChatFormat, cfg: RunConfig, embedder: EmbedderClient | None
 ) -> tuple[ScoredGroup, TeacherStats]:
-    """Score one RolloutGroup with the privileged teacher (the current policy + privileged prefix).
+    """Score one RolloutGroup with the privileged teacher (`backend` + privileged prefix).
+
+    `backend` is the current policy (teacher.source self) or the frozen external teacher (model), whose
+    tokenizer is the student's; `cfg.teacher_model.max_model_len` bounds its views.
 
     Returns the ScoredGroup (identity and corrected teacher log-probs aligned
     with each trajectory's token ids, 0 off the loss mask) and stats. Needs
@@ -177,7 +180,7 @@ def score_group(
     """
     t0 = time.perf_counter()
     stats = TeacherStats()
-    max_len = cfg.model.max_model_len
+    max_len = cfg.teacher_model.max_model_len
     trajs = group.trajectories
     turns = group.canonical_turns()
     M = len(turns)
@@ -199,12 +202,16 @@ def score_group(
         lp_S = np.zeros(t.token_ids_S.shape[0], dtype=np.float32)
         ent_S: np.ndarray | None = np.zeros_like(lp_S)
         for v, (pre, ks, end) in enumerate(views[i]):
-            res = backend.branch(bases[i][v], len(pre), [turn_cuts[i][k] for k in ks] if budget else [],
+            # No privileged prefix (env.privileged none): the first id has no prefix to be scored after, and
+            # is never a loss token (the prompt comes first), so scoring starts at the second.
+            skip = 0 if pre else 1
+            res = backend.branch(bases[i][v], len(pre) + skip, [turn_cuts[i][k] for k in ks] if budget else [],
                                  generate_tokens=budget, temperature=cfg.rollout.temperature,
                                  top_p=cfg.rollout.top_p, seed=seed + i + 104729 * v, return_entropy=True,
-                                 **_loss_tokens_only(backend, t, ks, end))
-            own_lp = np.asarray(res.base_logprobs, dtype=np.float32)
-            own_ent = None if res.base_entropies is None else np.asarray(res.base_entropies, dtype=np.float32)
+                                 **_loss_tokens_only(backend, t, ks, end, skip))
+            own_lp = np.r_[np.zeros(skip, np.float32), np.asarray(res.base_logprobs, dtype=np.float32)]
+            own_ent = None if res.base_entropies is None else np.r_[
+                np.zeros(skip, np.float32), np.asarray(res.base_entropies, dtype=np.float32)]
             for k in ks:  # a view holds only its own turns' responses
                 sl = t.response_slice(k)
                 lp_S[sl] = own_lp[sl]
@@ -354,6 +361,7 @@ def score_group(
         student_action_M=[s.action for s in student],
         teacher_action_M=teacher_action,
         cross_logprobs_M=cross_M,
+        teacher=f"self:{cfg.teacher.version}" if cfg.teacher.source == "self" else f"model:{cfg.teacher_model.name}",
     )
     if embeddings is not None:
         (scored.student_thinking_emb_MD, scored.teacher_thinking_emb_MD,
@@ -370,7 +378,8 @@ def _privileged_views(group: RolloutGroup, chat: ChatFormat, mode: str) -> list[
     turn's response end). With a task-level privileged context (EnvSection.privileged
     skills / walkthrough / both) that is one view per trajectory; with the per-turn modes
     ("remaining", "skills+remaining") each distinct remaining walkthrough is its own view
-    (`opsd.skills.turn_privileged_text`). A trajectory without turns has no view.
+    (`opsd.skills.turn_privileged_text`); "none": the empty prefix, the student's own prompt.
+    A trajectory without turns has no view.
     """
     cache: dict[str, list[int]] = {}
     out = []
@@ -381,20 +390,21 @@ def _privileged_views(group: RolloutGroup, chat: ChatFormat, mode: str) -> list[
         views = []
         for text, ks in by_text.items():
             if text not in cache:
-                cache[text] = chat.privileged_prefix_ids(text)
+                cache[text] = [] if mode == "none" else chat.privileged_prefix_ids(text)
             end = t.token_ids_S.shape[0] if len(ks) == len(t.turns) else t.turns[ks[-1]].response_end
             views.append((cache[text], ks, end))
         out.append(views)
     return out
 
 
-def _loss_tokens_only(backend, traj, turns: list[int], end: int) -> dict:
+def _loss_tokens_only(backend, traj, turns: list[int], end: int, skip: int = 0) -> dict:
     """`branch`'s score_mask for one view: only its turns' loss tokens are read from the result, so a
     backend that takes the mask (HFBackend.SCORES_MASKED) skips the LM head, log_softmax and entropy of
-    every other position (~11% of a quickstart teacher step). {} for one that scores every position."""
+    every other position (~11% of a quickstart teacher step). {} for one that scores every position.
+    skip: leading trajectory ids not scored (1 when the view has no privileged prefix)."""
     if not getattr(backend, "SCORES_MASKED", False):
         return {}
     want = np.zeros(end, dtype=bool)
     for k in turns:
         want[traj.response_slice(k)] = True
-    return {"score_mask": want & (traj.loss_mask_S[:end] == 1)}
+    return {"score_mask": (want & (traj.loss_mask_S[:end] == 1))[skip:]}

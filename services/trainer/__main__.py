@@ -137,9 +137,10 @@ def train() -> None:
     issuer = TaskIssuer(client, cfg, games, cfg.redis.max_message_bytes)
     collector = Collector(queue, cfg.run.max_staleness, state.applied, state.counts, ROLE)
     dead = DeadLetters(client, streams.dead)
-    keep = cfg.run.max_staleness + 2
+    keep = cfg.run.max_staleness + 2 + cfg.teacher_lag  # teacher.version lag:K scores with a version K back
     step, version = state.step, state.policy_version
-    if version >= 1 or cfg.run.max_staleness >= 1:  # a worker may need this version's file (module docstring of opsd.weights)
+    # A worker may need this version's file (module docstring of opsd.weights); a lagging teacher needs version 0's.
+    if version >= 1 or cfg.run.max_staleness >= 1 or cfg.teacher_lag:
         publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every)
     # The trainer is a singleton: whatever a dead trainer consumer held is ours now.
     backoff.retry(lambda: [collector.offer(d, version, step) for d in queue.reclaim(0, count=RECLAIM_AT_START)])

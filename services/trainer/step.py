@@ -15,6 +15,7 @@ import torch
 
 from opsd.config import RunConfig
 from opsd.credit import compute_advantages
+from opsd.credit.guard import apply_teacher_guard
 from opsd.types import CreditBatch, RolloutGroup, ScoredGroup
 from services.trainer.batch import build_credit_batch, scatter_advantages
 from services.trainer.distributed import Message, World, send
@@ -44,7 +45,8 @@ def learn(
 
     `scored` (one per group, same order) is required by every method but grpo.
     `base_model` (the frozen initial policy) supplies ex_opd's base log-probs.
-    With `dump_path` the step's credit inputs are written there first
+    With a teacher, `cfg.credit.teacher_guard` acts on the batch first (opsd/credit/guard.py).
+    With `dump_path` the step's credit inputs (after the guard) are written there first
     (services/trainer/dump.py). The SDAR term uses each trajectory's identity
     teacher log-probs when `cfg.credit.sdar.coef > 0`.
     With a distributed `world` (rank 0 of torchrun; `model` wrapped by
@@ -61,7 +63,11 @@ def learn(
         lps = sequence_logprobs(base_model, plain, cfg.model.dtype, cfg.rollout.temperature, cfg.trainer.micro_batch_size)
         base = dict(zip(keys, lps))
     batch, rows = build_credit_batch(groups, scored, base)
+    guard = {}
+    if scored:  # a teacher worse than its student on the winning trajectories: reported, maybe shrunk
+        batch, guard = apply_teacher_guard(batch, cfg.credit.teacher_guard, cfg.credit.teacher_guard_weight)
     advantages_ML, credit_metrics = compute_advantages(cfg.run.method, batch, cfg.credit)
+    credit_metrics = {**credit_metrics, **guard}
     if dump_path is not None:
         write_credit_dump(dump_path, cfg, batch, advantages_ML, groups, scored)
     adv = scatter_advantages(groups, rows, advantages_ML)
