@@ -20,6 +20,15 @@ stopped early keeps what it measured; its "config" holds the steps actually run 
 Every method's config is validated as `opsd run` validates it before anything is evaluated.
 `--quick`: GRPO only, 1 step of env.num_games groups x 4 episodes (2 x 4 with configs/learning.yaml)
 of at most 2 turns, held-out on 2 games x 1 episode (a smoke test of the whole path).
+
+`--teacher` (issue 19: a teacher that knows more than its student; default config
+configs/learning-teacher.yaml, methods grpo opd gc_opd alignopsd): GRPO trains first, for
+`--teacher-steps` (default twice run.steps: more data), and its final policy (the snapshot of its last
+version) becomes the external teacher (teacher.source: model) of every other method, which trains
+run.steps from the same fresh start: opd and gc_opd without privileged context (env.privileged: none),
+alignopsd with the config's privileged context. GRPO's curve is its snapshots up to run.steps; the
+teacher's own held-out success is reported, and for each method the first step whose held-out
+success reaches GRPO's at run.steps ("steps_to_grpo_final"). With --quick: grpo 2 steps, opd 1.
 """
 
 from __future__ import annotations
@@ -48,9 +57,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import Row, command_line, machine, write_json  # noqa: E402
 
-METHODS = ("grpo", "agentopsd", "alignopsd")
-COLORS = {"grpo": "tab:blue", "agentopsd": "tab:orange", "alignopsd": "tab:green"}
-STYLES = {"grpo": ("o", "-"), "agentopsd": ("s", "--"), "alignopsd": ("^", ":")}  # equal curves stay visible
+METHODS = ("grpo", "agentopsd", "alignopsd", "opd", "gc_opd")
+DEFAULT_METHODS = ("grpo", "agentopsd", "alignopsd")
+TEACHER_METHODS = ("grpo", "opd", "gc_opd", "alignopsd")  # --teacher: grpo first, it becomes the teacher
+COLORS = {"grpo": "tab:blue", "agentopsd": "tab:orange", "alignopsd": "tab:green", "opd": "tab:red",
+          "gc_opd": "tab:purple"}
+STYLES = {"grpo": ("o", "-"), "agentopsd": ("s", "--"), "alignopsd": ("^", ":"), "opd": ("D", "-."),
+          "gc_opd": ("v", (0, (3, 1, 1, 1)))}  # equal curves stay visible
 
 
 def method_config(base: dict, method: str, steps: int | None) -> dict:
@@ -60,6 +73,25 @@ def method_config(base: dict, method: str, steps: int | None) -> dict:
     if steps is not None:
         cfg["run"]["steps"] = steps
     return cfg
+
+
+def teacher_config(base: dict, method: str, steps: int | None, teacher_dir: Path) -> dict:
+    """--teacher: `method_config`, and for every method but grpo the frozen external teacher at `teacher_dir`
+    (teacher.source: model, the student's dtype, context and threads); opd and gc_opd see no privileged
+    context (env.privileged: none), alignopsd the config's."""
+    cfg = method_config(base, method, steps)
+    if method != "grpo":
+        model = cfg.get("model", {})
+        cfg.setdefault("teacher", {}).update(source="model", model={
+            "name": str(teacher_dir), **{k: model[k] for k in ("dtype", "max_model_len", "threads", "cache_dir") if k in model}})
+        if method in ("opd", "gc_opd"):
+            cfg.setdefault("env", {})["privileged"] = "none"
+    return cfg
+
+
+def steps_to_reach(points: list[dict], target: float) -> int | None:
+    """The first step of `points` (held-out points in step order) whose success is >= `target`; None if none."""
+    return next((p["step"] for p in points if p["success"] >= target), None)
 
 
 def validated(cfg: dict, path: Path):
@@ -146,9 +178,12 @@ def training_records(run_dir: Path) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "learning.yaml")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--config", type=Path, default=None, help="default configs/learning.yaml (--teacher: learning-teacher.yaml)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                    help=f"default {' '.join(DEFAULT_METHODS)}; with --teacher {' '.join(TEACHER_METHODS)} (grpo first)")
     ap.add_argument("--steps", type=int, default=None, help="override run.steps (>= 1)")
+    ap.add_argument("--teacher", action="store_true", help="the external-teacher experiment (module docstring)")
+    ap.add_argument("--teacher-steps", type=int, default=None, help="--teacher: GRPO's steps (default 2 x run.steps)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--keep-snapshots", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -156,6 +191,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be >= 1 (got {args.steps})")
+    if args.teacher_steps is not None and not args.teacher:
+        ap.error("--teacher-steps needs --teacher")
+    if args.teacher_steps is not None and args.teacher_steps < (args.steps or 1):
+        ap.error(f"--teacher-steps must be >= the students' steps ({args.steps or 1}): GRPO's curve is read up to them")
+    if args.teacher and args.methods is not None and args.methods[0] != "grpo":
+        ap.error(f"--methods with --teacher must start with grpo (it trains the teacher), got {' '.join(args.methods)}")
+    if args.config is None:
+        args.config = ROOT / "configs" / ("learning-teacher.yaml" if args.teacher else "learning.yaml")
+    args.methods = args.methods or list(TEACHER_METHODS if args.teacher else DEFAULT_METHODS)
     if not args.config.is_file():
         ap.error(f"--config {args.config}: not a file (give a run config YAML, e.g. configs/learning.yaml)")
     try:
@@ -169,22 +213,35 @@ def main() -> None:
     from opsd.models import load_backend
 
     if args.quick:
-        args.methods, args.steps = ["grpo"], 1
+        args.methods, args.steps = (["grpo", "opd"], 1) if args.teacher else (["grpo"], 1)
         base.setdefault("env", {}).update(eval_pool=2, max_turns=2)
         base.setdefault("rollout", {}).update(group_size=4)
         base.setdefault("eval", {}).update(episodes_per_task=1)
         base.setdefault("trainer", {}).update(snapshot_every=1)
     if args.steps is not None:  # into the shared config: learning.json and config.yaml record the steps run
         base.setdefault("run", {})["steps"] = args.steps
+    steps = int(base.get("run", {}).get("steps", 3))
+    teacher_steps = (args.teacher_steps or 2 * steps) if args.teacher else None
+    if teacher_steps is not None and teacher_steps < steps:
+        ap.error(f"--teacher-steps must be >= run.steps ({steps}): GRPO's curve is read up to run.steps")
+
+    def config_of(method: str, teacher_dir: Path) -> dict:
+        if not args.teacher:
+            return method_config(base, method, args.steps)
+        return teacher_config(base, method, teacher_steps if method == "grpo" else args.steps, teacher_dir)
+
     # Every method's config now, as `opsd run` will read it: a bad one fails in seconds, not after the eval.
     with tempfile.TemporaryDirectory(prefix="opsd-learning-") as tmp:
         for method in args.methods:
-            validated(method_config(base, method, args.steps), Path(tmp) / f"{method}.yaml")
+            validated(config_of(method, Path(tmp) / "teacher"), Path(tmp) / f"{method}.yaml")
     out = args.out or ROOT / "runs" / "learning" / datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     run_cfg = validated(base, out / "config.yaml")
     if run_cfg.trainer.snapshot_every < 1:
         raise SystemExit("trainer.snapshot_every must be >= 1: the curve is evaluated on the kept snapshots")
+    if teacher_steps is not None and teacher_steps % run_cfg.trainer.snapshot_every:
+        raise SystemExit(f"--teacher-steps {teacher_steps} must be a multiple of trainer.snapshot_every "
+                         f"({run_cfg.trainer.snapshot_every}): the teacher is GRPO's last snapshot")
     command = command_line()
     result: dict = {
         "command": command, "machine": machine(), "config": base, "methods": args.methods,
@@ -193,6 +250,8 @@ def main() -> None:
                   f"episodes/step"),
         "untrained": None, "curves": {m: [] for m in args.methods}, "training": {}, "seconds": {},
     }
+    if args.teacher:
+        result.update(teacher_steps=teacher_steps, teacher=None, steps_to_grpo_final={})
 
     def save() -> None:
         tmp = out / ".learning.json.tmp"
@@ -207,9 +266,10 @@ def main() -> None:
     print(f"untrained: held-out success {result['untrained']['success']:.3f} "
           f"[{result['untrained']['lo']:.3f}, {result['untrained']['hi']:.3f}]", flush=True)
     save()
+    teacher_dir = out / "teacher"  # --teacher: GRPO's last snapshot as an HF directory, once GRPO has run
     for method in args.methods:
         t0 = time.perf_counter()
-        run_dir = train(method_config(base, method, args.steps), out, method)
+        run_dir = train(config_of(method, teacher_dir), out, method)
         result["seconds"][f"train/{method}"] = time.perf_counter() - t0
         result["training"][method] = training_records(run_dir)
         snaps = sorted((int(p.stem.removeprefix("policy-v")), p)
@@ -218,6 +278,14 @@ def main() -> None:
             if version == 0:
                 continue  # the untrained policy: evaluated once above
             backend.load_weights(path, version)
+            if version > steps:  # --teacher: GRPO past run.steps trains the teacher; only its last version is scored
+                if version == teacher_steps:
+                    result["teacher"] = {"step": version, **held_out(run_cfg, backend, ctx, out / "eval" / "teacher", "teacher")}
+                    backend.save_checkpoint(teacher_dir)
+                    print(f"teacher (grpo step {version}): held-out success {result['teacher']['success']:.3f}", flush=True)
+                if not args.keep_snapshots:
+                    path.unlink()
+                continue
             point = {"step": version, **held_out(run_cfg, backend, ctx, out / "eval" / f"{method}-{version:03d}",
                                                  f"{method} step {version}")}
             result["curves"][method].append(point)
@@ -226,6 +294,12 @@ def main() -> None:
             if not args.keep_snapshots:
                 path.unlink()
             save()
+        if args.teacher and method == "grpo" and result["teacher"] is None:
+            raise SystemExit(f"GRPO left no snapshot of version {teacher_steps} to be the teacher ({run_dir / 'snapshots'})")
+        if args.teacher and result["curves"]["grpo"]:
+            target = result["curves"]["grpo"][-1]["success"]
+            result["steps_to_grpo_final"] = {m: steps_to_reach(result["curves"][m], target) for m in args.methods
+                                             if result["curves"][m]}
         result["seconds"][method] = time.perf_counter() - t0
         save()
     result["seconds"]["total"] = time.perf_counter() - t_all
@@ -244,6 +318,14 @@ def main() -> None:
             if method == "grpo":  # the proof the RL loop is right: the whole interval above the start
                 rows.append(Row("grpo: lower 95% bound - untrained", last["lo"] - u, "rate", "> 0 rate",
                                 note="held-out success rose measurably"))
+            if args.teacher:
+                reach = result["steps_to_grpo_final"].get(method)
+                rows.append(Row(f"{method}: steps to GRPO's step-{steps} success", reach, "steps",
+                                note="never within run.steps" if reach is None else ""))
+        if args.teacher and result["teacher"] is not None:
+            t = result["teacher"]
+            rows.append(Row(f"teacher (grpo step {t['step']}) held-out success", t["success"], "rate",
+                            note=f"95% CI [{t['lo']:.3f}, {t['hi']:.3f}]"))
         write_json(args.json, "learning", command_line(), rows)
 
 if __name__ == "__main__":

@@ -279,6 +279,9 @@ def _installed(cfg: RunConfig) -> RunConfig:
     if cfg.model.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         _usage_error("model.backend=vllm needs vLLM in this environment: `make install-vllm`, then "
                      "`.venv-vllm/bin/opsd run ...` (or --backend hf)")
+    if cfg.needs_teacher and cfg.teacher_model.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        _usage_error("teacher.model.backend=vllm needs vLLM in this environment: `make install-vllm`, then "
+                     "`.venv-vllm/bin/opsd run ...` (or teacher.model.backend hf)")
     return cfg
 
 

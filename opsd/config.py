@@ -222,10 +222,12 @@ class TeacherSection(_Section):
     # never reloaded on policy versions. Its tokenizer must be the student's (`opsd.models.check_same_tokenizer`).
     source: Literal["self", "model"] = "self"
     model: ModelSection | None = None  # source "model" only; its cache_dir defaults to the student's
-    # Which policy version a self teacher scores a group of version v with: "live" (v itself), "frozen" (the
-    # initial policy, version 0, never reloaded) or "lag:K" (max(0, v - K): the trainer keeps K more versions'
-    # files). An external teacher (source model) is frozen by nature and takes "live" or "frozen" alike.
-    version: str = Field("live", pattern=r"^(live|frozen|lag:[1-9][0-9]{0,3})$")
+    # Which policy a self teacher scores a group of version v with: "live" (v itself), "frozen" (the initial
+    # policy, version 0, never reloaded), "lag:K" (version max(0, v - K): the trainer keeps K more versions'
+    # files) or "ema:D" (an exponential moving average of the policy over versions, decay D in [0, 1), kept and
+    # published by the trainer: services/trainer/ema.py). An external teacher (source model) is frozen by
+    # nature and takes "live" or "frozen" alike.
+    version: str = Field("live", pattern=r"^(live|frozen|lag:[1-9][0-9]{0,3}|ema:0\.[0-9]{1,6})$")
     thinking_max_new_tokens: int = Field(24, ge=1)
     score_batch_size: int = Field(8, ge=1)
     embedder_timeout_s: float = Field(30.0, gt=0)  # one /correspond attempt
@@ -547,6 +549,12 @@ class RunConfig(_Section):
         return int(mode[4:]) if self.needs_teacher and self.teacher.source == "self" and mode.startswith("lag:") else 0
 
     @property
+    def teacher_ema(self) -> float | None:
+        """The decay D of teacher.version ema:D for a run with a self teacher, else None (no average kept)."""
+        mode = self.teacher.version
+        return float(mode[4:]) if self.needs_teacher and self.teacher.source == "self" and mode.startswith("ema:") else None
+
+    @property
     def teacher_model(self) -> ModelSection:
         """The model the teacher role serves: teacher.model for an external teacher, else the policy's."""
         return self.teacher.model if self.teacher.source == "model" else self.model
@@ -570,7 +578,10 @@ class RunConfig(_Section):
         if t.source == "self" and t.model is not None:
             raise ValueError("teacher.model is set but teacher.source is self (the live policy): set teacher.source: model "
                              "to score with that model, or drop teacher.model")
-        if t.source == "model" and t.version.startswith("lag:"):
+        if t.version.startswith("ema:") and self.trainer.lora is not None:
+            raise ValueError(f"teacher.version {t.version} averages the whole policy; with trainer.lora the trainer "
+                             "publishes adapters only: use live, frozen or lag:K")
+        if t.source == "model" and t.version.startswith(("lag:", "ema:")):
             raise ValueError(f"teacher.version {t.version} needs the live policy's versions (teacher.source: self); "
                              "an external teacher is frozen")
         if t.model is not None:

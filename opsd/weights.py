@@ -23,6 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"policy-v(\d+)\.safetensors")
+_EMA_NAME = re.compile(r"ema-v(\d+)\.safetensors")
 
 
 class StalePolicyError(RuntimeError):
@@ -39,6 +40,12 @@ def weights_path(run_dir: Path, version: int) -> Path:
     if version < 0:
         raise ValueError(f"policy version must be >= 0, got {version}")
     return Path(run_dir) / "weights" / f"policy-v{version:05d}.safetensors"
+
+
+def ema_path(run_dir: Path, version: int) -> Path:
+    """Where the average of the policy up to version `version` is stored (teacher.version ema:D,
+    services/trainer/ema.py). Raises ValueError for a negative version."""
+    return weights_path(run_dir, version).with_name(f"ema-v{version:05d}.safetensors")
 
 
 def published_versions(run_dir: Path) -> list[int]:
@@ -61,6 +68,10 @@ def prune_versions(run_dir: Path, newest: int, keep: int) -> list[int]:
     gone = [v for v in published_versions(run_dir) if v <= newest - keep]
     for v in gone:
         weights_path(run_dir, v).unlink(missing_ok=True)
+    folder = Path(run_dir) / "weights"
+    for p in folder.iterdir() if folder.is_dir() else []:  # the averages published beside them
+        if (m := _EMA_NAME.fullmatch(p.name)) and int(m.group(1)) <= newest - keep:
+            p.unlink(missing_ok=True)
     return gone
 
 
@@ -83,8 +94,11 @@ def keep_snapshot(run_dir: Path, version: int, every: int) -> Path | None:
     return dst
 
 
-def ensure_version(backend, run_dir: Path, version: int) -> bool:
+def ensure_version(backend, run_dir: Path, version: int, path_of=weights_path) -> bool:
     """Load policy `version` into `backend` unless it already holds it; returns True if it loaded.
+
+    path_of(run_dir, version): the file of a version (`weights_path`; `ema_path` for a teacher that
+    scores with the policy's moving average).
 
     Raises StalePolicyError when the version's file is gone and a newer
     version exists (the backend holds one, or its file is published): the
@@ -95,7 +109,7 @@ def ensure_version(backend, run_dir: Path, version: int) -> bool:
     """
     if backend.policy_version == version:
         return False
-    path = weights_path(run_dir, version)
+    path = path_of(run_dir, version)
     try:
         t0 = time.perf_counter()
         backend.load_weights(path, version)
@@ -123,11 +137,11 @@ class VersionGate:
 
     engine: what `ensure_version` loads into (policy_version, load_weights);
     on_switch(drain_s, load_s): called after each load (metrics), drain_s
-    counted from the first group that waited for it.
+    counted from the first group that waited for it; path_of: as in `ensure_version`.
     """
 
-    def __init__(self, engine, run_dir: Path, on_switch=None):
-        self.engine, self.run_dir, self.on_switch = engine, Path(run_dir), on_switch
+    def __init__(self, engine, run_dir: Path, on_switch=None, path_of=weights_path):
+        self.engine, self.run_dir, self.on_switch, self.path_of = engine, Path(run_dir), on_switch, path_of
         self._cond = threading.Condition()
         self._running = 0  # groups running, all of the engine's version
         self._waiting: list[int] = []  # versions of the groups waiting
@@ -152,7 +166,7 @@ class VersionGate:
                         t0 = time.perf_counter()
                         drain_s = t0 - self._drain_since if self._drain_since is not None else 0.0
                         self._drain_since = None
-                        ensure_version(self.engine, self.run_dir, version)  # others wait: the lock is held
+                        ensure_version(self.engine, self.run_dir, version, self.path_of)  # others wait: the lock is held
                         if self.on_switch is not None:
                             self.on_switch(drain_s, time.perf_counter() - t0)
                         continue

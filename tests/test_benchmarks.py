@@ -120,6 +120,9 @@ BAD_ARGS = [
     ("scaling.py", ["--quick", "--turns", "0"], "--turns"),
     ("learning.py", ["--steps", "0", "--config", "missing.yaml"], "--steps"),
     ("learning.py", ["--config", "missing.yaml"], "--config"),
+    ("learning.py", ["--teacher-steps", "4", "--config", "missing.yaml"], "--teacher-steps"),
+    ("learning.py", ["--teacher", "--methods", "opd", "grpo", "--config", "missing.yaml"], "--methods"),
+    ("learning.py", ["--teacher", "--steps", "4", "--teacher-steps", "2", "--config", "missing.yaml"], "--teacher-steps"),
     ("overlap.py", ["--pairs", "0", "--config", "missing.yaml"], "--pairs"),
     ("overlap.py", ["--steps", "0", "--config", "missing.yaml"], "--steps"),
     ("overlap.py", ["--steps", "3", "--config", "missing.yaml"], "--steps"),  # 2 warm-up steps + 2 measured
@@ -158,6 +161,29 @@ def test_learning_checks_every_methods_config_before_evaluating(tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "alignopsd" in proc.stdout and "rollout temperature" in proc.stdout and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()  # refused before the untrained evaluation
+
+
+def test_the_teacher_experiments_configs(tmp_path):
+    """--teacher: grpo trains alone; the others distill from the external teacher, opd/gc_opd with no privileged
+    context, alignopsd with the config's; every config validates; steps_to_reach reads the curve."""
+    from benchmarks import learning
+    from opsd.config import RunConfig
+
+    base = yaml.safe_load((common.REPO / "configs" / "learning-teacher.yaml").read_text())
+    configs = {m: RunConfig.model_validate(learning.teacher_config(base, m, 6, tmp_path / "teacher"))
+               for m in learning.TEACHER_METHODS}
+    assert configs["grpo"].teacher.source == "self" and configs["grpo"].run.steps == 6
+    for m in ("opd", "gc_opd", "alignopsd"):
+        cfg = configs[m]
+        assert cfg.run.method == m and cfg.teacher.source == "model"
+        assert cfg.teacher_model.name == str(tmp_path / "teacher") and cfg.teacher_model.threads == cfg.model.threads
+        assert cfg.teacher_model.dtype == cfg.model.dtype and cfg.teacher_model.max_model_len == cfg.model.max_model_len
+    assert configs["opd"].env.privileged == configs["gc_opd"].env.privileged == "none"
+    assert configs["alignopsd"].env.privileged == base["env"]["privileged"] == "remaining"
+    assert base["env"].get("privileged") == "remaining"  # the shared config is left as it was
+    points = [{"step": 2, "success": 0.3}, {"step": 4, "success": 0.6}, {"step": 6, "success": 0.55}]
+    assert learning.steps_to_reach(points, 0.55) == 4 and learning.steps_to_reach(points, 0.7) is None
+    assert learning.steps_to_reach(points, 0.3) == 2
 
 
 def test_overlap_removes_its_temp_dir_when_a_run_fails(tmp_path, monkeypatch):

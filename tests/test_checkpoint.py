@@ -335,3 +335,51 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, saved_chec
     with pytest.raises(CheckpointError, match=r"no usable checkpoint.*checkpoint/metrics\.jsonl: missing") as err:
         find_checkpoint(tmp_path)
     assert (old == "incomplete") == (".checkpoint-old/optimizer.json: missing" in str(err.value))
+
+
+# -- the teacher's moving average (teacher.version ema:D) ----------------------------
+
+
+def test_policy_ema_averages_over_versions_and_round_trips(tmp_path):
+    from safetensors.numpy import load_file
+
+    from services.trainer.ema import PolicyEMA
+
+    model = tiny_llama(seed=0)
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ema = PolicyEMA(model, 0.75)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model)
+    for n, e in ema.model.named_parameters():
+        torch.testing.assert_close(e, 0.75 * theta0[n] + 0.25 * (theta0[n] + 1.0), rtol=0, atol=1e-6)
+        assert not e.requires_grad and e.dtype == torch.float32
+    # The copy is the average's own: changing the policy again does not move it until the next update.
+    with torch.no_grad():
+        next(model.parameters()).mul_(0.0)
+    assert next(ema.model.parameters()).abs().sum() > 0
+    ema.save(tmp_path / "ema.safetensors", 3)
+    saved = load_file(tmp_path / "ema.safetensors")
+    other = PolicyEMA(tiny_llama(seed=1), 0.75)
+    other.load(tmp_path / "ema.safetensors")
+    for (n, a), b in zip(ema.model.named_parameters(), other.model.parameters()):
+        assert torch.equal(a, b), n
+    assert saved  # a policy-format file: what a worker's load_weights reads
+    with pytest.raises(ValueError, match=r"EMA decay must be in \[0, 1\)"):
+        PolicyEMA(model, 1.0)
+    with pytest.raises(ValueError, match="parameters for an average of"):
+        ema.update(torch.nn.Linear(2, 2))
+
+
+def test_pruning_deletes_the_averages_with_their_versions(tmp_path):
+    from opsd.weights import ema_path, prune_versions, weights_path
+
+    for v in range(4):
+        for path in (weights_path(tmp_path, v), ema_path(tmp_path, v)):
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(b"x")
+    assert ema_path(tmp_path, 3).name == "ema-v00003.safetensors"
+    assert prune_versions(tmp_path, newest=3, keep=2) == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [
+        "ema-v00002.safetensors", "ema-v00003.safetensors", "policy-v00002.safetensors", "policy-v00003.safetensors"]

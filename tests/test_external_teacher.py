@@ -84,11 +84,17 @@ def test_teacher_versions_of_a_self_teacher():
     assert RunConfig.model_validate({"run": {"method": "grpo"}, "teacher": {"version": "lag:2"}}).teacher_lag == 0  # no teacher
     external = RunConfig.model_validate({"teacher": {"source": "model", "model": {"name": "tiny-random"}}})
     assert external.teacher_version(7) == 0
-    for bad in ("lag:0", "lag:-1", "lag:x", "ema", "Live", "lag:12345"):
+    ema = RunConfig.model_validate({"run": {"method": "opd"}, "teacher": {"version": "ema:0.99"}})
+    assert ema.teacher_ema == 0.99 and ema.teacher_version(4) == 4 and ema.teacher_lag == 0
+    assert RunConfig.model_validate({"run": {"method": "grpo"}, "teacher": {"version": "ema:0.9"}}).teacher_ema is None
+    with pytest.raises(ValidationError, match="with trainer.lora the trainer publishes adapters only"):
+        RunConfig.model_validate({"teacher": {"version": "ema:0.9"}, "trainer": {"lora": {}}})
+    for bad in ("lag:0", "lag:-1", "lag:x", "ema", "ema:1.0", "ema:0.", "ema:-0.1", "Live", "lag:12345"):
         with pytest.raises(ValidationError, match="teacher.version|String should match"):
             RunConfig.model_validate({"teacher": {"version": bad}})
-    with pytest.raises(ValidationError, match="teacher.version lag:1 needs the live policy's versions"):
-        RunConfig.model_validate({"teacher": {"source": "model", "model": {"name": "tiny-random"}, "version": "lag:1"}})
+    for version in ("lag:1", "ema:0.5"):
+        with pytest.raises(ValidationError, match=f"teacher.version {version} needs the live policy's versions"):
+            RunConfig.model_validate({"teacher": {"source": "model", "model": {"name": "tiny-random"}, "version": version}})
 
 
 # -- the tokenizer check ---------------------------------------------------------
@@ -184,10 +190,11 @@ def _faults_cfg(student: Path, teacher: Path, method: str, privileged: str) -> R
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("method,privileged", [("gc_opd", "none"), ("alignopsd", "both")])
+@pytest.mark.parametrize("method,privileged", [("gc_opd", "none"), ("agentopsd", "remaining"), ("alignopsd", "both")])
 def test_a_run_with_an_external_teacher_trains_and_its_dump_replays(dirs, tmp_path, method, privileged):
-    """Plain OPD-style (gc_opd, no privileged context) and OPSD (alignopsd, privileged context + embedder) with an
-    external teacher, through the real services; the dumps replay with `opsd credit check`."""
+    """Plain OPD-style (gc_opd, no privileged context) and OPSD (agentopsd with per-turn hints, alignopsd with
+    privileged context + embedder) with an external teacher, through the real services; the dumps replay with
+    `opsd credit check`."""
     proc = _opsd_run(_faults_cfg(*dirs, method, privileged), tmp_path, "--dump-credit")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = list((tmp_path / "runs").iterdir())
@@ -218,6 +225,37 @@ def test_a_lagging_self_teacher_scores_with_the_policy_a_version_back(dirs, tmp_
     assert [(r["teacher_version_min"], r["teacher_version_max"]) for r in records] == [(0, 0), (0, 0), (1, 1)]
     assert {r["teacher"] for r in records} == {"self:lag:1"}
     assert "self teacher, version lag:1" in (run_dir / "logs" / "teacher.log").read_text()
+
+
+@pytest.mark.e2e
+def test_an_ema_teacher_scores_with_the_trainers_average_which_survives_a_resume(dirs, tmp_path):
+    """teacher.version ema:0.5: one step, then --resume for a second. The checkpoint's average is exactly
+    0.5 (0.5 theta0 + 0.5 theta1) + 0.5 theta2 of the published versions (kept as snapshots): the resumed
+    trainer went on with the saved average instead of restarting it; the teacher loaded ema-v00001."""
+    from safetensors.numpy import load_file
+
+    cfg = RunConfig.load(REPO / "tests/configs/faults.yaml").model_dump(mode="json")
+    cfg["run"].update(steps=1)
+    cfg["model"]["name"] = str(dirs[0])
+    cfg["teacher"]["version"] = "ema:0.5"
+    cfg["trainer"]["snapshot_every"] = 1
+    proc = _opsd_run(RunConfig.model_validate(cfg), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    again = subprocess.run([sys.executable, "-m", "opsd.cli", "run", "--resume", str(run_dir), "--steps", "2"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    theta = [load_file(run_dir / "snapshots" / f"policy-v{v:05d}.safetensors") for v in range(3)]
+    ema = load_file(run_dir / "checkpoint" / "ema.safetensors")
+    assert set(ema) == set(theta[2])
+    for name, value in ema.items():
+        want = 0.5 * (0.5 * theta[0][name] + 0.5 * theta[1][name]) + 0.5 * theta[2][name]
+        np.testing.assert_allclose(value, want, rtol=0, atol=1e-6, err_msg=name)
+    assert any(np.abs(theta[2][n] - theta[0][n]).max() > 1e-4 for n in ema)  # the policy did move
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["teacher"], r["teacher_version_max"]) for r in records] == [("self:ema:0.5", 0), ("self:ema:0.5", 1)]
+    assert "ema-v00001.safetensors" in (run_dir / "logs" / "teacher.log").read_text()
 
 
 def test_a_teacher_of_another_tokenizer_is_refused_before_anything_starts(dirs, tmp_path):

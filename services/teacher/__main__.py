@@ -25,7 +25,7 @@ from opsd.models import check_same_tokenizer
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
 from opsd.types import RolloutGroup, ScoredGroup
-from opsd.weights import VersionGate, ensure_version
+from opsd.weights import VersionGate, ema_path, ensure_version, weights_path
 from services.teacher.scoring import EmbedderAuthError, EmbedderClient, score_group
 
 ROLE = "teacher"
@@ -74,7 +74,8 @@ def main() -> None:
                  cfg.teacher_model.backend)
     elif cfg.teacher.version != "live":
         log.info("self teacher, version %s (%s)", cfg.teacher.version,
-                 "the initial policy" if frozen else "the policy that many versions before the group's")
+                 "the initial policy" if frozen else "the trainer's moving average of the policy"
+                 if cfg.teacher_ema is not None else "the policy that many versions before the group's")
     log.info("ready: consuming %s", streams.rollouts)
     if cfg.simulate.enabled:
         log.warning("simulated compute: each group is held for %.2f s (simulate.teacher_s), model %s", cfg.simulate.teacher_s, cfg.model.name)
@@ -89,7 +90,8 @@ def main() -> None:
     # batch in the engine; on transformers they take turns on the model (HFBackend.lock) while the others
     # wait on the embedder.
     in_flight = cfg.groups_in_flight("teacher")
-    gate = VersionGate(backend, proc.run_dir, on_switch=version_switched) if in_flight > 1 and not frozen else None
+    path_of = ema_path if cfg.teacher_ema is not None else weights_path  # ema:D scores with the trainer's average
+    gate = VersionGate(backend, proc.run_dir, version_switched, path_of) if in_flight > 1 and not frozen else None
     if in_flight > 1:
         log.info("holding up to %d groups in flight", in_flight)
         if hasattr(backend, "stats"):  # an engine of its own (vLLM)
@@ -101,7 +103,7 @@ def main() -> None:
         version = cfg.teacher_version(group.task.policy_version)
         if gate is None:
             t0 = time.perf_counter()
-            if ensure_version(backend, proc.run_dir, version):  # one group at a time: nothing to drain
+            if ensure_version(backend, proc.run_dir, version, path_of):  # one group at a time: nothing to drain
                 version_switched(0.0, time.perf_counter() - t0)
             return score_group(group, backend, chat, cfg, embedder)
         with gate.serving(version):

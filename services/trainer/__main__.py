@@ -38,12 +38,14 @@ from opsd.models import load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.types import RolloutGroup, ScoredGroup
-from opsd.weights import keep_snapshot, prune_versions, weights_path
+from opsd.weights import ema_path, keep_snapshot, prune_versions, weights_path
 from services.trainer.checkpoint import CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
 )
 from services.trainer.distributed import follow, init_from_env, parallelize, share_checkpoint
+from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
+from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
 
@@ -53,14 +55,17 @@ log = logging.getLogger(ROLE)
 
 
 def publish(backend, run_dir, client, prefix: str, version: int, keep: int, backoff: Backoff,
-            snapshot_every: int = 0) -> None:
+            snapshot_every: int = 0, ema: PolicyEMA | None = None) -> None:
     """Write policy `version`'s weights file, delete those no in-flight task can carry, set the Redis version key.
 
     trainer.snapshot_every: every Nth version's file is also kept in <run_dir>/snapshots/ (learning curves).
+    ema (teacher.version ema:D): its average, already updated with this version, is published first beside it.
     With trainer.lora the file holds the adapter only (opsd-lora format, `backend.save_weights`); workers
     merge it onto their base weights, so names and pruning are the same in both modes.
     """
     backend.policy_version = version
+    if ema is not None:
+        ema.save(ema_path(run_dir, version), version)
     backend.save_weights(weights_path(run_dir, version))
     keep_snapshot(run_dir, version, snapshot_every)
     prune_versions(run_dir, version, keep)
@@ -115,6 +120,13 @@ def train() -> None:
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer, hashed)
         log.info("resuming from %s at step %d (policy version %d)", ckpt, state.step, state.policy_version)
+    ema = None
+    if main and cfg.teacher_ema is not None:  # the teacher's moving average of the policy (services/trainer/ema.py)
+        ema = PolicyEMA(model, cfg.teacher_ema)
+        if ckpt is not None and (ckpt / EMA_CHECKPOINT_FILE).is_file():
+            ema.load(ckpt / EMA_CHECKPOINT_FILE)
+        elif ckpt is not None:
+            log.warning("%s holds no %s: the teacher's average restarts from the resumed policy", ckpt, EMA_CHECKPOINT_FILE)
     par = parallelize(world, model, optimizer, cfg.trainer.data_parallel)
     if not main:
         follow(par, cfg)
@@ -140,8 +152,8 @@ def train() -> None:
     keep = cfg.run.max_staleness + 2 + cfg.teacher_lag  # teacher.version lag:K scores with a version K back
     step, version = state.step, state.policy_version
     # A worker may need this version's file (module docstring of opsd.weights); a lagging teacher needs version 0's.
-    if version >= 1 or cfg.run.max_staleness >= 1 or cfg.teacher_lag:
-        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every)
+    if version >= 1 or cfg.run.max_staleness >= 1 or cfg.teacher_lag or ema is not None:
+        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every, ema)
     # The trainer is a singleton: whatever a dead trainer consumer held is ours now.
     backoff.retry(lambda: [collector.offer(d, version, step) for d in queue.reclaim(0, count=RECLAIM_AT_START)])
     metrics.POLICY_VERSION.labels(ROLE).set(version)
@@ -192,11 +204,13 @@ def train() -> None:
         records.append(record)
         due = step % cfg.trainer.checkpoint_every == 0 or step == cfg.run.steps
         full_model, full_optimizer = par.gather(optimizer=due)  # FSDP2: all-gathered (into backend.model); else the model
+        if ema is not None:
+            ema.update(full_model)
         if due:
-            save_checkpoint(run_dir, full_model, full_optimizer, state, hashed, records, backend.tokenizer)
+            save_checkpoint(run_dir, full_model, full_optimizer, state, hashed, records, backend.tokenizer, ema)
             collector.release_trained()
             saved_step = step
-        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every)
+        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every, ema)
         backoff.retry(collector.flush)
         append_metrics(run_dir, record)
         if plotting is None or plotting.done():
@@ -209,7 +223,7 @@ def train() -> None:
     if plotting is not None:
         plot_metrics(run_dir)  # every record, and a plotting error surfaces here
     if step > saved_step:  # stopped between checkpoints: keep the finished steps
-        save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer)
+        save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer, ema)
         collector.release_trained()
         backoff.retry(collector.flush)
     par.stop()  # the other ranks' `follow` returns

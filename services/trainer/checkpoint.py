@@ -8,6 +8,7 @@ Contents:
   rng.json                 python `random` and numpy global RNG states
   metrics.jsonl            the run's metric records of every step before `step`
   run_config.json          the hashed config (to name the fields that differ on a mismatch)
+  ema.safetensors          teacher.version ema:D only: the policy's moving average (services/trainer/ema.py)
   trainer_state.json       TrainerState (below), written last
 
 A save writes `.checkpoint-tmp/`, fsyncs it, then swaps: checkpoint ->
@@ -96,12 +97,13 @@ def find_checkpoint(run_dir: Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                    run_config: dict, records: list[dict], tokenizer=None) -> Path:
+                    run_config: dict, records: list[dict], tokenizer=None, ema=None) -> Path:
     """Write the checkpoint of `state` (module docstring) atomically; returns `<run_dir>/checkpoint`.
 
     `run_config` is `hashed_config(cfg)`; `records` the metric records of
     the steps before `state.step`; `tokenizer` (optional) is saved with the
-    model. Raises OSError on write failure (the previous checkpoint stays).
+    model; `ema` (optional, services/trainer/ema.PolicyEMA) as ema.safetensors.
+    Raises OSError on write failure (the previous checkpoint stays).
     """
     run_dir = Path(run_dir)
     tmp, final, old = run_dir / TMP, run_dir / NAME, run_dir / OLD
@@ -109,6 +111,8 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if ema is not None:
+        ema.save(tmp / "ema.safetensors", state.policy_version)
     tensors, values = _optimizer_split(optimizer)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     _write_json(tmp / "optimizer.json", values)
