@@ -135,9 +135,9 @@ def prepare(cfg: RunConfig) -> None:
     t0 = time.perf_counter()
     ensure_model(cfg.model)
     if cfg.needs_teacher and cfg.teacher.source == "model":
-        from opsd.models import check_same_tokenizer
+        from opsd.models import check_teacher_model
 
-        check_same_tokenizer(cfg.model, cfg.teacher_model)  # converts a packaged teacher once, too
+        check_teacher_model(cfg.model, cfg.teacher_model)  # converts a packaged teacher once, too
     games = get_adapter(cfg.env.name).make_tasks(cfg.env, EnvContext(cache_dir=cfg.cache_root), "train")
     console.print(f"[dim]model and {len(games)} {cfg.env.name} tasks ready in {time.perf_counter() - t0:.1f}s (cache {cfg.cache_root})[/dim]")
 
@@ -350,7 +350,7 @@ def run(
             raise typer.Exit(2)
     try:
         prepare(cfg)
-    except (ValueError, FileNotFoundError) as e:  # a model that is not there, a teacher of another tokenizer
+    except (ValueError, OSError) as e:  # a model that is not there, a teacher of another tokenizer
         console.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2)
     redis_dir = run_dir / "redis" if cfg.redis.appendonly else None

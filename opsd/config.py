@@ -66,7 +66,7 @@ class VLLMSection(_Section):
 class ModelSection(_Section):
     # a packaged model (opsd.models.hf.PACKAGED_MODELS), "tiny-random" (a tiny random Llama for tests and
     # simulated compute, opsd.models.hf.TINY_RANDOM) or a local HF dir
-    name: str = "smollm2-135m-instruct"
+    name: str = Field("smollm2-135m-instruct", min_length=1, max_length=4096)
     # Rollout and teacher generate/score with this backend: "hf" (transformers, CPU or one GPU) or
     # "vllm" (vLLM engine; `make install-vllm` on CPU). The trainer always uses transformers.
     backend: Literal["hf", "vllm"] = "hf"
@@ -219,7 +219,7 @@ class RolloutSection(_Section):
 class TeacherSection(_Section):
     # "self": the live policy (the rollout's own policy version) with privileged context; "model": the frozen
     # model of `model` below (a packaged model, a local HF dir, or an opsd run's final_model/ or checkpoint/),
-    # never reloaded on policy versions. Its tokenizer must be the student's (`opsd.models.check_same_tokenizer`).
+    # never reloaded on policy versions. Its tokenizer must be the student's (`opsd.models.check_teacher_model`).
     source: Literal["self", "model"] = "self"
     model: ModelSection | None = None  # source "model" only; its cache_dir defaults to the student's
     # Which policy a self teacher scores a group of version v with: "live" (v itself), "frozen" (the initial
@@ -584,6 +584,10 @@ class RunConfig(_Section):
         if t.source == "model" and t.version.startswith(("lag:", "ema:")):
             raise ValueError(f"teacher.version {t.version} needs the live policy's versions (teacher.source: self); "
                              "an external teacher is frozen")
+        if self.needs_teacher and t.source == "self" and t.version == "live" and self.env.privileged == "none":
+            raise ValueError("env.privileged none with the live policy as teacher: the teacher would be the student "
+                             "itself and every teacher-student gap 0; set teacher.source: model, or teacher.version "
+                             "frozen, lag:K or ema:D, or give the teacher privileged context")
         if t.model is not None:
             if t.model.cache_dir is None and self.model.cache_dir is not None:
                 t.model = t.model.model_copy(update={"cache_dir": self.model.cache_dir})

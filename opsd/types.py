@@ -355,7 +355,7 @@ class ScoredGroup:
         """Checks of the optional fields (see the class docstring); each may be None."""
         trajs = self.rollout.trajectories
         if self.teacher is not None:
-            _check(isinstance(self.teacher, str) and 0 < len(self.teacher) <= 1024, "ScoredGroup.teacher: 1-1024 characters")
+            _check(isinstance(self.teacher, str) and 0 < len(self.teacher) <= 4200, "ScoredGroup.teacher: 1-4200 characters")
         if self.teacher_entropy_S is not None:
             _check(len(self.teacher_entropy_S) == len(trajs), "ScoredGroup: teacher_entropy_S count != trajectories")
             for i, (traj, arr) in enumerate(zip(trajs, self.teacher_entropy_S)):

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from opsd.chat import ChatFormat
 from opsd.config import ModelSection, RunConfig
 from opsd.envs.textworld import make_games
-from opsd.models import HFBackend, check_same_tokenizer
+from opsd.models import HFBackend, check_teacher_model
 from opsd.types import TaskGroup
 from services.rollout.episodes import run_group
 from services.teacher.scoring import score_group
@@ -55,6 +55,12 @@ def test_config_needs_a_model_for_source_model_and_refuses_one_for_self():
         RunConfig.model_validate({"teacher": {"source": "model"}})
     with pytest.raises(ValidationError, match="teacher.model is set but teacher.source is self"):
         RunConfig.model_validate({"teacher": {"model": {"name": "tiny-random"}}})
+    # The live policy without privileged context is the student itself: every gap would be 0.
+    with pytest.raises(ValidationError, match="env.privileged none with the live policy as teacher"):
+        RunConfig.model_validate({"run": {"method": "opd"}, "env": {"privileged": "none"}})
+    for ok in ({"version": "frozen"}, {"version": "lag:1"}, {"source": "model", "model": {"name": "tiny-random"}}):
+        RunConfig.model_validate({"run": {"method": "opd"}, "env": {"privileged": "none"}, "teacher": ok})
+    RunConfig.model_validate({"run": {"method": "grpo"}, "env": {"privileged": "none"}})
 
 
 def test_teacher_model_section_defaults_and_backend_rules():
@@ -102,8 +108,8 @@ def test_teacher_versions_of_a_self_teacher():
 
 def test_same_tokenizer_passes_and_each_difference_is_one_clear_line(dirs, tmp_path):
     student, teacher = dirs
-    check_same_tokenizer(ModelSection(name=str(student)), ModelSection(name=str(teacher)))
-    check_same_tokenizer(ModelSection(name=str(student)), ModelSection(name="tiny-random"))  # packaged, same family
+    check_teacher_model(ModelSection(name=str(student)), ModelSection(name=str(teacher)))
+    check_teacher_model(ModelSection(name=str(student)), ModelSection(name="tiny-random"))  # packaged, same family
 
     from transformers import AutoTokenizer
 
@@ -114,7 +120,7 @@ def test_same_tokenizer_passes_and_each_difference_is_one_clear_line(dirs, tmp_p
     tok.save_pretrained(added)
     with pytest.raises(ValueError, match=r"vocabularies of 49152 vs 49153 tokens, '<extra_tool_call>' is None vs 49152; "
                                          r"cross-tokenizer distillation is not supported") as err:
-        check_same_tokenizer(ModelSection(name=str(student)), ModelSection(name=str(added)))
+        check_teacher_model(ModelSection(name=str(student)), ModelSection(name=str(added)))
     assert "\n" not in str(err.value)
 
     template = tmp_path / "template"
@@ -123,10 +129,35 @@ def test_same_tokenizer_passes_and_each_difference_is_one_clear_line(dirs, tmp_p
     assert jinja.is_file()
     jinja.write_text(jinja.read_text().replace("<|im_start|>system", "<|im_start|>system "))
     with pytest.raises(ValueError, match="the chat templates differ"):
-        check_same_tokenizer(ModelSection(name=str(student)), ModelSection(name=str(template)))
+        check_teacher_model(ModelSection(name=str(student)), ModelSection(name=str(template)))
 
-    with pytest.raises(FileNotFoundError, match="neither a packaged model"):
-        check_same_tokenizer(ModelSection(name=str(student)), ModelSection(name=str(tmp_path / "missing")))
+    def variant(name: str, edit) -> ModelSection:
+        path = tmp_path / name
+        shutil.copytree(teacher, path)
+        edit(path)
+        return ModelSection(name=str(path))
+
+    def config_edit(**changes):
+        def apply(path):
+            conf = json.loads((path / "config.json").read_text())
+            conf.update(changes)
+            (path / "config.json").write_text(json.dumps(conf))
+        return apply
+
+    cases = [
+        (ModelSection(name=str(tmp_path / "missing")), r"teacher.model '.*missing': cannot load its tokenizer and config "
+                                                       r"\(model '.*missing' is neither a packaged model"),
+        (variant("no-weights", lambda p: (p / "model.safetensors").unlink()), "no weight files"),
+        (variant("small-vocab", config_edit(vocab_size=40000)), "vocab_size 40000 < the student's 49152"),
+        (variant("short", config_edit(max_position_embeddings=64)), "max_position_embeddings 64 < the student's 2048"),
+        (variant("bad-config", lambda p: (p / "config.json").write_text("{not json")), "cannot load its tokenizer and config"),
+    ]
+    for section, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            check_teacher_model(ModelSection(name=str(student)), section)
+        assert "\n" not in str(err.value), str(err.value)
+    # A larger, padded embedding (Qwen2.5-7B vs 0.5B) is fine: the student's ids all have logits.
+    check_teacher_model(ModelSection(name=str(student)), variant("padded", config_edit(vocab_size=49280)))
 
 
 # -- scoring ------------------------------------------------------------------------
@@ -200,7 +231,7 @@ def test_a_run_with_an_external_teacher_trains_and_its_dump_replays(dirs, tmp_pa
     (run_dir,) = list((tmp_path / "runs").iterdir())
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert record["policy_version"] == 1
-    assert record["teacher"] == f"model:{dirs[1]}" and record["teacher_version_max"] == 0
+    assert record["teacher"] == [f"model:{dirs[1]}"] and record["teacher_version_max"] == 0
     assert record["teacher_student_gap"] != 0.0
     assert record["teacher_guard/judged_groups"] <= 2 and "teacher_guard/worse_groups" in record
     log = (run_dir / "logs" / "teacher.log").read_text()
@@ -223,7 +254,7 @@ def test_a_lagging_self_teacher_scores_with_the_policy_a_version_back(dirs, tmp_
     (run_dir,) = list((tmp_path / "runs").iterdir())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["teacher_version_min"], r["teacher_version_max"]) for r in records] == [(0, 0), (0, 0), (1, 1)]
-    assert {r["teacher"] for r in records} == {"self:lag:1"}
+    assert [r["teacher"] for r in records] == [["self:lag:1"]] * 3
     assert "self teacher, version lag:1" in (run_dir / "logs" / "teacher.log").read_text()
 
 
@@ -254,7 +285,7 @@ def test_an_ema_teacher_scores_with_the_trainers_average_which_survives_a_resume
         np.testing.assert_allclose(value, want, rtol=0, atol=1e-6, err_msg=name)
     assert any(np.abs(theta[2][n] - theta[0][n]).max() > 1e-4 for n in ema)  # the policy did move
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["teacher"], r["teacher_version_max"]) for r in records] == [("self:ema:0.5", 0), ("self:ema:0.5", 1)]
+    assert [(r["teacher"], r["teacher_version_max"]) for r in records] == [(["self:ema:0.5"], 0), (["self:ema:0.5"], 1)]
     assert "ema-v00001.safetensors" in (run_dir / "logs" / "teacher.log").read_text()
 
 

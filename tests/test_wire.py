@@ -472,7 +472,7 @@ def test_credit_fields_default_to_none_and_old_messages_decode():
     named.teacher = "model:/models/teacher"
     assert decode(encode(named), ScoredGroup, LIMIT).teacher == "model:/models/teacher"
     named.teacher = ""
-    with pytest.raises(WireError, match="ScoredGroup.teacher: 1-1024 characters"):
+    with pytest.raises(WireError, match="ScoredGroup.teacher: 1-4200 characters"):
         decode(encode(named), ScoredGroup, LIMIT)
     assert old.rollout.trajectories[0].sampler_entropy_S is None
     # Fields without a default are still required.

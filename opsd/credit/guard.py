@@ -7,7 +7,8 @@ log-prob over the loss tokens of the group's winning trajectories with the stude
 the same tokens, and for the groups where the teacher is lower it shrinks the teacher-student gap before
 any estimator sees it: teacher' = student + w (teacher - student), on the identity and the corrected
 log-probs alike, w = credit.teacher_guard_weight ("downweight") or 0 ("skip": the group's distillation
-term vanishes and every method falls back to its teacher-free part, GRPO for the OPD family).
+term vanishes and every method falls back to its teacher-free part: GRPO for grpo_opd, nothing for opd,
+ex_opd's extrapolation away from its base policy, (1 - lambda)(base - student), for ex_opd).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def apply_teacher_guard(batch: CreditBatch, mode: str, weight: float) -> tuple[C
     def shrink(teacher_ML: np.ndarray | None) -> np.ndarray | None:
         if teacher_ML is None:
             return None
-        return np.where(rows, student + w * (teacher_ML - student), teacher_ML).astype(np.float32)
+        # skip sets the student's own values (no 0 * -inf), downweight the convex combination.
+        shrunk = student if w == 0 else student + w * (teacher_ML - student)
+        return np.where(rows, shrunk, teacher_ML).astype(np.float32)
 
     return replace(batch, teacher_logprobs_ML=shrink(batch.teacher_logprobs_ML),
                    corrected_logprobs_ML=shrink(batch.corrected_logprobs_ML)), metrics

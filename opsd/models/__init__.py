@@ -10,7 +10,7 @@ from __future__ import annotations
 from opsd.config import ModelSection
 from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, token_logprobs
 
-__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "check_same_tokenizer", "ensure_model", "load_backend",
+__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "check_teacher_model", "ensure_model", "load_backend",
            "load_engine", "resolve_device", "token_logprobs"]
 
 
@@ -54,24 +54,39 @@ def load_engine(backend, max_batch: int, kv_cache_bytes: int):
     return HFEngine(backend, max_batch=max_batch, kv_cache_bytes=kv_cache_bytes)
 
 
-def check_same_tokenizer(student: ModelSection, teacher: ModelSection) -> None:
-    """Refuse an external teacher (teacher.source: model) whose tokenizer is not the student's.
+def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
+    """Refuse an external teacher (teacher.source: model) that cannot score the student's token ids.
 
-    The teacher scores the student's exact token ids, so both must map every
+    The teacher scores the student's exact ids, so both must map every
     string to the same ids: same vocabulary (added tokens included), same
     special ids (bos, eos, pad, unk, ``<|im_end|>``) and the same chat
-    template (the privileged prompt is built with the student's). Loads both
-    tokenizers (converting a packaged model once, `ensure_model`). Raises
-    ValueError with one line naming the first difference; cross-tokenizer
-    distillation is out of scope. FileNotFoundError for a missing model.
+    template (the privileged prompt is built with the student's). Its model
+    must also take every id and position the student's can: config
+    vocab_size and max_position_embeddings at least the student's (a larger,
+    padded embedding is fine), and weight files must be there. Loads both
+    tokenizers and configs (converting a packaged model once, `ensure_model`).
+    Raises ValueError with one line naming ``teacher.model`` and the first
+    problem; cross-tokenizer distillation is out of scope.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from opsd.models.hf import END_OF_TURN_TOKEN
 
-    toks = [AutoTokenizer.from_pretrained(ensure_model(m), local_files_only=True) for m in (student, teacher)]
-    what = f"teacher.model {teacher.name!r} does not share the student's tokenizer ({student.name!r})"
+    what = f"teacher.model {teacher.name!r}"
     tail = "cross-tokenizer distillation is not supported: pick a teacher of the student's model family"
+    paths, toks, confs = [], [], []
+    for m, who in ((student, f"model {student.name!r}"), (teacher, what)):
+        try:
+            path = ensure_model(m)
+            paths.append(path)
+            toks.append(AutoTokenizer.from_pretrained(path, local_files_only=True))
+            confs.append(AutoConfig.from_pretrained(path, local_files_only=True))
+        except (OSError, ValueError) as e:  # json errors are ValueErrors; a missing file or dir an OSError
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"{who}: cannot load its tokenizer and config ({first})") from e
+    if not any(paths[1].glob("*.safetensors")) and not any(paths[1].glob("*.bin")):
+        raise ValueError(f"{what}: no weight files (*.safetensors, *.bin) in {paths[1]}")
+    what += f" does not share the student's tokenizer ({student.name!r})"
     vocab = [t.get_vocab() for t in toks]
     if vocab[0] != vocab[1]:
         differ = sorted(set(vocab[0].items()) ^ set(vocab[1].items()), key=lambda kv: kv[1])
@@ -87,3 +102,8 @@ def check_same_tokenizer(student: ModelSection, teacher: ModelSection) -> None:
         raise ValueError(f"{what}: {END_OF_TURN_TOKEN} is id {a} vs {b}; {tail}")
     if toks[0].chat_template != toks[1].chat_template:
         raise ValueError(f"{what}: the chat templates differ; {tail}")
+    for key, why in (("vocab_size", "the student samples ids it has no logits for"),
+                     ("max_position_embeddings", "it could not score the student's longest sequences")):
+        s, t = (getattr(c, key, None) for c in confs)
+        if s is not None and t is not None and t < s:
+            raise ValueError(f"teacher.model {teacher.name!r}: {key} {t} < the student's {s}: {why}")

@@ -21,7 +21,7 @@ import sys
 from opsd import metrics
 from opsd.auth import api_token
 from opsd.chat import ChatFormat
-from opsd.models import check_same_tokenizer
+from opsd.models import check_teacher_model
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
 from opsd.types import RolloutGroup, ScoredGroup
@@ -56,8 +56,8 @@ def main() -> None:
     frozen = external or cfg.teacher.version == "frozen"  # one set of weights for every policy version
     if external:
         try:
-            check_same_tokenizer(cfg.model, cfg.teacher_model)
-        except (ValueError, FileNotFoundError) as e:
+            check_teacher_model(cfg.model, cfg.teacher_model)
+        except (ValueError, OSError) as e:
             fatal(ROLE, str(e))
     backend = load_worker_backend(ROLE, cfg, cfg.teacher_model)
     chat = ChatFormat.for_env(backend.tokenizer, cfg.env)

@@ -147,7 +147,7 @@ def score_group(
     """Score one RolloutGroup with the privileged teacher (`backend` + privileged prefix).
 
     `backend` is the current policy (teacher.source self) or the frozen external teacher (model), whose
-    tokenizer is the student's; `cfg.teacher_model.max_model_len` bounds its views.
+    tokenizer is the student's; `cfg.teacher_model.max_model_len` bounds its matched views (pass 2).
 
     Returns the ScoredGroup (identity and corrected teacher log-probs aligned
     with each trajectory's token ids, 0 off the loss mask) and stats. Needs

@@ -60,7 +60,7 @@ def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> d
         out["corrected_gap"] = corr / max(n, 1.0)
         out["teacher_seconds"] = float(sum(sg.teacher_seconds for sg in scored))
         # Which teacher scored the step's groups, and the policy versions it held (self: the groups' own).
-        out["teacher"] = ",".join(sorted({sg.teacher or "self:live" for sg in scored}))
+        out["teacher"] = sorted({sg.teacher or "self:live" for sg in scored})
         out["teacher_version_min"] = min(sg.teacher_version for sg in scored)
         out["teacher_version_max"] = max(sg.teacher_version for sg in scored)
         out["embedder_fallbacks"] = sum(sg.identity_fallback for sg in scored)
