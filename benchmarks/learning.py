@@ -164,7 +164,8 @@ def plot(result: dict, path: Path) -> Path:
 def training_records(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl lines, reduced to what the learning report shows."""
     keys = ("step", "success_rate", "format_valid_rate", "reward_mean", "mixed_groups", "teacher_student_gap",
-            "privileged_signal", "hint_match_turns", "hint_other_turns", "loss", "step_seconds")
+            "privileged_signal", "hint_match_turns", "hint_other_turns", "teacher", "teacher_guard/worse_share",
+            "loss", "step_seconds")
     out = []
     path = run_dir / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.exists() else []:
