@@ -578,7 +578,7 @@ class RunConfig(_Section):
         if t.source == "self" and t.model is not None:
             raise ValueError("teacher.model is set but teacher.source is self (the live policy): set teacher.source: model "
                              "to score with that model, or drop teacher.model")
-        if t.version.startswith("ema:") and self.trainer.lora is not None:
+        if t.version.startswith("ema:") and self.trainer.lora is not None and self.needs_teacher:
             raise ValueError(f"teacher.version {t.version} averages the whole policy; with trainer.lora the trainer "
                              "publishes adapters only: use live, frozen or lag:K")
         if t.source == "model" and t.version.startswith(("lag:", "ema:")):

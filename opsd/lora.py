@@ -372,3 +372,21 @@ def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
         tokenizer.save_pretrained(tmp)
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)
+
+
+def has_peft_names(model_dir: Path) -> bool:
+    """True when the dir's weights carry peft's LoRA names (a LoRA run's checkpoint/): not a plain model.
+
+    Reads the key names of the first safetensors file only. Raises ValueError for an unreadable one.
+    """
+    from safetensors import safe_open
+
+    files = [model_dir / "model.safetensors"] if (model_dir / "model.safetensors").is_file() else \
+        sorted(model_dir.glob("model-*.safetensors"))
+    for f in files[:1]:
+        try:
+            with safe_open(str(f), "pt") as st:
+                return any(".lora_" in k or ".base_layer." in k for k in st.keys())
+        except Exception as e:  # safetensors' SafetensorError: a truncated or half-written file
+            raise ValueError(f"{f} is not a readable safetensors file (half-written?): {e}") from e
+    return False

@@ -144,7 +144,14 @@ def test_same_tokenizer_passes_and_each_difference_is_one_clear_line(dirs, tmp_p
             (path / "config.json").write_text(json.dumps(conf))
         return apply
 
+    def peft_names(path):
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(path / "model.safetensors")
+        save_file({k.replace(".q_proj.", ".q_proj.base_layer."): v for k, v in tensors.items()}, path / "model.safetensors")
+
     cases = [
+        (variant("lora-checkpoint", peft_names), "holds LoRA adapters under peft's names .* use that run's final_model/"),
         (ModelSection(name=str(tmp_path / "missing")), r"teacher.model '.*missing': cannot load its tokenizer and config "
                                                        r"\(model '.*missing' is neither a packaged model"),
         (variant("no-weights", lambda p: (p / "model.safetensors").unlink()), "no weight files"),

@@ -6,9 +6,9 @@ self teacher whose privileged context confuses it. Per group, the guard compares
 log-prob over the loss tokens of the group's winning trajectories with the student's (the sampler's) over
 the same tokens, and for the groups where the teacher is lower it shrinks the teacher-student gap before
 any estimator sees it: teacher' = student + w (teacher - student), on the identity and the corrected
-log-probs alike, w = credit.teacher_guard_weight ("downweight") or 0 ("skip": the group's distillation
-term vanishes and every method falls back to its teacher-free part: GRPO for grpo_opd, nothing for opd,
-ex_opd's extrapolation away from its base policy, (1 - lambda)(base - student), for ex_opd).
+log-probs alike, w = credit.teacher_guard_weight ("downweight") or 0 ("skip": the group's gap is 0, so
+grpo_opd and agentopsd give GRPO's advantage, opd none, ex_opd its extrapolation away from its base
+policy, (1 - lambda)(base - student); gc_opd and its baselines apply their own formulas to a zero gap).
 """
 
 from __future__ import annotations

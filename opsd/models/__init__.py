@@ -63,7 +63,8 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
     template (the privileged prompt is built with the student's). Its model
     must also take every id and position the student's can: config
     vocab_size and max_position_embeddings at least the student's (a larger,
-    padded embedding is fine), and weight files must be there. Loads both
+    padded embedding is fine), and weight files must be there, under plain
+    names (not a LoRA run's checkpoint/). Loads both
     tokenizers and configs (converting a packaged model once, `ensure_model`).
     Raises ValueError with one line naming ``teacher.model`` and the first
     problem; cross-tokenizer distillation is out of scope.
@@ -86,6 +87,11 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
             raise ValueError(f"{who}: cannot load its tokenizer and config ({first})") from e
     if not any(paths[1].glob("*.safetensors")) and not any(paths[1].glob("*.bin")):
         raise ValueError(f"{what}: no weight files (*.safetensors, *.bin) in {paths[1]}")
+    from opsd.lora import has_peft_names
+
+    if has_peft_names(paths[1]):  # would load as a half-random model: its weights are under peft's names
+        raise ValueError(f"{what}: {paths[1]} holds LoRA adapters under peft's names (a LoRA run's checkpoint/); "
+                         "use that run's final_model/ (the merged policy, written when it finishes)")
     what += f" does not share the student's tokenizer ({student.name!r})"
     vocab = [t.get_vocab() for t in toks]
     if vocab[0] != vocab[1]:

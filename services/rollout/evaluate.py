@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from opsd.lora import has_peft_names
+
 log = logging.getLogger(__name__)
 
 # What each adapter METRIC reports: the metric names (the first is the headline) and how to read them.
@@ -344,23 +346,8 @@ def _json_int(path: Path, key: str) -> int | None:
         return None
 
 
-def _peft_names(model_dir: Path) -> bool:
-    """True when the dir's weights carry peft's LoRA names (a LoRA run's checkpoint/): not a plain model."""
-    from safetensors import safe_open
-
-    files = [model_dir / "model.safetensors"] if (model_dir / "model.safetensors").is_file() else \
-        sorted(model_dir.glob("model-*.safetensors"))
-    for f in files[:1]:
-        try:
-            with safe_open(str(f), "pt") as st:
-                return any(".lora_" in k or ".base_layer." in k for k in st.keys())
-        except Exception as e:  # safetensors' SafetensorError: a truncated or half-written file
-            raise ValueError(f"{f} is not a readable safetensors file (half-written?): {e}") from e
-    return False
-
-
 def _model_source(p: Path, kind: str, run_dir: Path | None) -> CheckpointSource:
-    if _peft_names(p):
+    if has_peft_names(p):
         final = (run_dir / "final_model") if run_dir else None
         hint = f"evaluate {final} instead" if final and final.is_dir() else \
             "a LoRA run leaves <run dir>/final_model/ (the merged policy) when it finishes"

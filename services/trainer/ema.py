@@ -1,7 +1,7 @@
 """The teacher's exponential moving average of the policy (teacher.version ema:D), kept by the trainer.
 
 After each policy version v is trained, ema_v = D * ema_(v-1) + (1 - D) * theta_v, with ema_0 = theta_0
-(the initial policy); ema_v is published next to policy v as `<run_dir>/weights/ema-v<v>.safetensors`
+(the initial policy); ema_v is published next to policy v as `<run_dir>/weights/ema-v<v, 5 digits>.safetensors`
 (`opsd.weights.ema_path`, the same format as a policy file) and saved in the checkpoint (`ema.safetensors`),
 so a resumed run continues the same average. Why over versions, not optimizer steps: the teacher scores a
 group of version v with ema_v, one average per published version. D = 0 is the live policy.
