@@ -542,17 +542,23 @@ class RunConfig(_Section):
             return max(0, policy_version - int(mode[4:]))
         return policy_version
 
+    def _self_teacher_arg(self, kind: str) -> str | None:
+        """The argument of teacher.version `<kind>:<arg>` when a self teacher runs with it, else None."""
+        mode = self.teacher.version
+        if self.needs_teacher and self.teacher.source == "self" and mode.startswith(f"{kind}:"):
+            return mode[len(kind) + 1 :]
+        return None
+
     @property
     def teacher_lag(self) -> int:
         """Versions the teacher may look back beyond a group's own (lag:K -> K, else 0): the trainer keeps their files."""
-        mode = self.teacher.version
-        return int(mode[4:]) if self.needs_teacher and self.teacher.source == "self" and mode.startswith("lag:") else 0
+        return int(self._self_teacher_arg("lag") or 0)
 
     @property
     def teacher_ema(self) -> float | None:
         """The decay D of teacher.version ema:D for a run with a self teacher, else None (no average kept)."""
-        mode = self.teacher.version
-        return float(mode[4:]) if self.needs_teacher and self.teacher.source == "self" and mode.startswith("ema:") else None
+        decay = self._self_teacher_arg("ema")
+        return None if decay is None else float(decay)
 
     @property
     def teacher_model(self) -> ModelSection:
@@ -588,9 +594,8 @@ class RunConfig(_Section):
             raise ValueError("env.privileged none with the live policy as teacher: the teacher would be the student "
                              "itself and every teacher-student gap 0; set teacher.source: model, or teacher.version "
                              "frozen, lag:K or ema:D, or give the teacher privileged context")
-        if t.model is not None:
-            if t.model.cache_dir is None and self.model.cache_dir is not None:
-                t.model = t.model.model_copy(update={"cache_dir": self.model.cache_dir})
+        if t.model is not None and t.model.cache_dir is None and self.model.cache_dir is not None:
+            t.model = t.model.model_copy(update={"cache_dir": self.model.cache_dir})
         return self
 
     @model_validator(mode="after")

@@ -53,7 +53,6 @@ def main() -> None:
     proc.serve(port=cfg.teacher.metrics_port)
 
     external = cfg.teacher.source == "model"
-    frozen = external or cfg.teacher.version == "frozen"  # one set of weights for every policy version
     if external:
         try:
             check_teacher_model(cfg.model, cfg.teacher_model)
@@ -74,7 +73,7 @@ def main() -> None:
                  cfg.teacher_model.backend)
     elif cfg.teacher.version != "live":
         log.info("self teacher, version %s (%s)", cfg.teacher.version,
-                 "the initial policy" if frozen else "the trainer's moving average of the policy"
+                 "the initial policy" if cfg.teacher.version == "frozen" else "the trainer's moving average of the policy"
                  if cfg.teacher_ema is not None else "the policy that many versions before the group's")
     log.info("ready: consuming %s", streams.rollouts)
     if cfg.simulate.enabled:
@@ -91,15 +90,14 @@ def main() -> None:
     # wait on the embedder.
     in_flight = cfg.groups_in_flight("teacher")
     path_of = ema_path if cfg.teacher_ema is not None else weights_path  # ema:D scores with the trainer's average
-    gate = VersionGate(backend, proc.run_dir, version_switched, path_of) if in_flight > 1 and not frozen else None
+    gate = VersionGate(backend, proc.run_dir, version_switched, path_of) if in_flight > 1 else None
     if in_flight > 1:
         log.info("holding up to %d groups in flight", in_flight)
         if hasattr(backend, "stats"):  # an engine of its own (vLLM)
             metrics.watch_engine(ROLE, backend, proc.stop)
 
     def score(group: RolloutGroup):
-        if frozen:  # the same weights for every policy version
-            return score_group(group, backend, chat, cfg, embedder)
+        # An external or frozen teacher's version is always 0, the weights it started with: it never loads.
         version = cfg.teacher_version(group.task.policy_version)
         if gate is None:
             t0 = time.perf_counter()

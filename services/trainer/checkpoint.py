@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from opsd.config import RESUMABLE_FIELDS, config_hash
 from opsd.models.hf import load_state_strict
+from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.report import write_records
 
 log = logging.getLogger("trainer")
@@ -112,7 +113,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if ema is not None:
-        ema.save(tmp / "ema.safetensors", state.policy_version)
+        ema.save(tmp / EMA_CHECKPOINT_FILE, state.policy_version)
     tensors, values = _optimizer_split(optimizer)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     _write_json(tmp / "optimizer.json", values)
