@@ -29,6 +29,12 @@ run.steps from the same fresh start: opd and gc_opd without privileged context (
 alignopsd with the config's privileged context. GRPO's curve is its snapshots up to run.steps; the
 teacher's own held-out success is reported, and for each method the first step whose held-out
 success reaches GRPO's at run.steps ("steps_to_grpo_final"). With --quick: grpo 2 steps, opd 1.
+
+`--resume --out DIR` (same other arguments) continues a benchmark that was stopped (a killed shell, the
+machine's session ending): what learning.json already holds is kept, a method that finished is skipped,
+a method whose run stopped continues it with `opsd run --resume` (from its last checkpoint, every
+trainer.checkpoint_every steps), and only snapshots not yet evaluated are played. learning.json's
+"resumed" lists when and what.
 """
 
 from __future__ import annotations
@@ -108,17 +114,26 @@ def validated(cfg: dict, path: Path):
         raise SystemExit(e.exit_code) from None
 
 
-def train(cfg: dict, out: Path, method: str) -> Path:
-    """Run `opsd run` on `cfg` into out/<method>/ (log: out/<method>.log); returns the run directory.
-    RuntimeError when the run fails (the log's tail in the message)."""
-    cfg_path = out / f"{method}.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+def run_dirs(out: Path, method: str) -> list[Path]:
     runs = out / method
+    return sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+
+
+def train(cfg: dict, out: Path, method: str, resume: Path | None = None) -> Path:
+    """Run `opsd run` on `cfg` into out/<method>/ (log: out/<method>.log), or `opsd run --resume` of the
+    stopped run directory `resume` (log appended); returns the run directory. RuntimeError when the run
+    fails (the log's tail in the message)."""
+    cfg_path = out / f"{method}.yaml"
     log_path = out / f"{method}.log"
-    with open(log_path, "w") as log:
-        rc = subprocess.call([str(Path(sys.executable).parent / "opsd"), "run", str(cfg_path), "--output-dir", str(runs)],
-                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    dirs = sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+    opsd = str(Path(sys.executable).parent / "opsd")
+    if resume is None:
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        cmd = [opsd, "run", str(cfg_path), "--output-dir", str(out / method)]
+    else:
+        cmd = [opsd, "run", "--resume", str(resume)]
+    with open(log_path, "a" if resume else "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    dirs = run_dirs(out, method)
     if rc != 0 or not dirs:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-20:])
         raise RuntimeError(f"opsd run ({method}) exited {rc}:\n{tail}")
@@ -189,7 +204,10 @@ def main() -> None:
     ap.add_argument("--keep-snapshots", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the benchmark rows here (benchmarks/run.py)")
+    ap.add_argument("--resume", action="store_true", help="continue the stopped benchmark in --out (module docstring)")
     args = ap.parse_args()
+    if args.resume and (args.out is None or not (args.out / "learning.json").is_file()):
+        ap.error("--resume needs --out DIR of a benchmark that wrote DIR/learning.json")
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be >= 1 (got {args.steps})")
     if args.teacher_steps is not None and not args.teacher:
@@ -253,6 +271,12 @@ def main() -> None:
     }
     if args.teacher:
         result.update(teacher_steps=teacher_steps, teacher=None, steps_to_grpo_final={})
+    if args.resume:  # keep what was measured; the same experiment or none
+        before = json.loads((out / "learning.json").read_text())
+        if before["config"] != base or before["methods"] != args.methods:
+            raise SystemExit(f"--resume: {out / 'learning.json'} was written with another config or methods")
+        result = {**result, **{k: v for k, v in before.items() if k not in ("command", "machine")}}
+        result.setdefault("resumed", []).append({"at": datetime.now().isoformat(timespec="seconds"), "command": command})
 
     def save() -> None:
         tmp = out / ".learning.json.tmp"
@@ -263,24 +287,31 @@ def main() -> None:
     t_all = time.perf_counter()
     ctx = local_context(run_cfg)
     backend = load_backend(run_cfg.model)
-    result["untrained"] = held_out(run_cfg, backend, ctx, out / "eval" / "untrained", "untrained")
+    if result["untrained"] is None:
+        result["untrained"] = held_out(run_cfg, backend, ctx, out / "eval" / "untrained", "untrained")
     print(f"untrained: held-out success {result['untrained']['success']:.3f} "
           f"[{result['untrained']['lo']:.3f}, {result['untrained']['hi']:.3f}]", flush=True)
     save()
     teacher_dir = out / "teacher"  # --teacher: GRPO's last snapshot as an HF directory, once GRPO has run
     for method in args.methods:
+        if method in result["seconds"]:  # --resume: finished and evaluated before
+            continue
         t0 = time.perf_counter()
-        run_dir = train(config_of(method, teacher_dir), out, method)
-        result["seconds"][f"train/{method}"] = time.perf_counter() - t0
+        prior = run_dirs(out, method) if args.resume else []  # --resume: a finished run, or one to continue
+        done = next((d for d in reversed(prior) if (d / "DONE").exists()), None)
+        stopped = next((d for d in reversed(prior) if not (d / "DONE").exists()), None)
+        run_dir = done or train(config_of(method, teacher_dir), out, method, resume=stopped)
+        result["seconds"][f"train/{method}"] = result["seconds"].get(f"train/{method}", 0.0) + time.perf_counter() - t0
         result["training"][method] = training_records(run_dir)
         snaps = sorted((int(p.stem.removeprefix("policy-v")), p)
                        for p in (run_dir / "snapshots").glob("policy-v*.safetensors"))
+        scored = {p["step"] for p in result["curves"][method]}
         for version, path in snaps:
-            if version == 0:
-                continue  # the untrained policy: evaluated once above
+            if version == 0 or version in scored:
+                continue  # the untrained policy (evaluated once above), or a point evaluated before a --resume
             backend.load_weights(path, version)
             if version > steps:  # --teacher: GRPO past run.steps trains the teacher; only its last version is scored
-                if version == teacher_steps:
+                if version == teacher_steps and result["teacher"] is None:
                     result["teacher"] = {"step": version, **held_out(run_cfg, backend, ctx, out / "eval" / "teacher", "teacher")}
                     backend.save_checkpoint(teacher_dir)
                     print(f"teacher (grpo step {version}): held-out success {result['teacher']['success']:.3f}", flush=True)

@@ -63,6 +63,7 @@ STEP_COLUMNS = (
     ("reward_mean", "reward", "{:.2f}"),
     ("teacher_student_gap", "gap", "{:+.3f}"),
     ("privileged_signal", "priv", "{:+.3f}"),
+    ("teacher_verifier/all/pairwise_disagreement", "disagree", "{:.2f}"),
     ("mean_span_length", "span", "{:.1f}"),
     ("loss", "loss", "{:+.4f}"),
     ("rollout_seconds", "rollout_s", "{:.0f}"),

@@ -80,7 +80,7 @@ class ModelSection(_Section):
     threads: int = Field(0, ge=0)
 
 
-ENV_NAMES = ("textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym")
+ENV_NAMES = ("textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym", "evidence")
 
 
 class TWXSection(_Section):
@@ -164,6 +164,33 @@ class ReasoningGymSection(_Section):
     allow_code_eval_verifiers: bool = False
 
 
+# Characters per SmolLM2 token of the evidence env's generated text, per kind (measured with SmolLM2's tokenizer:
+# tests/test_env_evidence.py checks the documents' token counts against their targets).
+EVIDENCE_CHARS_PER_TOKEN = {"tables": 2.05, "retrieval": 3.05}
+
+
+def evidence_observation_chars(tokens: int) -> int:
+    """An upper bound on an evidence observation's characters for a target of `tokens`: the document stops
+    within a table or passage of its target, plus the question twice."""
+    return int(tokens * max(EVIDENCE_CHARS_PER_TOKEN.values())) + 2000
+
+
+class EvidenceSection(_Section):
+    """Long-context evidence aggregation generated from seeds (opsd/envs/evidence.py)."""
+
+    kinds: list[Literal["tables", "retrieval"]] = Field(["tables", "retrieval"], min_length=1)
+    # Target document lengths in tokens; each is a category (length bucket). SmolLM2's context is 8192.
+    prompt_tokens: list[int] = Field([1024, 2048, 4096], min_length=1)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "EvidenceSection":
+        if len(set(self.kinds)) != len(self.kinds) or len(set(self.prompt_tokens)) != len(self.prompt_tokens):
+            raise ValueError("evidence.kinds and evidence.prompt_tokens must not repeat a value")
+        if not all(64 <= n <= 131072 for n in self.prompt_tokens):
+            raise ValueError(f"evidence.prompt_tokens must be in [64, 131072], got {self.prompt_tokens}")
+        return self
+
+
 class EnvSection(_Section):
     name: Literal[ENV_NAMES] = "textworld"  # type: ignore[valid-type]
     num_games: int = Field(2, ge=1)  # distinct games (task groups) per step
@@ -193,6 +220,17 @@ class EnvSection(_Section):
     search: SearchSection = SearchSection()
     webshop: WebShopSection = WebShopSection()
     reasoning_gym: ReasoningGymSection = ReasoningGymSection()
+    evidence: EvidenceSection = EvidenceSection()
+
+    @model_validator(mode="after")
+    def _evidence_fits_the_observation(self) -> "EnvSection":
+        if self.name == "evidence":  # a cut document would lose evidence, not just text
+            need = evidence_observation_chars(max(self.evidence.prompt_tokens))
+            if self.max_observation_chars < need:
+                raise ValueError(f"env.max_observation_chars {self.max_observation_chars} would cut the evidence "
+                                 f"documents of evidence.prompt_tokens up to {max(self.evidence.prompt_tokens)}; "
+                                 f"set it to at least {need}")
+        return self
 
     @model_validator(mode="after")
     def _per_turn_hint_needs_a_gold_path(self) -> "EnvSection":
@@ -314,7 +352,7 @@ class AgentOPSDSection(_Section):
 class GCOPDSection(_Section):
     """GC-OPD group-calibrated residual + RACA (spec 3); a trajectory is one response."""
 
-    residual_beta: float = Field(0.10, ge=0, le=100)  # beta; 0 = vanilla OPD
+    residual_beta: float = Field(0.10, ge=-100, le=100)  # beta; 0 = vanilla OPD, < 0 the paper's negative-RACA ablation
     credit_mode: Literal["raca", "uniform", "teacher_abs", "relative_teacher_support", "relative_opd_leverage"] = "raca"
     credit_cap: float = Field(5.0, ge=1, le=1e6)  # c_max (>= 1: the neutral credit 1 must fit)
     min_group_std: float = Field(1e-6, ge=0)  # tau_G
@@ -408,6 +446,8 @@ class CreditSection(_Section):
     # teacher-student gap by teacher_guard_weight before credit, "skip" sets it to 0 (no distillation term).
     teacher_guard: Literal["report", "downweight", "skip"] = "report"
     teacher_guard_weight: float = Field(0.5, ge=0, le=1)
+    # Teacher-verifier disagreement per prompt-length bucket (opsd/credit/diagnostics.py): bucket edges in tokens.
+    diagnostic_prompt_buckets: list[int] = Field(default_factory=lambda: [1024, 2048, 4096, 8192])
     alignopsd: AlignSection = AlignSection()
     agentopsd: AgentOPSDSection = AgentOPSDSection()
     gc_opd: GCOPDSection = GCOPDSection()
@@ -423,6 +463,14 @@ class CreditSection(_Section):
         if isinstance(data, dict) and isinstance(data.get("profile"), str) and data["profile"] in ALIGNOPSD_PROFILES:
             return _under(ALIGNOPSD_PROFILES[data["profile"]], data)
         return data
+
+    @model_validator(mode="after")
+    def _buckets(self) -> "CreditSection":
+        b = self.diagnostic_prompt_buckets
+        if len(b) > 16 or any(x <= 0 for x in b) or any(hi <= lo for lo, hi in zip(b, b[1:])):
+            raise ValueError(f"credit.diagnostic_prompt_buckets must be at most 16 positive token counts in increasing "
+                             f"order, got {b}")
+        return self
 
 
 class LoRASection(_Section):

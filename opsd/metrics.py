@@ -23,6 +23,15 @@ TEACHER_STUDENT_GAP = Gauge("opsd_teacher_student_gap", "Mean teacher minus stud
 PRIVILEGED_SIGNAL = Gauge(
     "opsd_privileged_signal", "Teacher-student gap on turns taking the privileged hint's action minus on the others "
     "(nats/token, last step; near 0: the teacher ignores its privileged context)", ["role"])
+TEACHER_VERIFIER_DISAGREEMENT = Gauge(
+    "opsd_teacher_verifier_disagreement_ratio", "Teacher vs verifier ranking of a group's responses (last step, macro "
+    "mean over groups with distinct rewards): diagnostic=pairwise (share of reward-ordered pairs the teacher orders "
+    "the other way) or top1 (share of the teacher's top responses below the best reward); bucket = prompt length",
+    ["role", "diagnostic", "bucket"])
+TEACHER_VERIFIER_GAP = Gauge(
+    "opsd_teacher_verifier_preference_gap_nats", "Mean teacher score (teacher - student, nats/token) of the better "
+    "response minus the worse one over a group's reward-ordered pairs (last step, macro mean; < 0: the teacher prefers "
+    "the worse response)", ["role", "bucket"])
 SUCCESS_RATE = Gauge("opsd_success_rate", "Fraction of episodes won in the last step", ["role"])
 INVALID_ACTION_RATE = Gauge("opsd_invalid_action_rate", "Fraction of turns without a valid action in the last step", ["role"])
 MEAN_SPAN_LENGTH = Gauge("opsd_mean_span_length_turns", "Mean AlignOPSD span length in turns (last step)", ["role"])

@@ -163,6 +163,23 @@ def test_learning_checks_every_methods_config_before_evaluating(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before the untrained evaluation
 
 
+def test_learning_resume_refuses_another_experiment(tmp_path):
+    """--resume continues only the benchmark its --out holds: without one it is a usage error, and a
+    learning.json written with another config or other methods is refused before anything runs."""
+    def run(*flags):
+        return subprocess.run([sys.executable, "benchmarks/learning.py", *flags], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    proc = run("--resume", "--out", str(tmp_path / "none"))
+    assert proc.returncode == 2 and "--resume needs --out" in proc.stderr
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "learning.json").write_text(json.dumps({"config": {"run": {"steps": 99}}, "methods": ["grpo"]}))
+    proc = run("--resume", "--out", str(out), "--methods", "grpo")
+    assert proc.returncode == 1 and "written with another config or methods" in proc.stderr, proc.stderr[-2000:]
+    assert not (out / "eval").exists()  # nothing evaluated
+
+
 def test_the_teacher_experiments_configs(tmp_path):
     """--teacher: grpo trains alone; the others distill from the external teacher, opd/gc_opd with no privileged
     context, alignopsd with the config's; every config validates; steps_to_reach reads the curve."""

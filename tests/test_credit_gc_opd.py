@@ -163,6 +163,21 @@ def test_paper_case_study(multi_turn):
     assert m["gc_opd/trajectories"] == 8.0 and m["gc_opd/tasks"] == 1.0
 
 
+def test_negative_raca_ablation_flips_the_residual():
+    # The authors' negative-RACA ablation (configs/gc_opd_paper.yaml: credit_mode raca, residual_beta -0.10):
+    # the residual term is subtracted, so the paper's case-study trajectory B is pushed down, not up.
+    batch = paper_batch(multi_turn=False)
+    neg = gc_opd_credit(batch, CreditSection(gc_opd={"residual_beta": -0.10}))
+    pos = gc_opd_credit(batch, CreditSection(gc_opd={"residual_beta": 0.10}))
+    opd = opd_of(batch)
+    np.testing.assert_allclose(neg.advantages_ML - opd, -(pos.advantages_ML - opd), atol=1e-6)
+    rid = np.asarray(batch.rollout_id)
+    assert neg.advantages_ML[rid == "r3"][0, 0] == pytest.approx(-1.523554 - 0.1 * 3.464102, abs=1e-5)
+    assert neg.metrics["gc_opd/residual_beta"] == -0.10
+    with pytest.raises(ValueError):
+        CreditSection(gc_opd={"residual_beta": -101.0})
+
+
 def test_paper_case_study_through_the_replay():
     got = replay_case(load_case(REF_DIRS[0] / "case_1.json"))["expected"]
     assert got["paper_rho_D"] == pytest.approx(-1.154701, abs=1e-5)

@@ -5,7 +5,7 @@ invalid turns that never reach the env and the episode fails when the turn
 budget runs out; a well-formed but wrong action never wins. The envs are the
 real ones (TextWorld, TextWorld-Express, ScienceWorld, ALFWorld, Search-QA over
 the shipped corpus with the real encoder, WebShop through its client against
-the tests' stand-in server, reasoning-gym); only the policy is scripted, since
+the tests' stand-in server, reasoning-gym, the evidence env); only the policy is scripted, since
 a sampled 135M model cannot be made to follow a gold path.
 """
 
@@ -65,10 +65,15 @@ def _case(name: str, shop_url: str) -> Case:
     if name == "reasoning_gym":
         return Case(EnvSection(name="reasoning_gym", game_pool=1, eval_pool=1, max_turns=1, list_admissible=False),
                     lambda t: [str(t.spec["answer"])], "not the answer")
+    if name == "evidence":
+        return Case(EnvSection(name="evidence", game_pool=1, eval_pool=1, max_turns=1, list_admissible=False,
+                               max_observation_chars=6000, evidence={"prompt_tokens": [1024]}),
+                    lambda t: [t.gold_path[0].removeprefix("answer: ")], "XX-0000, P0")
     raise AssertionError(name)
 
 
-ENVS = ["textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym"]
+ENVS = ["textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym", "evidence"]
+SINGLE_TURN = ("reasoning_gym", "evidence")
 
 
 def _play(name, policy_backend, shop, search_ctx, tmp_path, replies: Callable[[Task, ChatFormat, int], str], max_turns=None):
@@ -151,7 +156,7 @@ def test_a_wrong_action_does_not_win(name, policy_backend, shop, search_ctx, tmp
     assert steps and all(t.format_valid for t in traj.turns)
     assert not traj.won and traj.reward < 1.0
     # A wrong single-turn answer ends the episode as lost; the others run out of turns.
-    assert traj.ending == ("lost" if name == "reasoning_gym" else "max_turns")
+    assert traj.ending == ("lost" if name in SINGLE_TURN else "max_turns")
 
 
 def test_an_env_that_fails_to_start_is_retried_then_fails_the_group(policy_backend, shop, search_ctx, tmp_path, monkeypatch):

@@ -63,6 +63,8 @@ def test_metrics_per_env_kind():
     assert metric_values("em", rewards, wons)["em"].tolist() == rewards
     ws = metric_values("score", rewards, wons)
     assert ws["score"].mean() == 62.5 and ws["acc"].mean() == 50.0  # WebShop Score and Acc, in percent
+    f1 = metric_values("f1", rewards, wons)  # graded verifiers (the evidence env): mean reward and success
+    assert f1["f1"].mean() == 0.625 and f1["success"].mean() == 0.5
     with pytest.raises(ValueError):
         metric_values("bleu", rewards, wons)
     eps = [{"reward": r, "won": w, "turns": t, "valid_turns": vt, "ending": e}
@@ -204,6 +206,32 @@ def test_scripted_success_per_category_and_failed_task(policy_backend, tmp_path)
     # Same config, same numbers (seeds from eval.seed and the task ids).
     again = evaluate(cfg, AnswerBackend(policy_backend, by_q, answer, fail=[fail]), local_context(cfg), tmp_path / "out2")
     assert again["overall"] == ov and [t["seed"] for t in again["tasks"]] == [t["seed"] for t in report["tasks"]]
+
+
+def test_scripted_f1_per_length_bucket_on_the_evidence_env(policy_backend, tmp_path):
+    """The long-context env in `opsd eval`: one category per length bucket, F1 and success per bucket."""
+    from opsd.envs.evidence import f1, generate
+
+    cfg = RunConfig.model_validate({
+        "model": {"cache_dir": None}, "run": {"output_dir": str(tmp_path)},
+        "env": {"name": "evidence", "eval_pool": 4, "max_turns": 1, "max_observation_chars": 4000,
+                "evidence": {"prompt_tokens": [128, 256]}},
+        "rollout": {"max_new_tokens": 48}, "eval": {"episodes_per_task": 1, "bootstrap_samples": 200},
+    })
+    tasks = get_adapter("evidence").make_tasks(cfg.env, local_context(cfg), "eval")
+    docs = {t.task_id: generate(t.spec["kind"], t.spec["tokens"], t.spec["seed"]) for t in tasks}
+    by_key = {docs[t.task_id].text[:120]: t for t in tasks}  # each document's opening (random IDs) names its task
+    # Tables: only the first required ID (partial F1); passages: all of them (F1 1).
+    ids = lambda t: docs[t.task_id].answer[:1] if t.spec["kind"] == "tables" else docs[t.task_id].answer  # noqa: E731
+    report = evaluate(cfg, AnswerBackend(policy_backend, by_key, lambda k: ", ".join(ids(by_key[k]))),
+                      local_context(cfg), tmp_path / "out")
+    assert report["metrics"] == ["f1", "success"] and list(report["categories"]) == ["128", "256"]
+    for bucket in ("128", "256"):
+        mine = [t for t in tasks if t.category == bucket]
+        expected = np.mean([f1(", ".join(ids(t)), docs[t.task_id].answer) for t in mine])
+        assert 0.3 < expected < 1.0  # one partial answer, one whole one
+        assert report["categories"][bucket]["f1"]["value"] == pytest.approx(expected)
+        assert report["categories"][bucket]["success"]["value"] == 0.5
 
 
 # ---------------------------------------------------------------------------

@@ -218,22 +218,26 @@ def _opsd_run(cfg: RunConfig, tmp_path: Path, *flags: str) -> subprocess.Complet
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
-def _faults_cfg(student: Path, teacher: Path, method: str, privileged: str) -> RunConfig:
+def _faults_cfg(student: Path, teacher: Path, method: str, privileged: str, env: str = "textworld") -> RunConfig:
     cfg = RunConfig.load(REPO / "tests/configs/faults.yaml").model_dump(mode="json")
     cfg["run"].update(steps=1, method=method)
     cfg["model"]["name"] = str(student)
     cfg["env"]["privileged"] = privileged
+    if env == "evidence":  # the long-context env, single turn, two length buckets of short documents
+        cfg["env"].update(name="evidence", max_turns=1, max_observation_chars=4000,
+                          evidence={"prompt_tokens": [128, 256]})
     cfg["teacher"].update(source="model", model={"name": str(teacher), "threads": 1})
     return RunConfig.model_validate(cfg)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("method,privileged", [("gc_opd", "none"), ("agentopsd", "remaining"), ("alignopsd", "both")])
-def test_a_run_with_an_external_teacher_trains_and_its_dump_replays(dirs, tmp_path, method, privileged):
+@pytest.mark.parametrize("method,privileged,env", [("gc_opd", "none", "textworld"), ("agentopsd", "remaining", "textworld"),
+                                                    ("alignopsd", "both", "textworld"), ("alignopsd", "both", "evidence")])
+def test_a_run_with_an_external_teacher_trains_and_its_dump_replays(dirs, tmp_path, method, privileged, env):
     """Plain OPD-style (gc_opd, no privileged context) and OPSD (agentopsd with per-turn hints, alignopsd with
-    privileged context + embedder) with an external teacher, through the real services; the dumps replay with
-    `opsd credit check`."""
-    proc = _opsd_run(_faults_cfg(*dirs, method, privileged), tmp_path, "--dump-credit")
+    privileged context + embedder) with an external teacher, through the real services (alignopsd: all four,
+    also on the long-context evidence env); the dumps replay with `opsd credit check`."""
+    proc = _opsd_run(_faults_cfg(*dirs, method, privileged, env), tmp_path, "--dump-credit")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = list((tmp_path / "runs").iterdir())
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
@@ -241,6 +245,11 @@ def test_a_run_with_an_external_teacher_trains_and_its_dump_replays(dirs, tmp_pa
     assert record["teacher"] == [f"model:{dirs[1]}"] and record["teacher_version_max"] == 0
     assert record["teacher_student_gap"] != 0.0
     assert record["teacher_guard/judged_groups"] <= 2 and "teacher_guard/worse_groups" in record
+    # The teacher-verifier diagnostics of every teacher method: counts for "all" and each prompt-length bucket.
+    assert 0 <= record["teacher_verifier/all/groups"] <= 2 and record["teacher_verifier/<1k/groups"] == record[
+        "teacher_verifier/all/groups"]
+    if env == "evidence":  # categories are the length buckets
+        assert {k for k in record if k.startswith("success/")} <= {"success/128", "success/256"}
     log = (run_dir / "logs" / "teacher.log").read_text()
     assert f"external teacher {dirs[1]} (hf, frozen" in log
     check = subprocess.run([sys.executable, "-m", "opsd.cli", "credit", "check", str(run_dir / "credit")],

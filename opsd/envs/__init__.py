@@ -21,6 +21,7 @@ ADAPTERS = {
     "search": "opsd.envs.search",
     "webshop": "opsd.envs.webshop",
     "reasoning_gym": "opsd.envs.reasoning_gym",
+    "evidence": "opsd.envs.evidence",
 }
 
 

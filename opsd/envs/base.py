@@ -6,7 +6,7 @@ that exposes:
     NAME: str                         the EnvSection.name that selects it
     ACTION_TAGS: tuple[str, ...]      the reply tags that hold an action: ("action",);
                                       Search: ("search", "answer"); single-turn: ("answer",)
-    METRIC: str                       what `opsd eval` reports: "success", "em" or "score"
+    METRIC: str                       what `opsd eval` reports: "success", "em", "score" or "f1"
     PROMPT: EnvPrompt                 the student's system prompt and one-shot example
     make_tasks(cfg: EnvSection, ctx: EnvContext, split: "train" | "eval") -> list[Task]
     open_env(task: Task, cfg: EnvSection, ctx: EnvContext) -> Env

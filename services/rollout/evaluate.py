@@ -4,8 +4,8 @@ Every eval task is played `cfg.eval.episodes_per_task` times at the papers'
 validation temperature (`cfg.eval.temperature`, top-p 1) with the rollout's
 own episode code (`run_groups`: up to eval.parallel_tasks tasks share each batched generate
 call, at most rollout.batch_size episodes). Per category and overall: the env's metric
-(its adapter's METRIC: "success" rate, exact match "em", or WebShop "score"
-and "acc", both in percent) with a 95% percentile bootstrap interval over
+(its adapter's METRIC: "success" rate, exact match "em", WebShop "score"
+and "acc", both in percent, or "f1" and "success" for graded verifiers) with a 95% percentile bootstrap interval over
 episodes, mean turns, the format-valid turn rate and how episodes ended.
 A task whose group raises is recorded with its error; the others still run.
 
@@ -34,14 +34,15 @@ from opsd.lora import has_peft_names
 log = logging.getLogger(__name__)
 
 # What each adapter METRIC reports: the metric names (the first is the headline) and how to read them.
-METRICS = {"success": ("success",), "em": ("em",), "score": ("score", "acc")}
+METRICS = {"success": ("success",), "em": ("em",), "score": ("score", "acc"), "f1": ("f1", "success")}
 LABELS = {
     "success": "success rate",
     "em": "exact match",
     "score": "WebShop Score (100 x mean reward)",
     "acc": "WebShop Acc (% of episodes with score 1)",
+    "f1": "F1 (mean graded reward)",
 }
-SHORT = {"success": "success", "em": "EM", "score": "Score", "acc": "Acc"}  # table columns, y label
+SHORT = {"success": "success", "em": "EM", "score": "Score", "acc": "Acc", "f1": "F1"}  # table columns, y label
 OVERALL = "overall"
 
 
@@ -84,7 +85,8 @@ def metric_values(metric: str, rewards: Sequence[float], wons: Sequence[bool]) -
 
     "success": {"success": won as 0/1}; "em": {"em": reward} (Search's reward
     is the exact match); "score": {"score": 100 * reward, "acc": 100 * (reward == 1)}
-    (WebShop's Score and Acc, in percent). Raises ValueError for another metric.
+    (WebShop's Score and Acc, in percent); "f1": {"f1": reward, "success": won as 0/1} (graded
+    verifiers: the evidence env's F1). Raises ValueError for another metric.
     """
     r = np.asarray(rewards, dtype=np.float64)
     if metric == "success":
@@ -93,6 +95,8 @@ def metric_values(metric: str, rewards: Sequence[float], wons: Sequence[bool]) -
         return {"em": r}
     if metric == "score":
         return {"score": 100.0 * r, "acc": 100.0 * (r == 1.0)}
+    if metric == "f1":
+        return {"f1": r, "success": np.asarray(wons, dtype=np.float64)}
     raise ValueError(f"unknown eval metric {metric!r} (expected one of {sorted(METRICS)})")
 
 
@@ -282,7 +286,8 @@ def plot_report(report: dict, path: Path) -> Path:
     ax.set_ylim(0, top * 1.08)
     ax.set_xticks(x, [f"{n}\n(n={r['episodes']}" + (f", {r['errors']} failed)" if r["errors"] else ")")
                       for n, r in zip(names, rows)], fontsize=8)
-    ylabel = LABELS[metrics[0]] if len(metrics) == 1 else " / ".join(SHORT[m] for m in metrics) + " (%)"
+    ylabel = LABELS[metrics[0]] if len(metrics) == 1 else " / ".join(SHORT[m] for m in metrics) + (
+        " (%)" if report["metric"] == "score" else "")
     ax.set_ylabel(f"{ylabel}, 95% bootstrap CI", fontsize=9)
     ckpt = Path(str(report["checkpoint"]))
     shown = f"{ckpt.parent.name}/{ckpt.name}" if ckpt.name in ("checkpoint", "final_model") else ckpt.name

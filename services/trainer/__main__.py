@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -33,6 +34,7 @@ import torch
 
 from opsd import metrics
 from opsd.config import config_hash, hashed_config
+from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
 from opsd.models import load_backend
 from opsd.queue import StreamNames
@@ -182,7 +184,7 @@ def train() -> None:
         result = learn(cfg, par.module, optimizer, groups, scored, base_model, dump, world)
         if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): credit + update take trainer_s in all
             proc.stop.wait(max(0.0, cfg.simulate.trainer_s - (time.perf_counter() - t_compute)))
-        record = {"step": step, "policy_version": version + 1, **summarize(groups, scored)}
+        record = {"step": step, "policy_version": version + 1, **summarize(groups, scored, cfg.credit.diagnostic_prompt_buckets)}
         step, version = step + 1, version + 1
         state.step, state.policy_version, state.applied, state.counts = step, version, collector.applied, dict(collector.counts)
         record.update({k: float(v) for k, v in result.credit_metrics.items()})
@@ -270,6 +272,12 @@ def export_step(record: dict, n_groups: int) -> None:
         metrics.TEACHER_STUDENT_GAP.labels(ROLE).set(record["teacher_student_gap"])
     if record.get("privileged_signal") is not None:
         metrics.PRIVILEGED_SIGNAL.labels(ROLE).set(record["privileged_signal"])
+    # Teacher-verifier diagnostics: every bucket of the step has a "groups" key; NaN where it has no value.
+    for bucket in [k.split("/")[1] for k in record if k.startswith("teacher_verifier/") and k.endswith("/groups")]:
+        value = {name: record.get(f"teacher_verifier/{bucket}/{name}", math.nan) for name in DIAGNOSTICS}
+        metrics.TEACHER_VERIFIER_DISAGREEMENT.labels(ROLE, "pairwise", bucket).set(value["pairwise_disagreement"])
+        metrics.TEACHER_VERIFIER_DISAGREEMENT.labels(ROLE, "top1", bucket).set(value["top1_mismatch"])
+        metrics.TEACHER_VERIFIER_GAP.labels(ROLE, bucket).set(value["preference_gap"])
     if "mean_span_length" in record:
         metrics.MEAN_SPAN_LENGTH.labels(ROLE).set(record["mean_span_length"])
     for key, value in record.items():

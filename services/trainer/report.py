@@ -10,6 +10,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
+from opsd.credit.diagnostics import teacher_verifier_metrics
 from opsd.types import RolloutGroup, ScoredGroup
 
 matplotlib.use("Agg")  # headless: no display on servers
@@ -24,9 +25,13 @@ PLOTTED = (
 )
 
 
-def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> dict[str, float]:
+def summarize(
+    groups: list[RolloutGroup], scored: list[ScoredGroup] | None, prompt_buckets: list[int] | None = None
+) -> dict[str, float]:
     """Rollout and teacher statistics of a step (rates in [0, 1], gaps in nats per loss token; success also
-    per task category, keys "success/<category>")."""
+    per task category, keys "success/<category>"). With a teacher, the teacher-verifier disagreement
+    diagnostics ("teacher_verifier/<bucket>/...", opsd/credit/diagnostics.py) over the prompt-length buckets
+    cut at `prompt_buckets` (tokens; None: none, "all" only)."""
     trajs = [t for g in groups for t in g.trajectories]
     turns = [k for t in trajs for k in t.turns]
     out = {
@@ -66,7 +71,26 @@ def summarize(groups: list[RolloutGroup], scored: list[ScoredGroup] | None) -> d
         out["embedder_fallbacks"] = sum(sg.identity_fallback for sg in scored)
         out["matched_turn_rate"] = float(np.mean([bool(s) for sg in scored for s in sg.selected_sources_M])) if turns else 0.0
         out.update(privileged_signal(scored))
+        out.update(teacher_verifier(scored, prompt_buckets or []))
     return out
+
+
+def teacher_verifier(scored: list[ScoredGroup], prompt_buckets: list[int]) -> dict[str, float]:
+    """The step's teacher-verifier diagnostics: per trajectory its reward, its teacher score s_i (mean
+    identity-view teacher minus sampler log-prob over its loss tokens; 0 without any, as GC-OPD's s_i) and its
+    prompt length (tokens before the first reply); see opsd.credit.diagnostics.teacher_verifier_metrics."""
+    reward, score, group, prompt = [], [], [], []
+    for g, sg in enumerate(scored):
+        for t, lp_S in zip(sg.rollout.trajectories, sg.teacher_logprobs_S):
+            m = t.loss_mask_S == 1
+            s = float((lp_S[m] - t.sampler_logprobs_S[m]).mean()) if m.any() else 0.0
+            if not math.isfinite(s):  # a -inf teacher log-prob: no score to rank by (the credit code reports it)
+                continue
+            reward.append(t.reward)
+            score.append(s)
+            group.append(g)
+            prompt.append(t.turns[0].response_start if t.turns else 0)
+    return teacher_verifier_metrics(np.array(reward), np.array(score), np.array(group), np.array(prompt), prompt_buckets)
 
 
 def _norm(action: str) -> str:

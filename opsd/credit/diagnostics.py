@@ -1,0 +1,122 @@
+"""Teacher-verifier disagreement: does the teacher rank a group's responses as the verifier does?
+
+GC-OPD's paper (arXiv 2608.19181, section 3.2 and its appendix; Figure 1) motivates its residual with three
+diagnostics of a teacher against the verifier's reward, over the G sibling responses of one prompt. Here a
+response is a trajectory and its teacher score is s_i, the mean teacher - student log-prob over its loss
+tokens (spec §3 step 1, nats/token); R_i is its episode reward. Per group with at least two distinct rewards
+(|R_i - R_j| > eps for some pair; the paper excludes the others: no verifier preference to disagree with):
+
+- pairwise disagreement: over the pairs with |ΔR| > eps and |Δs| > eps, the share ordered oppositely
+  (ΔR·Δs < 0). Pairs the teacher ties are left out, as in the authors' frozen-replay analysis; a group whose
+  every reward-ordered pair is a teacher tie has no value and is left out of this average only.
+- top-1 mismatch: the share of the teacher's top responses (s within eps of the group's highest s) whose
+  reward is below the group's best (more than eps). Without ties: 1 if the teacher's favourite is not a
+  best-reward response, else 0.
+- OPD preference gap: over the pairs with |ΔR| > eps, the mean of s_better - s_worse (nats/token).
+  Positive: the teacher prefers what the verifier prefers; negative: it prefers the worse response.
+
+Each is computed per group and macro-averaged over the groups (every group weighs the same, however many
+pairs it has), over all groups and per prompt-length bucket (a group's prompt length: the mean over its
+trajectories of the tokens before their first response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+DIAGNOSTICS = ("pairwise_disagreement", "top1_mismatch", "preference_gap")
+
+
+@dataclass
+class GroupDiagnostics:
+    """One group's values (NaN where the group has none: see the module docstring)."""
+
+    pairwise_disagreement: float
+    top1_mismatch: float
+    preference_gap: float
+
+
+def group_diagnostics(reward_N: np.ndarray, score_N: np.ndarray, eps: float = 1e-6) -> GroupDiagnostics | None:
+    """The three diagnostics of one group, or None when its rewards do not differ (fewer than two distinct).
+
+    Args: reward_N float [N] verifier rewards; score_N float [N] teacher scores s_i (nats/token);
+      eps >= 0, the tolerance under which two rewards or two scores count as equal.
+    Raises: ValueError on shapes that differ or are not 1-D, or a NaN/inf value.
+    """
+    r = np.asarray(reward_N, dtype=np.float64)
+    s = np.asarray(score_N, dtype=np.float64)
+    if r.ndim != 1 or r.shape != s.shape:
+        raise ValueError(f"reward {r.shape} and teacher score {s.shape} must be equal 1-D shapes")
+    if not (np.isfinite(r).all() and np.isfinite(s).all()):
+        raise ValueError("reward or teacher score has NaN or inf")
+    i, j = np.triu_indices(r.size, k=1)
+    dr, ds = r[i] - r[j], s[i] - s[j]
+    ordered = np.abs(dr) > eps
+    if not ordered.any():
+        return None
+    comparable = ordered & (np.abs(ds) > eps)
+    disagreement = float((dr[comparable] * ds[comparable] < 0).mean()) if comparable.any() else float("nan")
+    top = s >= s.max() - eps
+    mismatch = float((r[top] < r.max() - eps).mean())
+    gap = float((np.sign(dr[ordered]) * ds[ordered]).mean())
+    return GroupDiagnostics(disagreement, mismatch, gap)
+
+
+def bucket_names(bounds: list[int]) -> list[str]:
+    """Names of the prompt-length buckets cut at `bounds` (tokens, increasing): "<b1", "b1-b2", ..., ">=bn";
+    multiples of 1024 print as "Nk" (e.g. [1024, 4096] -> ["<1k", "1k-4k", ">=4k"]). No bounds: ["all"]."""
+
+    def fmt(b: int) -> str:
+        return f"{b // 1024}k" if b % 1024 == 0 else str(b)
+
+    if not bounds:
+        return ["all"]
+    names = [f"<{fmt(bounds[0])}"]
+    names += [f"{fmt(lo)}-{fmt(hi)}" for lo, hi in zip(bounds, bounds[1:])]
+    return names + [f">={fmt(bounds[-1])}"]
+
+
+def teacher_verifier_metrics(
+    reward_N: np.ndarray,
+    score_N: np.ndarray,
+    group_N: np.ndarray,
+    prompt_tokens_N: np.ndarray,
+    bounds: list[int],
+    eps: float = 1e-6,
+) -> dict[str, float]:
+    """Macro-averaged diagnostics over a step's groups, overall and per prompt-length bucket.
+
+    Args: reward_N float [N], score_N float [N] (nats/token), group_N int [N] group of each response,
+      prompt_tokens_N int [N] tokens before the response's first reply; bounds: bucket edges (tokens,
+      strictly increasing); eps as in `group_diagnostics`.
+    Returns: {"teacher_verifier/<bucket>/<diagnostic>": float} with bucket "all" or a `bucket_names` name,
+      plus "teacher_verifier/<bucket>/groups" (groups with distinct rewards). A bucket without such groups
+      has only its "groups" key (0); a diagnostic no group of the bucket defines is left out.
+    Raises: ValueError on mismatched shapes, NaN/inf, or bounds that do not increase.
+    """
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"prompt-length bucket bounds must increase strictly, got {bounds}")
+    group_N = np.asarray(group_N)
+    prompt = np.asarray(prompt_tokens_N, dtype=np.float64)
+    if not (group_N.shape == prompt.shape == np.shape(reward_N) == np.shape(score_N)):
+        raise ValueError("reward, teacher score, group and prompt-length arrays need one entry per response")
+    names = bucket_names(bounds)
+    per_bucket: dict[str, list[GroupDiagnostics]] = {"all": [], **{n: [] for n in names}}
+    for g in np.unique(group_N):
+        rows = group_N == g
+        diag = group_diagnostics(np.asarray(reward_N)[rows], np.asarray(score_N)[rows], eps)
+        if diag is None:
+            continue
+        per_bucket["all"].append(diag)
+        if bounds:
+            per_bucket[names[int(np.searchsorted(bounds, prompt[rows].mean(), side="right"))]].append(diag)
+    out: dict[str, float] = {}
+    for bucket, diags in per_bucket.items():
+        out[f"teacher_verifier/{bucket}/groups"] = float(len(diags))
+        for name in DIAGNOSTICS:
+            values = [getattr(d, name) for d in diags if not np.isnan(getattr(d, name))]
+            if values:
+                out[f"teacher_verifier/{bucket}/{name}"] = float(np.mean(values))
+    return out
