@@ -85,7 +85,8 @@ from opsd.envs import ADAPTERS, ClosingEnv, EnvPrompt, EnvStep, Task  # noqa: E4
 from opsd.models import load_backend  # noqa: E402
 from opsd.models.hf import TINY_RANDOM  # noqa: E402
 from opsd.types import TaskGroup  # noqa: E402
-from services.embedder.app import Encoder, correspond  # noqa: E402
+from opsd.encoder import Encoder  # noqa: E402
+from services.embedder.app import correspond  # noqa: E402
 from services.rollout.episodes import run_group  # noqa: E402
 from services.teacher.scoring import score_group  # noqa: E402
 from services.trainer.batch import build_credit_batch, scatter_advantages  # noqa: E402

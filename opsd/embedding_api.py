@@ -142,7 +142,7 @@ class CorrespondResponse(BaseModel):
 
 
 # Search-QA retrieval (POST /retrieve): top-k passages of the corpus the embedder serves.
-MAX_RETRIEVE_K = 100  # the most passages one query may ask for (services/embedder/retrieval.py keeps the same bound)
+MAX_RETRIEVE_K = 100  # the most passages one query may ask for (opsd/retrieval.py keeps the same bound)
 
 
 class RetrieveRequest(BaseModel):

@@ -640,7 +640,7 @@ TOKEN = "bad-inputs-token-0123456789"
 
 @pytest.fixture(scope="module")
 def encoder():
-    from services.embedder.app import Encoder
+    from opsd.encoder import Encoder
 
     return Encoder("all-MiniLM-L6-v2")
 

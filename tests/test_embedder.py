@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 
 from opsd.config import AlignSection, EmbedderSection
 from opsd.embedding_api import EMBEDDING_FIELDS, CorrespondResponse
-from services.embedder.app import Encoder, build_app, cosine_matrix_faiss
+from opsd.encoder import Encoder
+from services.embedder.app import build_app, cosine_matrix_faiss
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ from opsd.config import EmbedderSection, EnvSection
 from opsd.envs import EnvContext, get_adapter
 from opsd.envs.search import (SHIPPED_CORPUS, SHIPPED_QUESTIONS, SKILL_KEYS, HTTPRetriever, LocalRetriever, RetrievalError,
                               exact_match, load_questions, make_tasks, normalize_answer, open_env, search_r1_row)
-from services.embedder.app import Encoder, build_app
-from services.embedder.retrieval import CorpusIndex, LazyCorpusIndex, corpus_for_config, load_corpus
+from opsd.encoder import Encoder
+from opsd.retrieval import CorpusIndex, LazyCorpusIndex, corpus_for_config, load_corpus
+from services.embedder.app import build_app
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -277,7 +278,7 @@ def test_retrieve_answers_503_while_the_index_builds_and_the_client_waits_for_it
     from opsd.config import EmbedderSection
     from opsd.envs.search import HTTPRetriever
     from services.embedder.app import build_app
-    from services.embedder.retrieval import IndexBuilding
+    from opsd.retrieval import IndexBuilding
 
     class SlowIndex:  # stands in for LazyCorpusIndex while a build holds its lock
         def __init__(self, inner):
@@ -290,7 +291,7 @@ def test_retrieve_answers_503_while_the_index_builds_and_the_client_waits_for_it
 
     class OneHit:
         def search(self, query, k):
-            from services.embedder.retrieval import Passage
+            from opsd.retrieval import Passage
 
             return [(Passage(id="p1", title="T", contents="the answer passage"), 0.9)]
 

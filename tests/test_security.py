@@ -35,7 +35,8 @@ from opsd.config import EmbedderSection, EnvSection, RunConfig
 from opsd.envs.textworld import make_games
 from opsd.service import add_observability, bind_socket, serve_in_thread
 from opsd.types import TaskGroup
-from services.embedder.app import Encoder, build_app
+from opsd.encoder import Encoder
+from services.embedder.app import build_app
 from services.rollout.episodes import run_group
 from services.teacher.scoring import EmbedderAuthError, EmbedderClient, EmbedderUnavailable, score_group
 

@@ -189,7 +189,8 @@ class AppEmbedder:
         from fastapi.testclient import TestClient
 
         from opsd.config import EmbedderSection
-        from services.embedder.app import Encoder, build_app
+        from opsd.encoder import Encoder
+        from services.embedder.app import build_app
 
         self.encoder = Encoder("all-MiniLM-L6-v2")
         token = "teacher-test-token-0123456789"

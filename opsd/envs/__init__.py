@@ -64,7 +64,7 @@ def local_context(cfg) -> EnvContext:
     retriever = None
     if cfg.env.name == "search":
         from opsd.envs.search import LocalRetriever
-        from services.embedder.retrieval import corpus_for_config
+        from opsd.retrieval import corpus_for_config
 
         retriever = LocalRetriever(corpus_for_config(cfg), cfg.embedder.encoder, cache_dir=cfg.cache_root)
     return EnvContext(cache_dir=cfg.cache_root, retriever=retriever)

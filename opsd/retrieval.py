@@ -1,7 +1,7 @@
 """Dense retrieval over a passage corpus (Search-QA): one index-building code for the embedder and in-process use.
 
 The embedder's POST /retrieve (services/embedder/app.py) and
-`opsd.envs.search.LocalRetriever` both use `CorpusIndex`: the corpus is
+`opsd.envs.search.LocalRetriever` both use `CorpusIndex` (so it lives in opsd/, shared by the two): the corpus is
 embedded with the frozen encoder (L2-normalized float32 rows) into a FAISS
 inner-product index (cosine), so both give the same passages for a query.
 
@@ -15,7 +15,7 @@ format, never pickle) and read back next time; the passages themselves are
 always read from the corpus file. Build one ahead of time (a large corpus
 takes long to embed) with
 
-    python -m services.embedder.retrieval --corpus wiki-18.jsonl --cache-dir ~/.cache/opsd [--encoder all-MiniLM-L6-v2]
+    python -m opsd.retrieval --corpus wiki-18.jsonl --cache-dir ~/.cache/opsd [--encoder all-MiniLM-L6-v2]
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from opsd.envs.search import SHIPPED_CORPUS, split_title
+# The shipped test corpus (opsd/envs/data/search/): the search env's default, and the index CLI's.
+DATA_DIR = Path(__file__).resolve().parent / "envs" / "data" / "search"
+SHIPPED_CORPUS = DATA_DIR / "corpus.jsonl"
 
 log = logging.getLogger("embedder.retrieval")
 
@@ -57,6 +59,16 @@ class Passage:
         if self.title is None:
             return self.contents
         return self.contents.split("\n", 1)[1] if "\n" in self.contents else ""
+
+
+def split_title(contents: str) -> tuple[str | None, str]:
+    """A wiki-18 passage '"Title"\\ntext' -> (Title, text); (None, contents) without a title line."""
+    if "\n" not in contents:
+        return None, contents.strip()
+    first, rest = contents.split("\n", 1)
+    first = first.strip()
+    title = first[1:-1] if len(first) >= 2 and first[0] == first[-1] == '"' else first
+    return title or None, rest.strip()
 
 
 def parse_passage(row: dict, where: str) -> Passage:
@@ -121,7 +133,7 @@ class CorpusIndex:
     """A corpus and its FAISS inner-product index over encoder vectors.
 
     `encoder`: anything with `.dim` and `.embed(list[str]) -> float32 [N, dim]`
-    L2-normalized rows (services.embedder.app.Encoder). Thread-safe searches.
+    L2-normalized rows (opsd.encoder.Encoder). Thread-safe searches.
     """
 
     def __init__(self, passages: list[Passage], index: faiss.Index, encoder):
@@ -256,7 +268,7 @@ def main() -> None:
     ap.add_argument("--encoder", default="all-MiniLM-L6-v2")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from services.embedder.app import Encoder
+    from opsd.encoder import Encoder
 
     idx = CorpusIndex.build(args.corpus, Encoder(args.encoder), args.encoder, args.cache_dir)
     print(f"{len(idx.passages)} passages indexed; cache: {_cache_path(Path(args.cache_dir), Path(args.corpus), args.encoder, idx.encoder.dim)}")
