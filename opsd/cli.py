@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import reprlib
 import secrets
 import shutil
 import signal
@@ -51,7 +52,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from opsd.config import RunConfig
+from opsd.config import RunConfig, read_yaml
 from opsd.service import FATAL_EXIT, read_port, service_url
 
 app = typer.Typer(add_completion=False, help="opsd: RL + on-policy self-distillation for LLM agents.")
@@ -81,8 +82,8 @@ def load_config(path: Path, backend: str | None = None, **run_overrides) -> RunC
     never a traceback.
     """
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        data = read_yaml(path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as e:
         _config_error(path, [f"cannot read it as YAML: {e}"])
     if data is None:
         data = {}
@@ -97,11 +98,15 @@ def load_config(path: Path, backend: str | None = None, **run_overrides) -> RunC
     except pydantic.ValidationError as e:
         # A check across sections (loc empty) names its fields in its message; its input is the whole config.
         _config_error(path, [
-            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {repr(err.get('input'))[:120]})" if err["loc"]
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {_SHORT.repr(err.get('input'))[:120]})" if err["loc"]
             else err["msg"].removeprefix("Value error, ")
             for err in e.errors()
         ])
     return cfg
+
+
+_SHORT = reprlib.Repr()  # a bad value's repr, bounded (a huge value is never rendered whole)
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 80, 80
 
 
 def _config_error(path: Path, problems: list[str]) -> None:

@@ -12,10 +12,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from opsd.types import MAX_GROUP_SIZE, MAX_GROUP_TURNS
 
 
 class _Section(BaseModel):
@@ -74,7 +76,7 @@ class ModelSection(_Section):
     vllm: VLLMSection = VLLMSection()
     dtype: Literal["float32", "bfloat16"] = "float32"  # sampler, teacher and trainer compute log-probs in it
     cache_dir: str | None = None  # default: $OPSD_CACHE or ~/.cache/opsd
-    max_model_len: int = Field(2048, ge=64)
+    max_model_len: int = Field(2048, ge=64, le=1 << 20)
     # torch threads per role process (0 = torch default). On a few shared cores, 1 per
     # role was 4-5x faster than torch's default (threads spin while others compute).
     threads: int = Field(0, ge=0)
@@ -193,14 +195,14 @@ class EvidenceSection(_Section):
 
 class EnvSection(_Section):
     name: Literal[ENV_NAMES] = "textworld"  # type: ignore[valid-type]
-    num_games: int = Field(2, ge=1)  # distinct games (task groups) per step
-    game_pool: int = Field(8, ge=1)  # tasks in the training pool (textworld: seeds seed..seed+game_pool-1)
-    eval_pool: int = Field(16, ge=1)  # tasks `opsd eval` plays (the env's validation split where it has one)
+    num_games: int = Field(2, ge=1, le=4096)  # distinct games (task groups) per step
+    game_pool: int = Field(8, ge=1, le=1_000_000)  # tasks in the training pool (textworld: seeds seed..seed+game_pool-1)
+    eval_pool: int = Field(16, ge=1, le=1_000_000)  # tasks `opsd eval` plays (the env's validation split where it has one)
     seed: int = 1234
     world_size: int = Field(1, ge=1)  # textworld: rooms
     nb_objects: int = Field(3, ge=1)  # textworld
     quest_length: int = Field(1, ge=1)  # textworld
-    max_turns: int = Field(4, ge=1)
+    max_turns: int = Field(4, ge=1, le=MAX_GROUP_TURNS)
     prompt_format: Literal["action", "think"] = "action"
     list_admissible: bool = True
     one_shot: bool = True
@@ -242,10 +244,10 @@ class EnvSection(_Section):
 
 
 class RolloutSection(_Section):
-    group_size: int = Field(4, ge=1)
+    group_size: int = Field(4, ge=1, le=MAX_GROUP_SIZE)  # the wire refuses bigger TaskGroups
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(24, ge=1)
+    max_new_tokens: int = Field(24, ge=1, le=1 << 20)
     batch_size: int = Field(16, ge=1)  # episodes generated together (with groups in flight: rows per transformers wave)
     # TaskGroups a worker plays at once, every episode on its own (services/rollout/inflight.py); 1 = one group at
     # a time in lockstep, reproducible bit for bit. None: 1 on transformers, 16 on vLLM (RunConfig.groups_in_flight).
@@ -266,7 +268,7 @@ class TeacherSection(_Section):
     # published by the trainer: services/trainer/ema.py). An external teacher (source model) is frozen by
     # nature and takes "live" or "frozen" alike.
     version: str = Field("live", pattern=r"^(live|frozen|lag:[1-9][0-9]{0,3}|ema:0\.[0-9]{1,6})$")
-    thinking_max_new_tokens: int = Field(24, ge=1)
+    thinking_max_new_tokens: int = Field(24, ge=1, le=1 << 20)
     score_batch_size: int = Field(8, ge=1)
     embedder_timeout_s: float = Field(30.0, gt=0)  # one /correspond attempt
     # Connection errors, timeouts and 5xx from the embedder are retried with exponential backoff
@@ -647,6 +649,15 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _wire_limits(self) -> "RunConfig":
+        # What a step makes must pass the wire's checks (opsd.types), or the run fails mid-way with a WireError.
+        turns = self.rollout.group_size * self.env.max_turns
+        if turns > MAX_GROUP_TURNS:
+            raise ValueError(f"rollout.group_size x env.max_turns = {turns} turns a group: at most {MAX_GROUP_TURNS} "
+                             f"(the wire's bound on a group's turns)")
+        return self
+
+    @model_validator(mode="after")
     def _known_method(self) -> "RunConfig":
         from opsd.credit import registered  # the registry imports this module
 
@@ -721,12 +732,37 @@ class RunConfig(_Section):
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
-        """Read a YAML file; raises FileNotFoundError or pydantic.ValidationError."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        """Read a YAML file (`read_yaml`); raises FileNotFoundError, ValueError (an alias bomb) or
+        pydantic.ValidationError."""
+        data = read_yaml(path) or {}
         return cls.model_validate(data)
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+# A real config has a few hundred values; YAML aliases can make a few hundred bytes expand to billions
+# (an "anchor bomb": each level of aliases multiplies the values every later pass has to walk).
+MAX_CONFIG_VALUES = 100_000
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML document of `path` (yaml.safe_load). Raises OSError, UnicodeDecodeError, yaml.YAMLError, or
+    ValueError when its aliases expand it past MAX_CONFIG_VALUES values (counted without expanding: the
+    walk stops at the cap, a self-referencing alias included)."""
+    data = yaml.safe_load(Path(path).read_text())
+    count, stack = 0, [data]
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ValueError(f"the document expands to more than {MAX_CONFIG_VALUES} values (YAML aliases?): refused")
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return data
 
 
 # What may change when a run resumes (or between the roles of one run); everything else is the run's identity.
@@ -741,7 +777,7 @@ RESUMABLE_FIELDS = (
 ADDED_FIELDS = (
     ("model", "device"), ("model", "vllm"), ("trainer", "lora"), ("env", "eval_pool"), ("env", "privileged"),
     ("env", "twx"), ("env", "scienceworld"), ("env", "alfworld"), ("env", "search"), ("env", "webshop"),
-    ("env", "reasoning_gym"), ("embedder", "device"),
+    ("env", "reasoning_gym"), ("embedder", "device"), ("env", "evidence"), ("credit", "diagnostic_prompt_buckets"),
 )
 # Sections that never change what a run trains (dropped from the hash whole).
 UNHASHED_SECTIONS = ("eval", "simulate")

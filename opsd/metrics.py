@@ -39,7 +39,8 @@ CREDIT_EVENTS = Counter("opsd_credit_events_total", "Edge cases the credit code 
 EMBEDDER_FALLBACKS = Counter("opsd_embedder_fallbacks_total", "Groups scored with identity views because the embedder failed", ["role"])
 NONFINITE_LOGPROBS = Counter("opsd_nonfinite_logprobs_total", "Log-probs that came out NaN/inf and were masked", ["role"])
 GROUPS_DROPPED = Counter(
-    "opsd_groups_dropped_total", "Groups the trainer did not train on: too stale, or already applied (a redelivery)", ["role", "reason"]
+    "opsd_groups_dropped_total", "Groups the trainer did not train on: too stale, already applied (a redelivery), or claiming a policy version "
+    "never published (future)", ["role", "reason"]
 )
 GROUP_STALENESS = Gauge("opsd_group_staleness_versions", "Largest policy-version lag of the groups in the last step", ["role"])
 BACKPRESSURE_SECONDS = Counter(
@@ -81,7 +82,7 @@ def init_series(role: str) -> None:
         for status in ("401", "413"):
             HTTP_REJECTED.labels(role, status)
     if role == "trainer":
-        for reason in ("duplicate", "stale"):
+        for reason in ("duplicate", "stale", "future"):
             GROUPS_DROPPED.labels(role, reason)
 
 

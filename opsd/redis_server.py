@@ -37,6 +37,11 @@ CONNECT_TIMEOUT_S = 5.0
 HEALTH_CHECK_INTERVAL_S = 30  # PING a connection idle this long before reusing it
 RETRIES = 5  # backoff 0.05, 0.1, 0.2, 0.4, 0.8 s: rides out a short server restart
 ALLOW_NO_AUTH_ENV = "OPSD_REDIS_ALLOW_NO_AUTH"  # =1: connect() accepts a URL without a password
+# Client options opsd sets itself (connect()): from a URL's query they would win over ours (redis-py gives the
+# query precedence), e.g. ?socket_timeout=1 under every blocking read, or a huge one that hangs on a dead server.
+OWNED_URL_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "health_check_interval",
+                               "retry_on_timeout", "retry_on_error", "socket_keepalive", "protocol", "decode_responses",
+                               "legacy_responses"})
 _NO_RETRY = Retry(NoBackoff(), 0)
 
 
@@ -321,14 +326,16 @@ def connect(url: str, block_ms: int) -> redis.Redis:
     backoff. Replies are bytes (RESP2). Does not contact the server; errors
     surface on the first command.
 
-    Raises ValueError for block_ms < 0, and for a URL without a password
+    Raises ValueError for block_ms < 0, for a URL whose query sets an option opsd owns (OWNED_URL_OPTIONS:
+    the socket timeouts, retries, health checks, the protocol), and for a URL without a password
     (a Redis reachable by others must not run open) unless
     OPSD_REDIS_ALLOW_NO_AUTH=1 is set.
     """
     if block_ms < 0:
         raise ValueError(f"block_ms must be >= 0, got {block_ms}")
     try:
-        password = parse_url(url).get("password")
+        options = parse_url(url)
+        password = options.get("password")
     except ValueError:  # redis-py's message may quote a piece of the password: never show it
         masked = re.sub(r"^([a-z]+://[^:/@]*:)[^@]*@", r"\1PASSWORD@", url)
         try:
@@ -337,6 +344,10 @@ def connect(url: str, block_ms: int) -> redis.Redis:
             raise ValueError(f"the Redis URL cannot be parsed: {e}") from None
         raise ValueError("the Redis URL cannot be parsed because of its password (a password with / ? # @ : % breaks "
                          "redis://:PASSWORD@host:port/db; use letters, digits, - and _)") from None
+    owned = sorted(OWNED_URL_OPTIONS & options.keys())
+    if owned:
+        raise ValueError(f"the Redis URL sets {', '.join(owned)}: opsd sets these itself (its blocking reads need a socket "
+                         f"timeout above redis.block_ms, and it retries on its own); remove them from the URL")
     if not password and os.environ.get(ALLOW_NO_AUTH_ENV) != "1":
         raise ValueError(
             "the Redis URL has no password (or a # in it ended the URL): use redis://:PASSWORD@host:port/db "

@@ -862,6 +862,10 @@ def test_config_rejects_values_that_fail_mid_run(tmp_path, text, where):
                  marks=pytest.mark.skipif(VLLM_FOUND, reason="vLLM is installed in this interpreter: the CLI "
                                           "has no missing-vLLM error to show")),
     ("run:\n  steps: 1\n", ["--backend", "vlm"], "model.backend: Input should be 'hf' or 'vllm'"),
+    # Sizes the wire would refuse mid-run are refused at load (issue 23 item 7).
+    ("rollout:\n  group_size: 1000000000\n", [], "rollout.group_size: Input should be less than or equal to 1024"),
+    ("rollout:\n  group_size: 512\nenv:\n  max_turns: 50\n", [], "25600 turns a group: at most 4096"),
+    ("env:\n  num_games: 100000000\n", [], "env.num_games: Input should be less than or equal to 4096"),
 ])
 def test_cli_bad_config_gives_a_short_message_not_a_traceback(tmp_path, text, args, expect):
     from typer.testing import CliRunner
@@ -875,6 +879,44 @@ def test_cli_bad_config_gives_a_short_message_not_a_traceback(tmp_path, text, ar
     assert expect in result.output and "Traceback" not in result.output
     assert len(result.output.splitlines()) <= 8
     assert not (tmp_path / "runs").exists()  # nothing started
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))  # 9**9 values
+
+
+def test_a_yaml_anchor_bomb_is_refused_at_once(tmp_path):
+    """A few hundred bytes of nested aliases (9**9 values) are refused when read, by the CLI and by every
+    role's RunConfig.load, in well under a second; so is an alias that refers to itself."""
+    from typer.testing import CliRunner
+
+    from opsd.cli import app
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text("run:\n  name: &n [1]\n" + "".join("  " + line + "\n" for line in BOMB.splitlines()))
+    assert len(path.read_bytes()) < 600
+    t0 = time.perf_counter()
+    result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 2 and "expands to more than" in result.output and len(result.output) < 400
+    with pytest.raises(ValueError, match="expands to more than"):
+        RunConfig.load(path)
+    (tmp_path / "loop.yaml").write_text("run: &r\n  name: *r\n")
+    with pytest.raises(ValueError, match="expands to more than"):
+        RunConfig.load(tmp_path / "loop.yaml")
+    assert time.perf_counter() - t0 < 5.0
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_bad_value_is_shown_bounded(tmp_path):
+    """A wrong value of a huge size (under the alias cap) is named in one short line, not printed whole."""
+    from typer.testing import CliRunner
+
+    from opsd.cli import app
+
+    path = tmp_path / "big.yaml"
+    path.write_text("run:\n  name: [" + ", ".join(["xxxxxxxxxx"] * 20_000) + "]\n")
+    result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 2 and "run.name" in result.output and len(result.output) < 600, result.output
 
 
 def test_trainer_refuses_to_run_alone_when_configured_for_several_ranks(tmp_path):

@@ -383,3 +383,14 @@ def test_pruning_deletes_the_averages_with_their_versions(tmp_path):
     assert prune_versions(tmp_path, newest=3, keep=2) == [0, 1]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [
         "ema-v00002.safetensors", "ema-v00003.safetensors", "policy-v00002.safetensors", "policy-v00003.safetensors"]
+
+
+def test_a_run_made_before_new_config_fields_still_resumes():
+    """The config hash a checkpoint records must not change when a field is added: new fields at their defaults
+    go in opsd.config.ADDED_FIELDS. Pinned: the quickstart config's hash since the evidence env and the
+    teacher-verifier buckets were added (a run of the learning benchmark started before them resumed with it).
+    Update the pin only for a change that should stop old runs from resuming, and say so."""
+    cfg = RunConfig.load(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    assert config_hash(hashed_config(cfg)) == "351d52114502a9a30b278d729c2c3de9f1f05e73d6bb625ae7442c6322f06ac8"
+    assert config_hash(hashed_config(cfg.model_copy(update={"env": cfg.env.model_copy(
+        update={"evidence": cfg.env.evidence.model_copy(update={"prompt_tokens": [512]})})}))) != config_hash(hashed_config(cfg))

@@ -85,7 +85,7 @@ def test_collector_drops_duplicates_and_stale_groups_and_buffers_future_steps(re
     e_a2 = _produce(redis_client, stream_prefix, _group(0, "tw-a", 0, seed=1))  # a second entry of one group
     col.poll(version=0, step=0, block_ms=100, reclaim_idle_ms=60_000)
     assert set(col.buffer) == {"s00000-tw-a", "s00000-tw-b", "s00001-tw-c"}
-    assert col.counts == {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 1}
+    assert col.counts == {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 1, "dropped_future": 0}
     assert _pending(redis_client, stream_prefix) == {e_a, e_b, e_future}  # the duplicate entry is acked at once
 
     assert col.take(["s00000-tw-a", "s00000-tw-x"], 0, 0) is None  # not all here: nothing moves
@@ -98,11 +98,29 @@ def test_collector_drops_duplicates_and_stale_groups_and_buffers_future_steps(re
     e_stale = _produce(redis_client, stream_prefix, _group(3, "tw-d", 1))
     e_again = _produce(redis_client, stream_prefix, _group(0, "tw-a", 0, seed=1))
     col.poll(version=3, step=3, block_ms=100, reclaim_idle_ms=60_000)
-    assert col.counts == {"trained": 2, "dropped_stale": 1, "dropped_duplicate": 2}
+    assert col.counts == {"trained": 2, "dropped_stale": 1, "dropped_duplicate": 2, "dropped_future": 0}
     assert _dropped("duplicate") - dup0 == 2 and _dropped("stale") - stale0 == 1
     pending = _pending(redis_client, stream_prefix)
     assert e_stale not in pending and e_again not in pending and e_a2 not in pending
     assert pending == {e_a, e_b, e_future}  # trained (no checkpoint yet) and buffered groups stay held
+
+
+def test_a_group_claiming_a_version_never_published_is_dropped(redis_client, stream_prefix):
+    """A group stamped v999 against a v0 trainer is refused and counted, never trained with staleness 0; a
+    resumed trainer (checkpoint v2) still takes groups of the v4 it had published before it stopped."""
+    q = _queue(redis_client, stream_prefix)
+    col = Collector(q, max_staleness=1, role="trainer-test")
+    future0 = _dropped("future")
+    e_forged = _produce(redis_client, stream_prefix, _group(0, "tw-a", 999))
+    e_next = _produce(redis_client, stream_prefix, _group(0, "tw-b", 1, seed=2))  # one ahead of v0: never published
+    col.poll(version=0, step=0, block_ms=100, reclaim_idle_ms=60_000)
+    assert col.buffer == {} and col.counts["dropped_future"] == 2 and _dropped("future") - future0 == 2
+    assert e_forged not in _pending(redis_client, stream_prefix) and e_next not in _pending(redis_client, stream_prefix)
+
+    resumed = Collector(_queue(redis_client, stream_prefix), max_staleness=1, role="trainer-test", newest_published=4)
+    _produce(redis_client, stream_prefix, _group(2, "tw-c", 3, seed=3))
+    resumed.poll(version=2, step=2, block_ms=100, reclaim_idle_ms=60_000)
+    assert set(resumed.buffer) == {"s00002-tw-c"} and resumed.counts["dropped_future"] == 0
 
 
 def test_held_groups_are_kept_alive_and_acked_only_after_release(redis_client, stream_prefix):

@@ -491,6 +491,31 @@ def test_connect_refuses_a_url_without_password(monkeypatch):
     connect("redis://127.0.0.1:6379/0", block_ms=100).close()
 
 
+@pytest.mark.parametrize("query", ["socket_timeout=1", "socket_timeout=100000", "socket_connect_timeout=900",
+                                   "health_check_interval=0", "retry_on_timeout=no", "protocol=3"])
+def test_connect_refuses_url_options_that_override_its_own(query):
+    """redis-py lets a URL's query win over connect()'s keyword options: ?socket_timeout=1 would break every
+    blocking read (a ValueError nothing catches), a huge one hang a consumer on a dead server. Refused, one line."""
+    with pytest.raises(ValueError, match=f"the Redis URL sets {query.split('=')[0]}: opsd sets these itself"):
+        connect(f"redis://:pw@host:6379/0?{query}", block_ms=100)
+    connect("redis://:pw@host:6379/0?client_name=opsd", block_ms=100).close()  # options opsd leaves alone pass
+
+
+def test_run_refuses_a_redis_url_overriding_the_socket_timeout(redis_url, tmp_path, monkeypatch):
+    """Against a live server (the pre-flight PING succeeds with ?socket_timeout=1): refused before any role starts."""
+    from opsd.cli import Services
+
+    started = []
+    monkeypatch.setattr("opsd.cli.prepare", lambda cfg: None)
+    monkeypatch.setattr(Services, "start", lambda self, role: started.append(role))
+    monkeypatch.setenv("REDIS_URL", redis_url + ("&" if "?" in redis_url else "?") + "socket_timeout=1")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"run:\n  steps: 1\n  output_dir: {tmp_path}\n")
+    result = _cli(str(config))
+    assert result.exit_code == 2 and "socket_timeout" in result.output and started == [], result.output
+    assert "Traceback" not in result.output
+
+
 def test_a_timed_out_command_leaves_no_reply_for_the_next_one(redis_url, stream_prefix):
     client = connect(redis_url, block_ms=0)
     other = connect(redis_url, block_ms=0)

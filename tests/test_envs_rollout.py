@@ -11,7 +11,9 @@ a sampled 135M model cannot be made to follow a gold path.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -199,6 +201,32 @@ def test_the_admissible_list_obeys_the_observation_cap():
     msg = prompts.observation_message("A page.", [f"click[product {i:04d}]" for i in range(500)], cfg)
     listed = msg.split("Admissible commands:\n", 1)[1]
     assert len(listed) <= 200 + 20 and listed.endswith("more)") and "click[product 0000]" in listed
+
+
+@pytest.mark.parametrize("how", ["file symlink", "proc symlink", "folder symlink", "fifo"])
+def test_skill_files_never_leave_the_skills_folder(tmp_path, monkeypatch, how):
+    """Only regular files inside the skills folder are read: a symlink to a secret, to /proc/self/environ
+    (whose size reads as 0), a symlinked env folder or a FIFO is refused with one line, and no content leaks."""
+    from opsd.skills import privileged_text
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("REDIS_URL=redis://:hunter2@db")
+    skills = tmp_path / "skills"
+    skills.mkdir()
+    if how == "folder symlink":
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "general.txt").write_text("REDIS_URL=redis://:hunter2@db")
+        (skills / "textworld").symlink_to(tmp_path / "elsewhere")
+    else:
+        (skills / "textworld").mkdir()
+        target = skills / "textworld" / "general.txt"
+        if how == "fifo":
+            os.mkfifo(target)
+        else:
+            target.symlink_to(secret if how == "file symlink" else Path("/proc/self/environ"))
+    monkeypatch.setenv("OPSD_SKILLS_DIR", str(skills))
+    with pytest.raises(ValueError, match="not a regular file inside the skills folder"):
+        privileged_text("textworld", Task("t", "c", {}), "both")
 
 
 def test_a_huge_skill_file_is_refused(tmp_path, monkeypatch):

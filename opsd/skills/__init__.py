@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 from opsd.envs.base import Task
@@ -40,13 +41,24 @@ def walkthrough_text(commands: list[str]) -> str:
 MAX_SKILL_BYTES = 64 * 1024
 
 
-def _read(path: Path) -> str:
-    if not path.is_file():
+def _read(root: Path, path: Path) -> str:
+    """The text of skill file `path` under `root`, "" when there is none. Only a regular file whose real
+    path lies inside the real `root` is read (never a symlink, a device or /proc: their content, e.g. the
+    environment's secrets, would travel in every TaskGroup), and at most MAX_SKILL_BYTES of it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
         return ""
-    size = path.stat().st_size
-    if size > MAX_SKILL_BYTES:
-        raise ValueError(f"skill file {path} is {size} bytes; at most {MAX_SKILL_BYTES} (it is prepended to every teacher prompt)")
-    return path.read_text(encoding="utf-8").strip()
+    except OSError as e:  # ELOOP: the file is a symlink
+        raise ValueError(f"skill file {path} is not a regular file inside the skills folder ({e.strerror}): refused") from e
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not Path(path).resolve().is_relative_to(root.resolve()):
+            raise ValueError(f"skill file {path} is not a regular file inside the skills folder {root}: refused")
+        data = f.read(MAX_SKILL_BYTES + 1)  # the size of what is read, not what stat says (/proc reads as 0)
+    if len(data) > MAX_SKILL_BYTES:
+        raise ValueError(f"skill file {path} is over {MAX_SKILL_BYTES} bytes; at most {MAX_SKILL_BYTES} "
+                         f"(it is prepended to every teacher prompt)")
+    return data.decode("utf-8").strip()
 
 
 def skill_text(env: str, skill_key: str, root: Path | None = None) -> str:
@@ -60,9 +72,9 @@ def skill_text(env: str, skill_key: str, root: Path | None = None) -> str:
     for name in (env, skill_key):
         if name and (not _KEY.match(name) or name in (".", "..")):
             raise ValueError(f"skill names must be plain file names, got {name!r}")
-    parts = [_read(root / env / "general.txt")]
+    parts = [_read(root, root / env / "general.txt")]
     if skill_key and skill_key != "general":
-        parts.append(_read(root / env / f"{skill_key}.txt"))
+        parts.append(_read(root, root / env / f"{skill_key}.txt"))
     return "\n\n".join(p for p in parts if p)
 
 

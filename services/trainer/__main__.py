@@ -40,7 +40,7 @@ from opsd.models import load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.types import RolloutGroup, ScoredGroup
-from opsd.weights import ema_path, keep_snapshot, prune_versions, weights_path
+from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
 from services.trainer.checkpoint import CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
@@ -149,7 +149,8 @@ def train() -> None:
     backoff = Backoff(ROLE, proc.stop)
     claim_prefix(client, streams, run_dir, config_hash(hashed), backoff)
     issuer = TaskIssuer(client, cfg, games, cfg.redis.max_message_bytes)
-    collector = Collector(queue, cfg.run.max_staleness, state.applied, state.counts, ROLE)
+    collector = Collector(queue, cfg.run.max_staleness, state.applied, state.counts, ROLE,
+                          newest_published=max([*published_versions(run_dir), state.policy_version]))
     dead = DeadLetters(client, streams.dead)
     keep = cfg.run.max_staleness + 2 + cfg.teacher_lag  # teacher.version lag:K scores with a version K back
     step, version = state.step, state.policy_version
@@ -194,7 +195,8 @@ def train() -> None:
         mask = result.batch.loss_mask_ML > 0
         record.update(
             staleness_max=collector.last_staleness, groups_dropped_stale=collector.counts["dropped_stale"],
-            groups_dropped_duplicate=collector.counts["dropped_duplicate"], wait_seconds=t_compute - t_step,
+            groups_dropped_duplicate=collector.counts["dropped_duplicate"],
+            groups_dropped_future=collector.counts["dropped_future"], wait_seconds=t_compute - t_step,
             train_seconds=time.perf_counter() - t_compute, step_seconds=time.perf_counter() - t_step,
             advantage_abs_mean=float(np.abs(result.advantages_ML[mask]).mean()) if mask.any() else 0.0,
         )

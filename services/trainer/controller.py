@@ -212,17 +212,20 @@ class Collector:
 
     queue: the StreamQueue of the trainer's input (rollouts or scored);
     max_staleness: k, the largest accepted `trainer version - group version`;
-    applied / counts: restored from a checkpoint (`TrainerState`).
+    applied / counts: restored from a checkpoint (`TrainerState`);
+    newest_published: the newest policy version published so far (a resumed trainer may have published
+      versions past its checkpoint's); a group claiming a newer one was made by no policy of this run.
     """
 
     def __init__(self, queue: StreamQueue, max_staleness: int, applied: list[str] | None = None,
-                 counts: dict[str, int] | None = None, role: str = "trainer"):
+                 counts: dict[str, int] | None = None, role: str = "trainer", newest_published: int = 0):
         self.queue = queue
         self.max_staleness = max_staleness
         self.role = role
+        self.newest_published = newest_published
         self.applied: list[str] = list(applied or [])
         self._applied_ids = {key.rsplit("@v", 1)[0] for key in self.applied}
-        self.counts = {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 0, **(counts or {})}
+        self.counts = {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 0, "dropped_future": 0, **(counts or {})}
         self.buffer: dict[str, tuple[str, object]] = {}  # group id -> (entry id, message)
         self.trained: list[str] = []  # entry ids trained on, held until a checkpoint covers them
         self.to_ack: list[str] = []  # entry ids to acknowledge (dropped, or covered by a checkpoint)
@@ -245,9 +248,11 @@ class Collector:
         self.flush()
 
     def offer(self, d: Delivery, version: int, step: int) -> str:
-        """Classify one delivery; returns "held" (an entry already held), "buffered", "duplicate" or "stale".
+        """Classify one delivery; returns "held" (an entry already held), "buffered", "duplicate", "stale" or
+        "future".
 
-        In this order: duplicate if its group was trained before (in
+        In this order: future if its policy version is newer than any published (`version` and
+        `newest_published`: no policy of this run made it); duplicate if its group was trained before (in
         `applied`, any version: a step trains each of its tasks once); stale
         if more than max_staleness versions behind `version`; duplicate if
         another entry of it is buffered; stale if its step is already trained
@@ -259,7 +264,10 @@ class Collector:
             return "held"  # re-claimed after a long step: still ours, nothing new
         task = _task(d.msg)
         lag = version - task.policy_version
-        if gid in self._applied_ids:
+        self.newest_published = max(self.newest_published, version)
+        if task.policy_version > self.newest_published:
+            reason, why = "future", f"policy version {task.policy_version} was never published (newest {self.newest_published})"
+        elif gid in self._applied_ids:
             reason, why = "duplicate", f"already trained ({self._applied_key(gid)})"
         elif lag > self.max_staleness:
             reason, why = "stale", f"policy version {task.policy_version} is {lag} behind {version} (max {self.max_staleness})"
