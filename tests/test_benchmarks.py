@@ -180,6 +180,39 @@ def test_learning_resume_refuses_another_experiment(tmp_path):
     assert not (out / "eval").exists()  # nothing evaluated
 
 
+def test_disagreement_benchmark_values_and_smoke_run(tmp_path):
+    """benchmarks/disagreement.py: a group's values are opsd.credit.diagnostics' on s_i = mean teacher - sampler
+    log-prob over the loss tokens; the bootstrap interval brackets the mean; --quick runs the whole path."""
+    from benchmarks import disagreement
+    from opsd.credit.diagnostics import group_diagnostics
+    from tests.factories import make_scored_group
+
+    sg = make_scored_group(G=4, seed=3)
+    for t, r in zip(sg.rollout.trajectories, [1.0, 0.0, 0.5, 0.0]):
+        t.reward = r
+    s = [float((lp[t.loss_mask_S == 1] - t.sampler_logprobs_S[t.loss_mask_S == 1]).mean())
+         for t, lp in zip(sg.rollout.trajectories, sg.teacher_logprobs_S)]
+    want = group_diagnostics(np.array([1.0, 0.0, 0.5, 0.0]), np.array(s))
+    got = disagreement.group_values(sg)
+    assert got == {"pairwise_disagreement": want.pairwise_disagreement, "top1_mismatch": want.top1_mismatch,
+                   "preference_gap": want.preference_gap}
+    for t in sg.rollout.trajectories:
+        t.reward = 0.5
+    assert disagreement.group_values(sg) is None  # no verifier preference: excluded
+    lo, hi = disagreement.bootstrap([0.0, 1.0, 0.5, 0.25], 500, np.random.default_rng(0))
+    assert 0.0 <= lo < 0.4375 < hi <= 1.0 and disagreement.bootstrap([], 10, np.random.default_rng(0)) == (None, None)
+
+    proc = subprocess.run([sys.executable, "benchmarks/disagreement.py", "--quick", "--out", str(tmp_path / "d"),
+                           "--json", str(tmp_path / "rows.json")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "d" / "disagreement.json").read_text())
+    assert list(data["buckets"]) == ["96", "192"] and all(b["prompts"] == 2 for b in data["buckets"].values())
+    assert (tmp_path / "d" / "disagreement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert len(rows) == 6 and {r["name"].split(":")[0] for r in rows} == {"96", "192"}
+
+
 def test_the_teacher_experiments_configs(tmp_path):
     """--teacher: grpo trains alone; the others distill from the external teacher, opd/gc_opd with no privileged
     context, alignopsd with the config's; every config validates; steps_to_reach reads the curve."""
