@@ -62,12 +62,14 @@ def group_values(scored) -> dict | None:
     trajectory's loss tokens (0 without any), R_i its F1 reward; None when its rewards do not differ."""
     from opsd.credit.diagnostics import group_diagnostics
 
-    reward, score = [], []
+    reward_N, score_N = [], []
     for t, lp in zip(scored.rollout.trajectories, scored.teacher_logprobs_S):
         m = t.loss_mask_S == 1
-        reward.append(t.reward)
-        score.append(float((lp[m] - t.sampler_logprobs_S[m]).mean()) if m.any() else 0.0)
-    diag = group_diagnostics(np.array(reward), np.array(score))
+        s = float((lp[m] - t.sampler_logprobs_S[m]).mean()) if m.any() else 0.0
+        if t.turns and np.isfinite(s):  # as the trainer's report: no reply or a -inf teacher log-prob, no rank
+            reward_N.append(t.reward)
+            score_N.append(s)
+    diag = group_diagnostics(np.array(reward_N), np.array(score_N))
     return None if diag is None else {"pairwise_disagreement": diag.pairwise_disagreement,
                                       "top1_mismatch": diag.top1_mismatch, "preference_gap": diag.preference_gap}
 
@@ -131,7 +133,8 @@ def main() -> None:
     base.setdefault("run", {})["method"] = "gc_opd"
     cfg = RunConfig.model_validate(base)
     lengths = cfg.env.evidence.prompt_tokens
-    cfg.env.eval_pool = args.prompts * len(lengths)  # round-robin over (kind, length): N tasks a bucket
+    # make_tasks deals the eval tasks round-robin over (kind, length) pairs: this many give each bucket N or more.
+    cfg.env.eval_pool = args.prompts * len(lengths) * len(cfg.env.evidence.kinds)
     out = args.out or ROOT / "runs" / "disagreement" / datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
 

@@ -115,6 +115,7 @@ def validated(cfg: dict, path: Path):
 
 
 def run_dirs(out: Path, method: str) -> list[Path]:
+    """The run directories `opsd run` made under out/<method>/, oldest first (their names carry a timestamp)."""
     runs = out / method
     return sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
 
@@ -254,6 +255,10 @@ def main() -> None:
         for method in args.methods:
             validated(config_of(method, Path(tmp) / "teacher"), Path(tmp) / f"{method}.yaml")
     out = args.out or ROOT / "runs" / "learning" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    before = json.loads((out / "learning.json").read_text()) if args.resume else None
+    if before is not None and (before["config"] != base or before["methods"] != args.methods
+                               or before.get("teacher_steps") != teacher_steps):
+        raise SystemExit(f"--resume: {out / 'learning.json'} was written with another config, methods or teacher steps")
     out.mkdir(parents=True, exist_ok=True)
     run_cfg = validated(base, out / "config.yaml")
     if run_cfg.trainer.snapshot_every < 1:
@@ -271,10 +276,7 @@ def main() -> None:
     }
     if args.teacher:
         result.update(teacher_steps=teacher_steps, teacher=None, steps_to_grpo_final={})
-    if args.resume:  # keep what was measured; the same experiment or none
-        before = json.loads((out / "learning.json").read_text())
-        if before["config"] != base or before["methods"] != args.methods:
-            raise SystemExit(f"--resume: {out / 'learning.json'} was written with another config or methods")
+    if before is not None:  # --resume: keep what was measured (the same experiment, checked above)
         result = {**result, **{k: v for k, v in before.items() if k not in ("command", "machine")}}
         result.setdefault("resumed", []).append({"at": datetime.now().isoformat(timespec="seconds"), "command": command})
 
@@ -299,7 +301,8 @@ def main() -> None:
         t0 = time.perf_counter()
         prior = run_dirs(out, method) if args.resume else []  # --resume: a finished run, or one to continue
         done = next((d for d in reversed(prior) if (d / "DONE").exists()), None)
-        stopped = next((d for d in reversed(prior) if not (d / "DONE").exists()), None)
+        # A run killed before it wrote its config cannot be continued: it starts again in a new directory.
+        stopped = next((d for d in reversed(prior) if not (d / "DONE").exists() and (d / "config.yaml").is_file()), None)
         run_dir = done or train(config_of(method, teacher_dir), out, method, resume=stopped)
         result["seconds"][f"train/{method}"] = result["seconds"].get(f"train/{method}", 0.0) + time.perf_counter() - t0
         result["training"][method] = training_records(run_dir)

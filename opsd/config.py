@@ -651,10 +651,12 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _wire_limits(self) -> "RunConfig":
         # What a step makes must pass the wire's checks (opsd.types), or the run fails mid-way with a WireError.
-        turns = self.rollout.group_size * self.env.max_turns
-        if turns > MAX_GROUP_TURNS:
-            raise ValueError(f"rollout.group_size x env.max_turns = {turns} turns a group: at most {MAX_GROUP_TURNS} "
-                             f"(the wire's bound on a group's turns)")
+        for what, size in (("rollout.group_size", self.rollout.group_size), ("eval.episodes_per_task",
+                                                                               self.eval.episodes_per_task)):
+            turns = size * self.env.max_turns
+            if turns > MAX_GROUP_TURNS:
+                raise ValueError(f"{what} x env.max_turns = {turns} turns a group: at most {MAX_GROUP_TURNS} "
+                                 f"(the wire's bound on a group's turns)")
         return self
 
     @model_validator(mode="after")
@@ -771,13 +773,14 @@ RESUMABLE_FIELDS = (
     ("redis", "url"), ("redis", "block_ms"), ("redis", "reclaim_idle_ms"), ("redis", "max_deliveries"),
     ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
     ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"), ("trainer", "snapshot_every"),
+    ("credit", "diagnostic_prompt_buckets"),  # what is reported, not what is trained
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.
 ADDED_FIELDS = (
     ("model", "device"), ("model", "vllm"), ("trainer", "lora"), ("env", "eval_pool"), ("env", "privileged"),
     ("env", "twx"), ("env", "scienceworld"), ("env", "alfworld"), ("env", "search"), ("env", "webshop"),
-    ("env", "reasoning_gym"), ("embedder", "device"), ("env", "evidence"), ("credit", "diagnostic_prompt_buckets"),
+    ("env", "reasoning_gym"), ("embedder", "device"), ("env", "evidence"),
 )
 # Sections that never change what a run trains (dropped from the hash whole).
 UNHASHED_SECTIONS = ("eval", "simulate")

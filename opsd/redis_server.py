@@ -40,7 +40,7 @@ ALLOW_NO_AUTH_ENV = "OPSD_REDIS_ALLOW_NO_AUTH"  # =1: connect() accepts a URL wi
 # Client options opsd sets itself (connect()): from a URL's query they would win over ours (redis-py gives the
 # query precedence), e.g. ?socket_timeout=1 under every blocking read, or a huge one that hangs on a dead server.
 OWNED_URL_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "health_check_interval",
-                               "retry_on_timeout", "retry_on_error", "socket_keepalive", "protocol", "decode_responses",
+                               "retry", "retry_on_timeout", "retry_on_error", "socket_keepalive", "protocol", "decode_responses",
                                "legacy_responses"})
 _NO_RETRY = Retry(NoBackoff(), 0)
 

@@ -39,7 +39,7 @@ import numpy as np
 DATA_DIR = Path(__file__).resolve().parent / "envs" / "data" / "search"
 SHIPPED_CORPUS = DATA_DIR / "corpus.jsonl"
 
-log = logging.getLogger("embedder.retrieval")
+log = logging.getLogger("opsd.retrieval")
 
 EMBED_BATCH = 256  # passages per Encoder.embed call while building an index
 PROGRESS_EVERY_S = 30.0  # while building an index, log passages embedded / total this often

@@ -164,7 +164,7 @@ def test_paper_case_study(multi_turn):
 
 
 def test_negative_raca_ablation_flips_the_residual():
-    # The authors' negative-RACA ablation (configs/gc_opd_paper.yaml: credit_mode raca, residual_beta -0.10):
+    # The authors' negative-RACA ablation (SolereZhang/GC-OPD's configs/gc_opd_paper.yaml: raca, residual_beta -0.10):
     # the residual term is subtracted, so the paper's case-study trajectory B is pushed down, not up.
     batch = paper_batch(multi_turn=False)
     neg = gc_opd_credit(batch, CreditSection(gc_opd={"residual_beta": -0.10}))

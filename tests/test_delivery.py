@@ -492,7 +492,7 @@ def test_connect_refuses_a_url_without_password(monkeypatch):
 
 
 @pytest.mark.parametrize("query", ["socket_timeout=1", "socket_timeout=100000", "socket_connect_timeout=900",
-                                   "health_check_interval=0", "retry_on_timeout=no", "protocol=3"])
+                                   "health_check_interval=0", "retry_on_timeout=no", "retry=x", "protocol=3"])
 def test_connect_refuses_url_options_that_override_its_own(query):
     """redis-py lets a URL's query win over connect()'s keyword options: ?socket_timeout=1 would break every
     blocking read (a ValueError nothing catches), a huge one hang a consumer on a dead server. Refused, one line."""

@@ -26,6 +26,10 @@ def test_f1_is_graded(answer, expected):
     assert f1(answer, ["HE-3001", "KE-1042", "RO-2210"]) == pytest.approx(expected)
 
 
+def test_long_passage_numbers_are_scored():
+    assert f1("P12345, P7", ["P7", "P12345"]) == 1.0 and f1("P123456", ["P12345"]) == 0.0
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_required_ids_are_exactly_the_matching_entries(seed):
     tables = generate("tables", 2048, seed)
@@ -37,8 +41,12 @@ def test_required_ids_are_exactly_the_matching_entries(seed):
 
     passages = generate("retrieval", 2048, seed)
     city = re.search(r"lives in (\w+) now", passages.question).group(1)
-    lives = [m.group(1) for m in re.finditer(rf"^\[(P\d+)\] \w+ \w+ is an? \w+ who lives in {city}\.", passages.text, re.M)]
+    lives = [m.group(1) for m in re.finditer(rf"^\[(P\d+)\] [\w. ]+? is an? \w+ who lives in {city}\.", passages.text, re.M)]
     assert lives == passages.answer and 2 <= len(lives) <= 6
+    # One person a passage, every name distinct (a required person is never also someone living elsewhere).
+    long = generate("retrieval", 16384, seed)
+    names = [re.match(r"\[P\d+\] ([A-Z][a-z]+(?: [A-Z]\.)? [A-Z][a-z]+)", line).group(1) for line in long.text.splitlines()]
+    assert len(names) > 300 and len(set(names)) == len(names)
     # Distractors name the city without the person living there.
     named = [m.group(1) for m in re.finditer(rf"^\[(P\d+)\] .*\b{city}\b", passages.text, re.M)]
     assert set(lives) <= set(named)

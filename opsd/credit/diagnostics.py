@@ -18,6 +18,12 @@ tokens (spec §3 step 1, nats/token); R_i is its episode reward. Per group with 
 Each is computed per group and macro-averaged over the groups (every group weighs the same, however many
 pairs it has), over all groups and per prompt-length bucket (a group's prompt length: the mean over its
 trajectories of the tokens before their first response).
+
+Not the authors' numbers to the digit: their frozen-replay analysis (SolereZhang/GC-OPD,
+analyze_gc_opd_frozen_replay.py) pools the comparable pairs of all groups of a bucket (sum of
+disagreements / sum of pairs) and takes the top-1 by argmax (the first of tied top scores); here each
+group weighs 1 (the issue's "macro-averaged") and tied top scores share the mismatch. On groups of equal
+size without ties the two agree.
 """
 
 from __future__ import annotations
@@ -45,22 +51,24 @@ def group_diagnostics(reward_N: np.ndarray, score_N: np.ndarray, eps: float = 1e
       eps >= 0, the tolerance under which two rewards or two scores count as equal.
     Raises: ValueError on shapes that differ or are not 1-D, or a NaN/inf value.
     """
-    r = np.asarray(reward_N, dtype=np.float64)
-    s = np.asarray(score_N, dtype=np.float64)
-    if r.ndim != 1 or r.shape != s.shape:
-        raise ValueError(f"reward {r.shape} and teacher score {s.shape} must be equal 1-D shapes")
-    if not (np.isfinite(r).all() and np.isfinite(s).all()):
+    r_N = np.asarray(reward_N, dtype=np.float64)
+    s_N = np.asarray(score_N, dtype=np.float64)
+    if r_N.ndim != 1 or r_N.shape != s_N.shape:
+        raise ValueError(f"reward {r_N.shape} and teacher score {s_N.shape} must be equal 1-D shapes")
+    if not (np.isfinite(r_N).all() and np.isfinite(s_N).all()):
         raise ValueError("reward or teacher score has NaN or inf")
-    i, j = np.triu_indices(r.size, k=1)
-    dr, ds = r[i] - r[j], s[i] - s[j]
-    ordered = np.abs(dr) > eps
-    if not ordered.any():
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    i_P, j_P = np.triu_indices(r_N.size, k=1)  # every unordered pair
+    dr_P, ds_P = r_N[i_P] - r_N[j_P], s_N[i_P] - s_N[j_P]
+    ordered_P = np.abs(dr_P) > eps
+    if not ordered_P.any():
         return None
-    comparable = ordered & (np.abs(ds) > eps)
-    disagreement = float((dr[comparable] * ds[comparable] < 0).mean()) if comparable.any() else float("nan")
-    top = s >= s.max() - eps
-    mismatch = float((r[top] < r.max() - eps).mean())
-    gap = float((np.sign(dr[ordered]) * ds[ordered]).mean())
+    comparable_P = ordered_P & (np.abs(ds_P) > eps)
+    disagreement = float((dr_P[comparable_P] * ds_P[comparable_P] < 0).mean()) if comparable_P.any() else float("nan")
+    top_N = s_N >= s_N.max() - eps
+    mismatch = float((r_N[top_N] < r_N.max() - eps).mean())
+    gap = float((np.sign(dr_P[ordered_P]) * ds_P[ordered_P]).mean())
     return GroupDiagnostics(disagreement, mismatch, gap)
 
 
@@ -99,8 +107,8 @@ def teacher_verifier_metrics(
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"prompt-length bucket bounds must increase strictly, got {bounds}")
     group_N = np.asarray(group_N)
-    prompt = np.asarray(prompt_tokens_N, dtype=np.float64)
-    if not (group_N.shape == prompt.shape == np.shape(reward_N) == np.shape(score_N)):
+    prompt_N = np.asarray(prompt_tokens_N, dtype=np.float64)
+    if not (group_N.shape == prompt_N.shape == np.shape(reward_N) == np.shape(score_N)):
         raise ValueError("reward, teacher score, group and prompt-length arrays need one entry per response")
     names = bucket_names(bounds)
     per_bucket: dict[str, list[GroupDiagnostics]] = {"all": [], **{n: [] for n in names}}
@@ -111,7 +119,7 @@ def teacher_verifier_metrics(
             continue
         per_bucket["all"].append(diag)
         if bounds:
-            per_bucket[names[int(np.searchsorted(bounds, prompt[rows].mean(), side="right"))]].append(diag)
+            per_bucket[names[int(np.searchsorted(bounds, prompt_N[rows].mean(), side="right"))]].append(diag)
     out: dict[str, float] = {}
     for bucket, diags in per_bucket.items():
         out[f"teacher_verifier/{bucket}/groups"] = float(len(diags))

@@ -46,7 +46,8 @@ NAME = "evidence"
 ACTION_TAGS = ("answer",)
 METRIC = "f1"
 KINDS = ("tables", "retrieval")
-ID_PATTERN = re.compile(r"\b(?:[A-Z]{2}-\d{4}|P\d{1,4})\b")
+ID_PATTERN = re.compile(r"\b(?:[A-Z]{2}-\d{4}|P\d+)\b")
+MAX_TOKENS = 131072  # the largest target length (EvidenceSection's bound)
 MAX_ANSWER_CHARS = 16_384
 
 PROMPT = EnvPrompt(
@@ -99,12 +100,14 @@ class Document:
 
 
 def _rng(env_seed: int, split: str, kind: str, tokens: int, index: int) -> tuple[int, random.Random]:
+    """(seed, random.Random(seed)) of task `index` of a split: a SHA-256 of its coordinates, stable everywhere."""
     digest = hashlib.sha256(f"evidence:{env_seed}:{split}:{kind}:{tokens}:{index}".encode()).hexdigest()
     seed = int(digest[:12], 16)
     return seed, random.Random(seed)
 
 
 def _tables(rng: random.Random, target_chars: int) -> Document:
+    """A multi-table document of about `target_chars` characters; 2-6 rows, anywhere, hold the asked city."""
     city = rng.choice(CITIES)
     others = [c for c in CITIES if c != city]
     header = "| ID | item | destination | crates | shipped |"
@@ -127,7 +130,7 @@ def _tables(rng: random.Random, target_chars: int) -> Document:
             if size >= target_chars and len(rows) >= 3 and tables:  # stop at the target, not a table later
                 break
         tables.append(rows)
-    # Scatter the matches: 2-6 rows, each in a table drawn at random (spread when there are enough tables).
+    # Scatter the matches: 2-6 rows drawn uniformly over all rows of all tables.
     cells = [(t, r) for t in range(len(tables)) for r in range(len(tables[t]))]
     picked = rng.sample(cells, rng.randint(2, min(6, len(cells))))
     for t, r in picked:
@@ -141,17 +144,28 @@ def _tables(rng: random.Random, target_chars: int) -> Document:
     return Document(question, "\n\n".join(blocks), sorted(tables[t][r][0] for t, r in picked))
 
 
-def _person(rng: random.Random) -> str:
-    return f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+def _person(rng: random.Random, used: set[str]) -> str:
+    """A name no other passage of the document has (a middle initial once plain names run out), so "the
+    person who lives in Oslo" is never also someone who lives elsewhere. Up to 24 x 22 x 27 names."""
+    for _ in range(10_000):
+        middle = rng.choice("ABCDEFGHIJKLMNOPRSTVWZ") + ". " if len(used) > 200 and rng.random() < 0.9 else ""
+        name = f"{rng.choice(FIRST)} {middle}{rng.choice(LAST)}"
+        if name not in used:
+            used.add(name)
+            return name
+    raise ValueError("evidence env: ran out of distinct names (document too long)")
 
 
 def _retrieval(rng: random.Random, target_chars: int) -> Document:
+    """Numbered passages of about `target_chars` characters, one person each (distinct names); 2-6 are about a
+    person living in the asked city, about a fifth name the city without the person living there."""
     city = rng.choice(CITIES)
+    used: set[str] = set()
     others = [c for c in CITIES if c != city]
     passages: list[str] = []
     size = 0
     while size < target_chars or len(passages) < 8:
-        who, job, home = _person(rng), rng.choice(JOBS), rng.choice(others)
+        who, job, home = _person(rng, used), rng.choice(JOBS), rng.choice(others)
         if rng.random() < 0.2:  # a distractor: the city is named, but the person does not live there
             text = rng.choice([
                 f"{who}, a {job}, once spent a summer in {city} before settling in {home}, where they still live.",
@@ -165,7 +179,7 @@ def _retrieval(rng: random.Random, target_chars: int) -> Document:
         size += len(text) + 8
     matches = rng.sample(range(len(passages)), rng.randint(2, min(6, len(passages))))
     for i in matches:
-        who = _person(rng)
+        who = _person(rng, used)
         passages[i] = f"{who} is a {rng.choice(JOBS)} who lives in {city}. {who.split()[0]} {rng.choice(HOBBIES)}."
     text = "\n".join(f"[P{i + 1}] {p}" for i, p in enumerate(passages))
     question = (f"Give the number of every passage (P1, P2, ...) about a person who lives in {city} now "
@@ -227,8 +241,8 @@ class EvidenceEnv:
             kind, tokens, seed = str(task.spec["kind"]), int(task.spec["tokens"]), int(task.spec["seed"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed evidence task spec ({type(exc).__name__}: {exc})") from exc
-        if not 1 <= tokens <= 1 << 20:
-            raise ValueError(f"evidence task spec: tokens {tokens} outside [1, {1 << 20}]")
+        if not 1 <= tokens <= MAX_TOKENS:
+            raise ValueError(f"evidence task spec: tokens {tokens} outside [1, {MAX_TOKENS}]")
         self.doc = generate(kind, tokens, seed)
         self.kind = kind
         self._max_chars = max_observation_chars

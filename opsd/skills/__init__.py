@@ -42,18 +42,25 @@ MAX_SKILL_BYTES = 64 * 1024
 
 
 def _read(root: Path, path: Path) -> str:
-    """The text of skill file `path` under `root`, "" when there is none. Only a regular file whose real
-    path lies inside the real `root` is read (never a symlink, a device or /proc: their content, e.g. the
-    environment's secrets, would travel in every TaskGroup), and at most MAX_SKILL_BYTES of it."""
+    """The text of skill file `path` under `root`, "" when there is none. Only a regular file, with one link,
+    whose real path (of the file actually opened) lies inside the real `root` is read (never a symlink, a
+    device, a FIFO or /proc: their content, e.g. the environment's secrets, would travel in every TaskGroup),
+    and at most MAX_SKILL_BYTES of it. ValueError otherwise."""
+    refused = f"skill file {path} is not a regular file inside the skills folder {root}: refused"
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # before opening: opening a device may do something
+            raise ValueError(refused)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return ""
-    except OSError as e:  # ELOOP: the file is a symlink
-        raise ValueError(f"skill file {path} is not a regular file inside the skills folder ({e.strerror}): refused") from e
+    except OSError as e:  # ELOOP: the file became a symlink
+        raise ValueError(f"{refused} ({e.strerror})") from e
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not Path(path).resolve().is_relative_to(root.resolve()):
-            raise ValueError(f"skill file {path} is not a regular file inside the skills folder {root}: refused")
+        st = os.fstat(fd)
+        # The file opened, not the name: a parent folder swapped for a symlink after the open cannot fool it.
+        opened = Path(os.readlink(f"/proc/self/fd/{fd}")) if os.path.exists(f"/proc/self/fd/{fd}") else Path(path).resolve()
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not opened.is_relative_to(root.resolve()):
+            raise ValueError(refused)
         data = f.read(MAX_SKILL_BYTES + 1)  # the size of what is read, not what stat says (/proc reads as 0)
     if len(data) > MAX_SKILL_BYTES:
         raise ValueError(f"skill file {path} is over {MAX_SKILL_BYTES} bytes; at most {MAX_SKILL_BYTES} "

@@ -39,6 +39,7 @@ from opsd.envs import EnvContext, get_adapter
 from opsd.models import load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
+from opsd.skills import privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
 from services.trainer.checkpoint import CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
@@ -141,6 +142,11 @@ def train() -> None:
         (run_dir / "DONE").unlink(missing_ok=True)
 
     games = get_adapter(cfg.env.name).make_tasks(cfg.env, EnvContext(cache_dir=cfg.cache_root), "train")
+    try:  # every task type's skill files now, not when a later step first issues it (opsd/skills: refusals)
+        for task in {t.skill_key: t for t in games}.values():
+            privileged_text(cfg.env.name, task, cfg.env.privileged)
+    except ValueError as e:
+        fatal(ROLE, str(e))
     streams = StreamNames(cfg.redis.stream_prefix)
     # Groups held across trainer restarts are re-delivered once per restart: not poison, never dead-letter them.
     queue = proc.open_queue(streams.scored if cfg.needs_teacher else streams.rollouts,
