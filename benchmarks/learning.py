@@ -95,9 +95,15 @@ def teacher_config(base: dict, method: str, steps: int | None, teacher_dir: Path
     return cfg
 
 
+def headline(point: dict) -> float:
+    """A held-out point's headline value: the env's eval metric (success rate; F1 for the evidence env). Points
+    written before the metric was recorded hold success alone."""
+    return point.get("value", point["success"])
+
+
 def steps_to_reach(points: list[dict], target: float) -> int | None:
-    """The first step of `points` (held-out points in step order) whose success is >= `target`; None if none."""
-    return next((p["step"] for p in points if p["success"] >= target), None)
+    """The first step of `points` (held-out points in step order) whose headline is >= `target`; None if none."""
+    return next((p["step"] for p in points if headline(p) >= target), None)
 
 
 def validated(cfg: dict, path: Path):
@@ -142,13 +148,17 @@ def train(cfg: dict, out: Path, method: str, resume: Path | None = None) -> Path
 
 
 def held_out(run_cfg, backend, ctx, out_dir: Path, label: str) -> dict:
-    """Play the eval split with `backend`'s current weights: {"success", "lo", "hi", "episodes", "seconds"}."""
+    """Play the eval split with `backend`'s current weights: {"metric" (the env's headline eval metric:
+    "success", or "f1" for graded verifiers), "value", "lo", "hi" (its 95% interval), "success", "episodes",
+    "format_valid_rate", "seconds"}."""
     from services.rollout.evaluate import evaluate
 
     report = evaluate(run_cfg, backend, ctx, out_dir, checkpoint=label)
     overall = report["overall"]
-    lo, hi = overall["success"]["ci95"] or (None, None)
-    return {"success": overall["success"]["value"], "lo": lo, "hi": hi, "episodes": overall["episodes"],
+    metric = report["metrics"][0]
+    lo, hi = overall[metric]["ci95"] or (None, None)
+    return {"metric": metric, "value": overall[metric]["value"], "lo": lo, "hi": hi,
+            "success": overall["success"]["value"] if "success" in overall else None, "episodes": overall["episodes"],
             "format_valid_rate": overall["format_valid_rate"], "seconds": report["seconds"]}
 
 
@@ -163,10 +173,10 @@ def plot(result: dict, path: Path) -> Path:
         shift = 0.06 * (i - (len(result["curves"]) - 1) / 2)  # methods side by side: identical points do not hide
         xs = [p["step"] + shift for p in pts]
         marker, line = STYLES.get(method, ("o", "-"))
-        ax.plot(xs, [p["success"] for p in pts], marker=marker, linestyle=line, label=method, color=COLORS.get(method))
+        ax.plot(xs, [headline(p) for p in pts], marker=marker, linestyle=line, label=method, color=COLORS.get(method))
         ax.fill_between(xs, [p["lo"] for p in pts], [p["hi"] for p in pts], alpha=0.15, color=COLORS.get(method))
     ax.set_xlabel("training step")
-    ax.set_ylabel("held-out success rate")
+    ax.set_ylabel(f"held-out {(base or {}).get('metric', 'success')}")
     ax.set_ylim(-0.02, 1.04)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -291,7 +301,7 @@ def main() -> None:
     backend = load_backend(run_cfg.model)
     if result["untrained"] is None:
         result["untrained"] = held_out(run_cfg, backend, ctx, out / "eval" / "untrained", "untrained")
-    print(f"untrained: held-out success {result['untrained']['success']:.3f} "
+    print(f"untrained: held-out {result['untrained'].get('metric', 'success')} {headline(result['untrained']):.3f} "
           f"[{result['untrained']['lo']:.3f}, {result['untrained']['hi']:.3f}]", flush=True)
     save()
     teacher_dir = out / "teacher"  # --teacher: GRPO's last snapshot as an HF directory, once GRPO has run
@@ -317,14 +327,14 @@ def main() -> None:
                 if version == teacher_steps and result["teacher"] is None:
                     result["teacher"] = {"step": version, **held_out(run_cfg, backend, ctx, out / "eval" / "teacher", "teacher")}
                     backend.save_checkpoint(teacher_dir)
-                    print(f"teacher (grpo step {version}): held-out success {result['teacher']['success']:.3f}", flush=True)
+                    print(f"teacher (grpo step {version}): held-out {headline(result['teacher']):.3f}", flush=True)
                 if not args.keep_snapshots:
                     path.unlink()
                 continue
             point = {"step": version, **held_out(run_cfg, backend, ctx, out / "eval" / f"{method}-{version:03d}",
                                                  f"{method} step {version}")}
             result["curves"][method].append(point)
-            print(f"{method} step {version}: held-out success {point['success']:.3f} "
+            print(f"{method} step {version}: held-out {point['metric']} {headline(point):.3f} "
                   f"[{point['lo']:.3f}, {point['hi']:.3f}]", flush=True)
             if not args.keep_snapshots:
                 path.unlink()
@@ -332,7 +342,7 @@ def main() -> None:
         if args.teacher and method == "grpo" and result["teacher"] is None:
             raise SystemExit(f"GRPO left no snapshot of version {teacher_steps} to be the teacher ({run_dir / 'snapshots'})")
         if args.teacher and result["curves"]["grpo"]:
-            target = result["curves"]["grpo"][-1]["success"]
+            target = headline(result["curves"]["grpo"][-1])
             result["steps_to_grpo_final"] = {m: steps_to_reach(result["curves"][m], target) for m in args.methods
                                              if result["curves"][m]}
         result["seconds"][method] = time.perf_counter() - t0
@@ -342,13 +352,13 @@ def main() -> None:
     print(f"wrote {out / 'learning.json'} and {out / 'learning.png'} in {result['seconds']['total'] / 60:.1f} min")
 
     if args.json:
-        u = result["untrained"]["success"]
+        u = headline(result["untrained"])
         rows = [Row("untrained held-out success", u, "rate", note="step 0, shared by every method")]
         for method, pts in result["curves"].items():
             if not pts:
                 continue
             last = pts[-1]
-            rows.append(Row(f"{method}: held-out success at step {last['step']}", last["success"], "rate",
+            rows.append(Row(f"{method}: held-out {last.get('metric', 'success')} at step {last['step']}", headline(last), "rate",
                             note=f"95% CI [{last['lo']:.3f}, {last['hi']:.3f}]"))
             if method == "grpo":  # the proof the RL loop is right: the whole interval above the start
                 rows.append(Row("grpo: lower 95% bound - untrained", last["lo"] - u, "rate", "> 0 rate",
@@ -359,7 +369,7 @@ def main() -> None:
                                 note="never within run.steps" if reach is None else ""))
         if args.teacher and result["teacher"] is not None:
             t = result["teacher"]
-            rows.append(Row(f"teacher (grpo step {t['step']}) held-out success", t["success"], "rate",
+            rows.append(Row(f"teacher (grpo step {t['step']}) held-out {t.get('metric', 'success')}", headline(t), "rate",
                             note=f"95% CI [{t['lo']:.3f}, {t['hi']:.3f}]"))
         write_json(args.json, "learning", command_line(), rows)
 

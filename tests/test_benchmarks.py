@@ -234,6 +234,9 @@ def test_the_teacher_experiments_configs(tmp_path):
     points = [{"step": 2, "success": 0.3}, {"step": 4, "success": 0.6}, {"step": 6, "success": 0.55}]
     assert learning.steps_to_reach(points, 0.55) == 4 and learning.steps_to_reach(points, 0.7) is None
     assert learning.steps_to_reach(points, 0.3) == 2
+    # A graded env's points carry their headline metric (F1) beside success; old points success alone.
+    graded = [{"step": 2, "metric": "f1", "value": 0.45, "success": 0.0}, {"step": 4, "success": 0.5}]
+    assert learning.steps_to_reach(graded, 0.4) == 2 and learning.steps_to_reach(graded, 0.5) == 4
 
 
 def test_overlap_removes_its_temp_dir_when_a_run_fails(tmp_path, monkeypatch):
