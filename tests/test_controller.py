@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -170,6 +172,40 @@ def test_issuer_issues_each_step_once_in_one_transaction(redis_client, stream_pr
     redis_client.delete(f"{stream_prefix}:issued_step")  # Redis lost its data
     assert issuer.top_up(3, 3) == [3, 4]  # from the current step again, with the current version
     assert [wire.decode(f[b"data"], TaskGroup, MAX_BYTES).policy_version for _, f in redis_client.xrange(tasks)[-4:]] == [3] * 4
+
+
+def _stall(redis_client, seconds: float) -> threading.Timer:
+    """Stop the Redis server process (SIGSTOP) for `seconds`: what a client sends meanwhile waits in its socket
+    and runs when the server continues, even if the client gave up on it (timed out, reconnected, re-sent)."""
+    pid = int(redis_client.info("server")["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    timer.start()
+    return timer
+
+
+def test_a_step_issued_across_a_redis_stall_is_issued_once(redis_url, redis_client, stream_prefix):
+    """A 6.5 s stall of Redis: the issuer's client times out after 5.1 s and re-sends its write; when Redis
+    continues it runs both copies. The step must still be issued once: 2 tasks, counted 2 (a MULTI/EXEC sent
+    twice made 4). Re-issuing dead-lettered tasks likewise."""
+    from opsd.redis_server import connect
+
+    cfg = _cfg(stream_prefix, steps=5, k=0)
+    tasks, counts = StreamNames(stream_prefix).tasks, StreamNames(stream_prefix).counts
+    client = connect(redis_url, block_ms=100)  # socket timeout 5.1 s, commands retried on a timeout
+    issuer = TaskIssuer(client, cfg, GAMES, MAX_BYTES)
+    client.get(issuer.key)  # connected before the stall: the stall hits the write itself
+    (first, _) = step_tasks(cfg, GAMES, 0, 0)
+    for attempt in (lambda: issuer.top_up(0, 0), lambda: issuer.reissue(0, {first.group_id}, 1)):
+        timer = _stall(redis_client, 6.5)
+        try:
+            t0 = time.perf_counter()
+            attempt()
+            assert time.perf_counter() - t0 > 5.0  # the write timed out once and was sent again
+        finally:
+            timer.join()
+    assert redis_client.xlen(tasks) == 3 and int(redis_client.hget(counts, f"produced:{tasks}")) == 3
+    client.close()
 
 
 def test_issuer_writes_nothing_when_a_step_cannot_be_issued_whole(redis_client, stream_prefix):

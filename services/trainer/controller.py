@@ -23,6 +23,7 @@ import random
 import secrets
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import redis
@@ -53,6 +54,35 @@ def step_tasks(cfg, tasks: list, step: int, version: int) -> list[TaskGroup]:
     ]
 
 
+# Issue one step's tasks: append ARGV[3..] (encoded TaskGroups) to stream KEYS[2], count them in hash KEYS[3]
+# under field ARGV[2] and record step ARGV[1] in KEYS[1], unless KEYS[1] already says that step (or a later
+# one) was issued. Atomic like MULTI/EXEC, and idempotent: redis-py re-sends a command whose reply a stalled
+# Redis never gave (its retry on TimeoutError), and a MULTI/EXEC sent twice issued the step twice; the second
+# run of this script finds the step issued and writes nothing. Every check comes before the first write.
+_ISSUE = """
+local issued = redis.call('GET', KEYS[1])
+if issued and tonumber(issued) >= tonumber(ARGV[1]) then return 0 end
+for i, key in ipairs({KEYS[2], KEYS[3]}) do
+  local t = redis.call('TYPE', key)['ok']
+  if t ~= 'none' and t ~= (i == 1 and 'stream' or 'hash') then
+    return redis.error_reply('WRONGTYPE ' .. key .. ' holds a ' .. t)
+  end
+end
+for i = 3, #ARGV do redis.call('XADD', KEYS[2], '*', 'data', ARGV[i]) end
+redis.call('HINCRBY', KEYS[3], ARGV[2], #ARGV - 2)
+redis.call('SET', KEYS[1], ARGV[1])
+return #ARGV - 2
+"""
+# Re-issue dead-lettered tasks once per call: ARGV[1] is the call's own token, kept a day in KEYS[1]; a re-sent
+# script (the client's retry) finds it and writes nothing. Otherwise as _ISSUE, without the step record.
+_REISSUE = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', 86400) then return 0 end
+for i = 3, #ARGV do redis.call('XADD', KEYS[2], '*', 'data', ARGV[i]) end
+redis.call('HINCRBY', KEYS[3], ARGV[2], #ARGV - 2)
+return #ARGV - 2
+"""
+
+
 class TaskIssuer:
     """Issues each step's tasks once, ahead of training by at most `cfg.run.max_staleness` steps.
 
@@ -67,6 +97,8 @@ class TaskIssuer:
         self.max_bytes = max_bytes
         self.streams = StreamNames(cfg.redis.stream_prefix)
         self.key = f"{cfg.redis.stream_prefix}:issued_step"
+        self._issue = client.register_script(_ISSUE)
+        self._reissue = client.register_script(_REISSUE)
 
     def top_up(self, step: int, version: int) -> list[int]:
         """Issue, with policy `version`, the tasks of every step in [step, step + max_staleness] (below run.steps)
@@ -74,7 +106,8 @@ class TaskIssuer:
 
         Issued means at most `<prefix>:issued_step`; when that key is missing
         (a fresh run, or a Redis that lost its data) issuing starts at `step`.
-        Raises redis.RedisError (a step is issued whole or not at all) or WireError.
+        Raises redis.RedisError (a step is issued whole or not at all, and once however often the client
+        re-sends it) or WireError.
         """
         raw = self.client.get(self.key)
         first = step if raw is None else max(int(raw) + 1, step)
@@ -82,24 +115,20 @@ class TaskIssuer:
         if raw is None and first <= last and step > 0:
             log.warning("%s is missing (Redis lost its data?): issuing steps %d..%d again", self.key, first, last)
         for s in range(first, last + 1):
-            tasks = step_tasks(self.cfg, self.games, s, version)
-            pipe = self.client.pipeline(transaction=True)
-            for task in tasks:
-                pipe.xadd(self.streams.tasks, {"data": wire.encode(task, self.max_bytes)})
-            pipe.hincrby(self.streams.counts, f"produced:{self.streams.tasks}", len(tasks))
-            pipe.set(self.key, s)
-            pipe.execute()
+            payloads = [wire.encode(t, self.max_bytes) for t in step_tasks(self.cfg, self.games, s, version)]
+            self._issue(keys=[self.key, self.streams.tasks, self.streams.counts],
+                        args=[s, f"produced:{self.streams.tasks}", *payloads])
         return list(range(first, last + 1))
 
     def reissue(self, step: int, group_ids: set[str], version: int) -> None:
         """Issue again, with policy `version`, the tasks of `step` whose group id is in `group_ids`
-        (their earlier copy was dead-lettered). Raises redis.RedisError or WireError."""
-        tasks = [t for t in step_tasks(self.cfg, self.games, step, version) if t.group_id in group_ids]
-        pipe = self.client.pipeline(transaction=True)
-        for task in tasks:
-            pipe.xadd(self.streams.tasks, {"data": wire.encode(task, self.max_bytes)})
-        pipe.hincrby(self.streams.counts, f"produced:{self.streams.tasks}", len(tasks))
-        pipe.execute()
+        (their earlier copy was dead-lettered), once however often the client re-sends the call. Raises
+        redis.RedisError or WireError."""
+        payloads = [wire.encode(t, self.max_bytes) for t in step_tasks(self.cfg, self.games, step, version)
+                    if t.group_id in group_ids]
+        token = f"{self.cfg.redis.stream_prefix}:reissue:{uuid.uuid4().hex}"
+        self._reissue(keys=[token, self.streams.tasks, self.streams.counts],
+                      args=["-", f"produced:{self.streams.tasks}", *payloads])
 
 
 class StepFailed(RuntimeError):
