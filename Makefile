@@ -10,7 +10,8 @@ VLLM_STAMP  = $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-main test-vllm install install-vllm java gpu-check clean compose-env bench bench-quick redis-tools
 
-# TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none.
+# TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
+# targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
 java:
 	@command -v java >/dev/null || { echo "no java: installing default-jre-headless"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
@@ -19,7 +20,7 @@ java:
 
 # alfworld's planner (fast-downward-textworld) builds with `python build.py`: the venv's python goes first on PATH.
 $(STAMP): export PATH := $(abspath $(VENV))/bin:$(PATH)
-$(STAMP): pyproject.toml | java
+$(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -33,7 +34,7 @@ $(STAMP): pyproject.toml | java
 install: $(STAMP)
 
 $(VLLM_STAMP): export PATH := $(abspath $(VLLM_VENV))/bin:$(PATH)
-$(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py | java
+$(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
@@ -53,11 +54,11 @@ demo: $(STAMP)
 
 test: test-main test-vllm
 
-test-main: $(STAMP)
+test-main: $(STAMP) | java
 	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
 
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) | java
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 # The transport benchmark compares with redis-benchmark (Debian's redis-tools): install it when missing;
@@ -69,11 +70,11 @@ redis-tools:
 	  || echo "could not install redis-tools: the transport benchmark reports redis-benchmark as missing"
 
 # Every benchmark, one after another, then one table; results in runs/bench/<timestamp>/ (BENCHMARKS.md).
-bench: $(STAMP) | redis-tools
+bench: $(STAMP) | redis-tools java
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/run.py
 
 # The same at small sizes (10 min on 2 busy cores): checks that every benchmark runs, not what it measures.
-bench-quick: $(STAMP) | redis-tools
+bench-quick: $(STAMP) | redis-tools java
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/run.py --quick
 
 # The GPU check's stages on this CPU, small sizes (on a GPU: see scripts/gpu_check.sh's header).

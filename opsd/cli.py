@@ -280,8 +280,15 @@ def finished_steps(run_dir: Path) -> int | None:
         return None
 
 
+JAVA_ENVS = ("twx", "scienceworld")  # TextWorld-Express and ScienceWorld: py4j over a bundled jar
+
+
 def _installed(cfg: RunConfig) -> RunConfig:
-    """`cfg`, after checking that its model backend is importable here (usage error, exit 2, if not)."""
+    """`cfg`, after checking that its model backend is importable here and that its env's runtime is installed
+    (usage error, exit 2, if not)."""
+    if cfg.env.name in JAVA_ENVS and shutil.which("java") is None:
+        _usage_error(f"env {cfg.env.name} runs a bundled jar and needs Java 11+: `make java` (apt-get install "
+                     f"default-jre-headless) or any JRE on PATH")
     if cfg.model.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         _usage_error("model.backend=vllm needs vLLM in this environment: `make install-vllm`, then "
                      "`.venv-vllm/bin/opsd run ...` (or --backend hf)")

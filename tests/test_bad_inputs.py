@@ -919,6 +919,22 @@ def test_a_bad_value_is_shown_bounded(tmp_path):
     assert result.exit_code == 2 and "run.name" in result.output and len(result.output) < 600, result.output
 
 
+@pytest.mark.parametrize("env", ["twx", "scienceworld"])
+def test_an_env_that_needs_java_without_java_is_one_line(tmp_path, monkeypatch, env):
+    from typer.testing import CliRunner
+
+    import opsd.cli
+    from opsd.cli import app
+
+    real_which = opsd.cli.shutil.which
+    monkeypatch.setattr(opsd.cli.shutil, "which", lambda name, *a, **k: None if name == "java" else real_which(name, *a, **k))
+    path = tmp_path / "c.yaml"
+    path.write_text(f"env:\n  name: {env}\n")
+    result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 2 and "needs Java 11+: `make java`" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 def test_trainer_refuses_to_run_alone_when_configured_for_several_ranks(tmp_path):
     # trainer.nproc_per_node 2 started without torchrun would silently train on one device.
     import subprocess
