@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from opsd import wire
+from opsd.types import MessageError, MessageLimits, check_limits
 from opsd.metrics import BACKPRESSURE_SECONDS, MESSAGES_RECLAIMED, MESSAGES_REJECTED, QUEUE_DEPTH, QUEUE_PENDING
 
 DEAD_MAXLEN = 1000  # dead letters kept (approximately); they hold whole raw messages
@@ -183,7 +184,8 @@ class StreamQueue:
     dead-lettered (passed to the message's `validate`), so a consumer never
     indexes an embedding out of range; counts_key: the run's counts hash
     (`StreamNames.counts`), where `produce_then_ack` counts its outputs
-    (None: not counted).
+    (None: not counted); limits: the run's `MessageLimits` (opsd.types.check_limits), past which a decoded
+    message is dead-lettered with reason "over_limits" (None: only the wire's fixed bounds).
 
     A consumer group that disappeared (Redis restarted without persistence,
     or the group was destroyed) is re-created on the next call instead of
@@ -205,6 +207,7 @@ class StreamQueue:
         delete_on_ack: bool = True,
         vocab_size: int | None = None,
         counts_key: str | None = None,
+        limits: MessageLimits | None = None,
     ):
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
@@ -221,6 +224,7 @@ class StreamQueue:
         self.max_deliveries = max_deliveries
         self.delete_on_ack = delete_on_ack
         self.vocab_size = vocab_size
+        self.limits = limits
         self.counts_key = counts_key
         self._finish = client.register_script(_FINISH)
         self._lag = client.register_script(_LAG)
@@ -358,6 +362,12 @@ class StreamQueue:
         except wire.WireError as e:
             self.dead_letter(entry_id, raw, str(e), e.reason)
             return None
+        if self.limits is not None:
+            try:
+                check_limits(msg, self.limits)
+            except MessageError as e:
+                self.dead_letter(entry_id, raw, f"{self.cls.__name__}: over this run's limits: {e}", "over_limits")
+                return None
         return Delivery(entry_id, msg, deliveries, raw)
 
     def dead_letter(self, entry_id: str, raw: bytes, error: str, reason: str) -> bool:

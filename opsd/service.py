@@ -32,6 +32,7 @@ from opsd import metrics
 from opsd.config import RunConfig, config_hash, hashed_config
 from opsd.metrics import REDIS_RECONNECTS
 from opsd.queue import StreamNames
+from opsd.types import MessageLimits
 from opsd.weights import StalePolicyError
 from opsd.wire import WireError
 
@@ -200,9 +201,10 @@ class RoleProcess:
             client, stream, group=self.role, consumer=f"{self.role}-{socket.gethostname()}-{os.getpid()}", cls=cls,
             role=self.role, max_bytes=r.max_message_bytes, dead_stream=names.dead,
             max_deliveries=max_deliveries or r.max_deliveries, vocab_size=vocab_size, counts_key=names.counts,
+            limits=MessageLimits.for_config(self.cfg),
         )
         metrics.MESSAGES_RECLAIMED.labels(role=self.role, stream=stream)
-        for reason in ("malformed", "oversized", "too_many_deliveries", "stale_policy_version"):
+        for reason in ("malformed", "oversized", "over_limits", "too_many_deliveries", "stale_policy_version"):
             metrics.MESSAGES_REJECTED.labels(role=self.role, stream=stream, reason=reason)
         # In a cluster, Redis may come up after the roles (no start order): wait for it, do not crash-loop.
         try:

@@ -431,3 +431,41 @@ class CreditBatch:
     @property
     def num_rows(self) -> int:
         return len(self.task_id)
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    """Bounds a run's config puts on the messages it makes, beyond the wire's fixed ones (checked at decode by
+    each role's queue: `check_limits`). A schema-valid message past them (a 2M-token turn, 4,095 empty turns)
+    would make the teacher or trainer allocate gigabytes; it is dead-lettered instead.
+
+    max_tokens: token ids of one trajectory (the context, model.max_model_len, plus the last observation the
+      episode appended, at most 4 tokens a character of env.max_observation_chars, plus chat-template slack);
+    max_turns: TaskGroup.max_turns (env.max_turns), hence the turns of each of its trajectories;
+    max_group_size: TaskGroup.group_size, the trajectories of one group (rollout.group_size).
+    """
+
+    max_tokens: int
+    max_turns: int
+    max_group_size: int
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> "MessageLimits":
+        """The limits of a RunConfig."""
+        return cls(max_tokens=cfg.model.max_model_len + 4 * cfg.env.max_observation_chars + 1024,
+                   max_turns=cfg.env.max_turns, max_group_size=cfg.rollout.group_size)
+
+
+def check_limits(msg: Any, limits: MessageLimits) -> None:
+    """Raise MessageError when a TaskGroup, RolloutGroup or ScoredGroup (already validated) exceeds `limits`."""
+    task = msg.rollout.task if isinstance(msg, ScoredGroup) else msg.task if isinstance(msg, RolloutGroup) else msg
+    if isinstance(task, TaskGroup):
+        _check(task.group_size <= limits.max_group_size,
+               f"group_size {task.group_size} > this run's rollout.group_size {limits.max_group_size}")
+        _check(task.max_turns <= limits.max_turns, f"max_turns {task.max_turns} > this run's env.max_turns {limits.max_turns}")
+    group = msg.rollout if isinstance(msg, ScoredGroup) else msg if isinstance(msg, RolloutGroup) else None
+    for traj in group.trajectories if group is not None else []:  # (its turns: at most task.max_turns, validated)
+        _check(traj.token_ids_S.shape[0] <= limits.max_tokens,
+               f"trajectory {traj.rollout_id}: {traj.token_ids_S.shape[0]} tokens > this run's bound {limits.max_tokens} "
+               f"(model.max_model_len + the last observation)")
+

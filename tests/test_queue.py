@@ -209,6 +209,44 @@ def test_bad_entries_are_dead_lettered_and_the_worker_keeps_going(redis_client, 
     assert q.depth() == (0, 1)  # only the good entry is pending; the bad ones are acknowledged
 
 
+def test_a_schema_valid_group_over_the_runs_limits_is_dead_lettered(redis_client, stream_prefix):
+    """A message the schema accepts but this run's config never makes (many more turns or tokens than env.max_turns
+    and model.max_model_len allow: the trainer's credit path would allocate gigabytes) is dead-lettered with its
+    group id (so the trainer re-issues its task), never handed to the consumer."""
+    from opsd.config import RunConfig
+    from opsd.types import MessageLimits
+
+    cfg = RunConfig.model_validate({"env": {"max_turns": 2, "max_observation_chars": 100}, "model": {"max_model_len": 256},
+                                    "rollout": {"group_size": 2}})
+    limits = MessageLimits.for_config(cfg)
+    assert limits == MessageLimits(max_tokens=256 + 400 + 1024, max_turns=2, max_group_size=2)
+    names = StreamNames(stream_prefix)
+    q = queue(redis_client, names, "teacher-0", limits=limits)
+    s = names.rollouts
+    many_turns = q.produce(make_rollout_group(G=2, turns=3, seed=1))  # its turns fit its task's max_turns (3), not ours
+    long = make_rollout_group(G=2, turns=1, seed=2)
+    t = long.trajectories[0]
+    pad = limits.max_tokens + 1 - t.token_ids_S.shape[0]  # a prompt this run could never have sent
+    t.token_ids_S = np.concatenate([np.zeros(pad, np.int32), t.token_ids_S])
+    t.sampler_logprobs_S = np.concatenate([np.zeros(pad, np.float32), t.sampler_logprobs_S])
+    t.loss_mask_S = np.concatenate([np.zeros(pad, np.uint8), t.loss_mask_S])
+    t.sampler_entropy_S = np.concatenate([np.zeros(pad, np.float32), t.sampler_entropy_S])
+    for rec in t.turns:
+        rec.response_start, rec.response_end = rec.response_start + pad, rec.response_end + pad
+    too_long = q.produce(long)
+    big_group = q.produce(make_rollout_group(G=3, turns=1, seed=3))
+    good = q.produce(make_rollout_group(G=2, turns=2, seed=4))
+    before = metric("opsd_messages_rejected_total", role="teacher", stream=s, reason="over_limits")
+    assert [d.entry_id for d in q.consume(block_ms=100, count=10)] == [good]
+    assert metric("opsd_messages_rejected_total", role="teacher", stream=s, reason="over_limits") == before + 3
+    dead = {f[b"entry_id"].decode(): f for _, f in redis_client.xrange(names.dead)}
+    assert set(dead) == {many_turns, too_long, big_group} and all(f[b"reason"] == b"over_limits" for f in dead.values())
+    assert b"max_turns 3 > this run's env.max_turns 2" in dead[many_turns][b"error"]
+    assert b"tokens > this run's bound 1680" in dead[too_long][b"error"]
+    assert b"group_size 3 > this run's rollout.group_size 2" in dead[big_group][b"error"]
+    assert dead[many_turns][b"group_id"] != b""
+
+
 def test_nan_on_the_wire_is_dead_lettered(redis_client, stream_prefix):
     import msgpack
 
