@@ -35,6 +35,9 @@ from opsd import wire
 from opsd.types import MessageError, MessageLimits, check_limits
 from opsd.metrics import BACKPRESSURE_SECONDS, MESSAGES_RECLAIMED, MESSAGES_REJECTED, QUEUE_DEPTH, QUEUE_PENDING
 
+# A job's entry deleted from its stream while a consumer held it (an operator's XDEL/XTRIM, a producer's MAXLEN):
+# its data is gone, so the dead letter names no group; the trainer issues its step's missing groups again.
+DELETED_ERROR = "entry deleted from the stream while pending (XDEL/XTRIM/MAXLEN): its data is gone"
 DEAD_MAXLEN = 1000  # dead letters kept (approximately); they hold whole raw messages
 RECLAIM_SCAN_ROUNDS = 100  # XAUTOCLAIM calls per reclaim(): bounds one scan of a long pending list
 log = logging.getLogger(__name__)
@@ -313,6 +316,8 @@ class StreamQueue:
                 raise
             cursor = _s(reply[0])
             claimed += reply[1]
+            for entry_id in reply[2] if len(reply) > 2 else []:  # Redis 7: deleted ids, already out of the PEL
+                self._report_deleted(_s(entry_id))
             if cursor == "0-0" or len(claimed) >= count:
                 break
         if any(entry_id is None for entry_id, _ in claimed):
@@ -345,11 +350,25 @@ class StreamQueue:
     def _ack_deleted_pending(self) -> None:
         # Redis < 7 answers XAUTOCLAIM with a nil, id-less entry for a pending
         # entry deleted from the stream (trimmed by hand), and keeps it pending
-        # forever. Find this consumer's pending ids that no longer exist, ack them.
+        # forever. Find this consumer's pending ids that no longer exist: dead-letter them (acknowledged).
         pending = self.client.xpending_range(self.stream, self.group, "-", "+", 1000, consumername=self.consumer)
         for p in pending:
             if not self.client.xrange(self.stream, p["message_id"], p["message_id"]):
-                self.client.xack(self.stream, self.group, p["message_id"])
+                entry_id = _s(p["message_id"])
+                if self.dead_letter(entry_id, b"", DELETED_ERROR, "deleted"):
+                    log.warning("%s: pending entry %s was deleted from the stream (XDEL/XTRIM?): its job is lost, "
+                                "dead-lettered so the trainer issues it again", self.stream, entry_id)
+
+    def _report_deleted(self, entry_id: str) -> None:
+        """A pending entry deleted from the stream that Redis 7's XAUTOCLAIM dropped from the pending list: say so
+        in the dead-letter stream (no data, no group id: the trainer issues the missing groups again), count, log."""
+        self.client.xadd(self.dead_stream, {
+            "source_stream": self.stream, "entry_id": entry_id, "error": DELETED_ERROR, "reason": "deleted",
+            "role": self.role, "group": self.group, "consumer": self.consumer, "data": b"", "group_id": ""},
+            maxlen=DEAD_MAXLEN, approximate=True)
+        MESSAGES_REJECTED.labels(role=self.role, stream=self.stream, reason="deleted").inc()
+        log.warning("%s: pending entry %s was deleted from the stream (XDEL/XTRIM?): its job is lost, dead-lettered "
+                    "so the trainer issues it again", self.stream, entry_id)
 
     def _decode(self, entry_id: str, fields: dict, deliveries: int) -> Delivery | None:
         raw = fields.get(b"data")

@@ -204,7 +204,7 @@ class RoleProcess:
             limits=MessageLimits.for_config(self.cfg),
         )
         metrics.MESSAGES_RECLAIMED.labels(role=self.role, stream=stream)
-        for reason in ("malformed", "oversized", "over_limits", "too_many_deliveries", "stale_policy_version"):
+        for reason in ("malformed", "oversized", "over_limits", "deleted", "too_many_deliveries", "stale_policy_version"):
             metrics.MESSAGES_REJECTED.labels(role=self.role, stream=stream, reason=reason)
         # In a cluster, Redis may come up after the roles (no start order): wait for it, do not crash-loop.
         try:

@@ -395,3 +395,49 @@ def test_version_zero_loads_from_its_file_after_a_newer_one(tmp_path):
     backend = _Backend(version=0)
     assert ensure_version(backend, tmp_path, 1) is True
     assert ensure_version(backend, tmp_path, 0) is True and backend.policy_version == 0
+
+
+def test_a_job_deleted_from_its_stream_while_pending_is_issued_again(redis_client, stream_prefix):
+    """An operator's XDEL (or a producer's MAXLEN) removes a task entry a worker holds; the worker dies. The next
+    worker's reclaim finds the entry gone: it is dead-lettered (reason "deleted", counted, logged), not dropped
+    silently, and the trainer issues the step's missing group again instead of waiting until the step times out."""
+    names = StreamNames(stream_prefix)
+    cfg = _cfg(stream_prefix, steps=1, k=0)
+    cfg.run.step_timeout_s = 20
+    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
+    issuer.top_up(0, 0)
+    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+
+    def worker_queue(consumer):
+        q = StreamQueue(redis_client, names.tasks, "rollout", consumer, TaskGroup, "rollout-test", MAX_BYTES, names.dead)
+        q.ensure_group()
+        return q
+
+    dying = worker_queue("rollout-dies")
+    held = dying.consume(100, count=4)
+    assert [d.msg.group_id for d in held] == ids
+    lost = next(d for d in held if d.msg.group_id == ids[0])
+    redis_client.xdel(names.tasks, lost.entry_id)  # the operator's XDEL, while the worker holds the job
+    deleted0 = REGISTRY.get_sample_value("opsd_messages_rejected_total",
+                                         {"role": "rollout-test", "stream": names.tasks, "reason": "deleted"}) or 0.0
+    healthy = worker_queue("rollout-2")
+    (kept,) = healthy.reclaim(0, count=10)  # the dying worker's jobs: one still there, one deleted
+    assert kept.msg.group_id == ids[1]
+    assert REGISTRY.get_sample_value("opsd_messages_rejected_total", {"role": "rollout-test", "stream": names.tasks,
+                                                                     "reason": "deleted"}) == deleted0 + 1
+    ((_, letter),) = redis_client.xrange(names.dead)
+    assert letter[b"reason"] == b"deleted" and letter[b"entry_id"].decode() == lost.entry_id and letter[b"group_id"] == b""
+    assert redis_client.xpending(names.tasks, "rollout")["pending"] == 1  # the deleted id is no longer pending
+    healthy.produce_then_ack(names.rollouts, replace(make_rollout_group(G=2, turns=1), task=kept.msg), kept.entry_id)
+
+    col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
+    stop = threading.Event()
+    worker = threading.Thread(target=_fake_rollout, args=(redis_client, stream_prefix, stop), daemon=True)
+    worker.start()
+    try:
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), DeadLetters(redis_client, names.dead), ids, 0, 0)
+        assert [m.group_id for m in msgs] == ids
+        assert int(redis_client.hget(names.counts, f"produced:{names.tasks}")) == 3  # the lost one issued again
+    finally:
+        stop.set()
+        worker.join(5)

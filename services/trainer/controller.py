@@ -131,6 +131,20 @@ class TaskIssuer:
                       args=["-", f"produced:{self.streams.tasks}", *payloads])
 
 
+    def reissue_missing(self, step: int, arrived: set[str], version: int) -> None:
+        """Issue again, with policy `version`, every task of the steps issued from `step` on whose group id is not
+        in `arrived` (a job was lost without a name: its entry deleted while pending). A copy still in flight
+        makes a duplicate the trainer drops. Raises redis.RedisError or WireError."""
+        raw = self.client.get(self.key)
+        last = step if raw is None else max(int(raw), step)
+        for s in range(step, min(last, self.cfg.run.steps - 1) + 1):
+            missing = {t.group_id for t in step_tasks(self.cfg, self.games, s, version)} - arrived
+            if missing:
+                log.warning("a job was deleted from a stream while pending: issuing step %d's groups %s again", s,
+                            sorted(missing))
+                self.reissue(s, missing, version)
+
+
 class StepFailed(RuntimeError):
     """A step cannot complete: one of its groups keeps failing in a worker (dead-lettered too often)."""
 
@@ -206,13 +220,15 @@ class DeadLetters:
     """The groups the run's dead-letter stream reports (field `group_id`, set by `StreamQueue.dead_letter`).
 
     `poll()` reads entries added since the last call; `take(gid)` returns
-    (reason, error) of the newest unhandled dead letter of `gid`, once.
+    (reason, error) of the newest unhandled dead letter of `gid`, once; `take_lost()` how many jobs were lost
+    without a group id (their entry deleted from a stream while pending: reason "deleted"), once.
     """
 
     def __init__(self, client: redis.Redis, dead_stream: str):
         self.client, self.stream = client, dead_stream
         self.last = "0-0"  # from the start: a restarted trainer sees what died before it
         self.unhandled: dict[str, tuple[str, str]] = {}
+        self.lost = 0
 
     def poll(self) -> None:
         """Read new dead letters (at most a few hundred a call). Raises redis.RedisError."""
@@ -224,11 +240,17 @@ class DeadLetters:
                 if gid:
                     self.unhandled[gid] = (fields.get(b"reason", b"").decode(errors="replace"),
                                            fields.get(b"error", b"").decode(errors="replace"))
+                elif fields.get(b"reason") == b"deleted":
+                    self.lost += 1
             if len(entries) < 64:
                 return
 
     def take(self, gid: str) -> tuple[str, str] | None:
         return self.unhandled.pop(gid, None)
+
+    def take_lost(self) -> int:
+        lost, self.lost = self.lost, 0
+        return lost
 
 
 def _task(msg) -> TaskGroup:
@@ -431,6 +453,8 @@ def wait_for_groups(stop: threading.Event, cfg, issuer: TaskIssuer, collector: C
                             gid, died[0], died[1][:200], reissued[gid], cfg.redis.max_deliveries)
                 issuer.reissue(step, {gid}, version)
             collector.poll(version, step, cfg.redis.block_ms, cfg.redis.reclaim_idle_ms)
+            if dead.take_lost():  # a job deleted while pending names no group: issue every missing one again
+                issuer.reissue_missing(step, set(collector.buffer), version)
             collector.queue.depth()
             backoff.reset()
         except REDIS_ERRORS as e:
