@@ -505,7 +505,7 @@ def credit_check(
         status = "[green]PASS[/green]" if r.ok else "[red]FAIL[/red]"
         errs = [x.max_abs_error for x in r.fields if x.max_abs_error is not None]
         worst = f"max|err| {max(errs):.2e}" if errs else "exact"
-        console.print(f"{status} {escape(str(f))}  {escape(r.method)}/{escape(r.case)}  {len(r.fields)} fields, {worst}")
+        console.print(f"{status} {escape(str(f))}  {escape(r.method)}/{escape(r.case)}  {len(r.fields)} field{'' if len(r.fields) == 1 else 's'}, {worst}")
         if r.error:
             console.print(f"    [red]replay failed:[/red] {escape(r.error)}")
         for x in r.fields:

@@ -34,6 +34,10 @@ def test_cli_replays_every_handed_refvector():
     assert res.output.strip().splitlines()[-1] == "20 passed, 0 failed", res.output
     assert res.exit_code == 0
     assert "max|err|" in res.output
+    # Files in natural order (case_3 before case_11), counts with their plural.
+    shown = [line.split()[1] for line in res.output.splitlines() if "/alignopsd/case_" in line]
+    assert [Path(p).stem for p in shown] == ["case_1", "case_3", "case_5", "case_7", "case_9", "case_11"]
+    assert " 1 fields" not in res.output
 
 
 def _load(rel: str) -> dict:

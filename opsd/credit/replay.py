@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -286,15 +287,20 @@ def check_file(path: str | Path) -> FileResult:
     return check_case(case, str(p))
 
 
+def _natural(path: Path) -> list:
+    """Sort key reading digit runs as numbers: case_3 before case_11, step_9 before step_10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
 def vector_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Every *.json under the given files/folders (recursively, sorted), skipping none silently:
+    """Every *.json under the given files/folders (recursively, in natural order), skipping none silently:
     a path that does not exist raises FileNotFoundError."""
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
             # Every *.json entry, files or not: check_file reports what it cannot read.
-            out.extend(sorted(q for q in p.rglob("*.json") if not q.is_dir()))
+            out.extend(sorted((q for q in p.rglob("*.json") if not q.is_dir()), key=_natural))
         elif p.exists() or p.is_symlink():
             out.append(p)
         else:
