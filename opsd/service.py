@@ -153,6 +153,8 @@ class RoleProcess:
             level=os.environ.get("OPSD_LOG_LEVEL", "INFO"),
             format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
         )
+        # httpx logs every request at INFO (one line per embedder call in the teacher's log): its warnings stay.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         if cfg.model.threads:
             import torch
 
