@@ -130,6 +130,11 @@ def format_step(record: dict) -> str:
     for key, label, fmt in STEP_COLUMNS:
         if record.get(key) is not None:
             parts.append(f"{label} {fmt.format(record[key])}")
+        elif key == "privileged_signal" and record.get("hint_match_turns") is not None:
+            parts.append(f"{label} -")  # no gold-action turns, or only those: nothing to compare (counts below)
+        if key == "privileged_signal" and record.get("hint_match_turns") is not None:
+            # What the figure rests on: turns that took the hint's action / turns that did not.
+            parts[-1] += f" ({record['hint_match_turns']}/{record['hint_other_turns']})"
     return "  ".join(parts)
 
 
