@@ -210,3 +210,25 @@ def test_step_summary_reports_success_per_task_category():
             t.won = t.reward == 1.0
     out = summarize([a, b], None)
     assert out["success/heat"] == 0.25 and out["success/pick"] == 0.75 and out["success_rate"] == 0.5
+
+
+def test_metrics_png_panels_say_what_they_show():
+    """metrics.png (issue 24): every panel has a y label; success and reward become one curve when they are equal
+    (0/1 rewards), two when not; format-valid rate, loss and priv are plotted; a nearly flat series gets a range
+    at least max(0.1, a quarter of its size) wide; panels the run never records are left out."""
+    from services.trainer.report import metric_panels
+
+    rows = [{"step": 0, "success_rate": 0.0, "reward_mean": 0.0, "format_valid_rate": 0.8, "loss": 0.1,
+             "mean_span_length": 3.875, "privileged_signal": None},
+            {"step": 1, "success_rate": 1.0, "reward_mean": 1.0, "format_valid_rate": 0.9, "loss": -0.2,
+             "mean_span_length": 4.0, "privileged_signal": 0.02}]
+    panels = {title: (ylabel, ylim, curves) for title, ylabel, ylim, curves in metric_panels(rows)}
+    assert set(panels) == {"success rate and mean reward", "format-valid turns", "policy loss",
+                           "privileged signal (gold-action turns minus others)", "mean AlignOPSD span"}
+    assert all(ylabel for ylabel, _, _ in panels.values())
+    assert list(panels["success rate and mean reward"][2]) == ["success_rate = reward_mean"]
+    assert panels["mean AlignOPSD span"][1] == pytest.approx((3.9375 - 0.4921875, 3.9375 + 0.4921875))  # not 3.875-4.0
+    assert panels["privileged signal (gold-action turns minus others)"][2] == {"privileged_signal": [(1, 0.02)]}
+    rows[1]["reward_mean"] = 0.7  # graded rewards: two curves
+    (first, *_) = metric_panels(rows)
+    assert list(first[3]) == ["success_rate", "reward_mean"]

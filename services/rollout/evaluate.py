@@ -264,8 +264,10 @@ def plot_report(report: dict, path: Path) -> Path:
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
-    names = [*report["categories"], OVERALL]
-    rows = [*report["categories"].values(), report["overall"]]
+    # One category: its bar is the overall figure already (a second, identical bar would say nothing).
+    with_overall = len(report["categories"]) != 1
+    names = [*report["categories"]] + ([OVERALL] if with_overall else [])
+    rows = [*report["categories"].values()] + ([report["overall"]] if with_overall else [])
     metrics = report["metrics"]
     width = 0.8 / len(metrics)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 4.2))
@@ -275,10 +277,13 @@ def plot_report(report: dict, path: Path) -> Path:
         heights = [v if v is not None else 0.0 for v in vals]
         err = np.array([[v - r[name]["ci95"][0], r[name]["ci95"][1] - v] if v is not None else [0.0, 0.0]
                         for v, r in zip(vals, rows)]).T
-        colors = [f"C{m}"] * (len(names) - 1) + ["0.25" if len(metrics) == 1 else f"C{m}"]
+        colors = [f"C{m}"] * len(names)
+        if with_overall and len(metrics) == 1:
+            colors[-1] = "0.25"
         bars = ax.bar(x + (m - (len(metrics) - 1) / 2) * width, heights, width * 0.95, yerr=np.clip(err, 0, None),
                       capsize=4, color=colors, label=LABELS[name], edgecolor="black", linewidth=0.6)
-        bars[-1].set_hatch("//")
+        if with_overall:
+            bars[-1].set_hatch("//")
         for b, v in zip(bars, vals):
             if v is None:
                 ax.annotate("error", (b.get_x() + b.get_width() / 2, 0), ha="center", va="bottom", fontsize=8, color="red")

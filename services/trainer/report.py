@@ -19,11 +19,13 @@ matplotlib.use("Agg")  # headless: no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-PLOTTED = (
-    ("reward_mean", "mean episode reward"),
-    ("success_rate", "success rate"),
-    ("teacher_student_gap", "teacher - student log-prob (nats/token)"),
-    ("mean_span_length", "mean span length (turns)"),
+PLOTTED = (  # (metrics.jsonl key(s), panel title, y-axis label, fixed y range or None)
+    (("success_rate", "reward_mean"), "success rate and mean reward", "per episode", (0.0, 1.0)),
+    (("format_valid_rate",), "format-valid turns", "share of turns", (0.0, 1.0)),
+    (("loss",), "policy loss", "PPO loss", None),
+    (("teacher_student_gap",), "teacher - student log-prob", "nats / token", None),
+    (("privileged_signal",), "privileged signal (gold-action turns minus others)", "nats / token", None),
+    (("mean_span_length",), "mean AlignOPSD span", "turns", None),
 )
 
 
@@ -168,20 +170,49 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return out
 
 
+def metric_panels(rows: list[dict]) -> list[tuple[str, str, tuple[float, float] | None, dict[str, list]]]:
+    """The metrics.png panels of metrics.jsonl `rows`: (title, y label, y range, {curve name: [(step, value)]}) for
+    each PLOTTED entry the rows record. Success and mean reward share a panel and become one curve, named
+    "success_rate = reward_mean", when they are equal at every step (0/1 rewards). The y range is the fixed
+    one for rates, else at least max(0.1, a quarter of the values' size) wide around them (so noise does not
+    look like a trend)."""
+    panels = []
+    for keys, title, ylabel, ylim in PLOTTED:
+        curves = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
+        curves = {k: pts for k, pts in curves.items() if pts}
+        if not curves:
+            continue
+        if len(curves) == 2 and curves[keys[0]] == curves[keys[1]]:
+            curves = {f"{keys[0]} = {keys[1]}": curves[keys[0]]}
+        values = [v for pts in curves.values() for _, v in pts]
+        mid = (max(values) + min(values)) / 2
+        width = max(0.1, 0.25 * abs(mid))  # a span of 3.875-4.0 turns is not a trend
+        if ylim is None and max(values) - min(values) < width:
+            ylim = (mid - width / 2, mid + width / 2)
+        panels.append((title, ylabel, ylim, curves))
+    return panels
+
+
 def plot_metrics(run_dir: Path) -> Path:
-    """Write <run_dir>/metrics.png: reward, success, teacher-student gap and span length per step."""
-    rows = read_metrics(run_dir)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    steps = [r["step"] for r in rows]
-    for ax, (key, title) in zip(axes.flat, PLOTTED):
-        ys = [r.get(key) for r in rows]
-        pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
-        ax.set_title(title)
+    """Write <run_dir>/metrics.png: one panel per `metric_panels` entry, each with its y-axis label."""
+    panels = metric_panels(read_metrics(run_dir)) or [("no steps yet", "", None, {})]
+    cols = 2 if len(panels) > 1 else 1
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.3 * nrows), squeeze=False)
+    for ax, (title, ylabel, ylim, curves) in zip(axes.flat, panels):
+        for name, pts in curves.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        if ylim is not None:
+            ax.set_ylim(ylim[0] - 0.03 * (ylim[1] - ylim[0]), ylim[1] + 0.03 * (ylim[1] - ylim[0]))
+        if len(curves) > 1 or any(" = " in name for name in curves):  # say which curves are drawn, or merged
+            ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.suptitle(f"opsd run: {Path(run_dir).name}")
     fig.tight_layout()
     out = Path(run_dir) / "metrics.png"
