@@ -400,12 +400,18 @@ def run(
         for role in roles:
             services.start(role)
         seen = done_before
+        inside = StepProgress(redis_url, cfg, console.is_terminal)
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TimeElapsedColumn(), console=console) as progress:
             bar = progress.add_task("training", total=cfg.run.steps, completed=min(seen, cfg.run.steps))
             while True:
                 for msg in services.supervise():
                     progress.console.print(f"[yellow]{escape(msg)}[/yellow]")
+                news = inside.poll(seen)
+                if news and console.is_terminal:
+                    progress.update(bar, description=f"training ({news})")
+                elif news:  # a file or a pipe: the bar draws once at the end, so a plain line now and then
+                    progress.console.print(f"step {seen}: {news}")
                 lines = complete_lines(run_dir / "metrics.jsonl")
                 if len(lines) < seen:  # a resumed trainer rewrote the steps after its checkpoint
                     seen = len(lines)
@@ -437,6 +443,50 @@ def run(
         lock.close()
     if not ok:
         raise typer.Exit(1)
+
+
+class StepProgress:
+    """What happens inside a step, from the run's counts in Redis (`StreamNames.counts`: groups each stream got):
+    groups rolled out and, with a teacher, scored, since the step began. `poll(step)` returns a short text when
+    there is something new to say: on a terminal at every change (the progress bar's description), otherwise at
+    most every PLAIN_EVERY_S seconds (a plain line), so a log file is not silent for minutes."""
+
+    PLAIN_EVERY_S = 30.0
+
+    def __init__(self, redis_url: str, cfg: RunConfig, terminal: bool):
+        from opsd.queue import StreamNames
+
+        self.url, self.block_ms, self.terminal = redis_url, cfg.redis.block_ms, terminal
+        self.names = StreamNames(cfg.redis.stream_prefix)
+        self.teacher = cfg.needs_teacher
+        self.per_step = cfg.env.num_games
+        self.client = None
+        self.step: int | None = None
+        self.base = (0, 0)
+        self.last_text, self.last_print = "", time.monotonic()
+
+    def _counts(self) -> tuple[int, int]:
+        from opsd.redis_server import connect
+
+        if self.client is None:
+            self.client = connect(self.url, self.block_ms)
+        raw = self.client.hgetall(self.names.counts)
+        return tuple(int(raw.get(f"produced:{stream}".encode(), 0)) for stream in (self.names.rollouts, self.names.scored))
+
+    def poll(self, step: int) -> str | None:
+        try:
+            rolled, scored = self._counts()
+        except Exception:  # a Redis hiccup: the roles ride it out, and so does this display
+            return None
+        if step != self.step:
+            self.step, self.base = step, (rolled, scored)
+        text = f"{rolled - self.base[0]} groups rolled out" + (f", {scored - self.base[1]} scored" if self.teacher else "")
+        text += f" since the step began ({self.per_step} a step)"
+        now = time.monotonic()
+        if text == self.last_text or (not self.terminal and now - self.last_print < self.PLAIN_EVERY_S):
+            return None
+        self.last_text, self.last_print = text, now
+        return text
 
 
 def lock_run_dir(run_dir: Path):

@@ -764,3 +764,27 @@ def test_run_supervises_and_resumes_with_its_redis_data(tmp_path, monkeypatch):
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def test_the_cli_reports_progress_inside_a_step(redis_url, redis_client, stream_prefix):
+    """Between step lines `opsd run` says how many groups were rolled out and scored since the step began: on a
+    terminal at every change, to a file at most every PLAIN_EVERY_S seconds (a log was silent for minutes)."""
+    from opsd.cli import StepProgress
+    from opsd.config import RunConfig
+    from opsd.queue import StreamNames
+
+    cfg = RunConfig.model_validate({"run": {"method": "opd"}, "redis": {"stream_prefix": stream_prefix}})
+    names = StreamNames(stream_prefix)
+    redis_client.hset(names.counts, mapping={f"produced:{names.rollouts}": 4, f"produced:{names.scored}": 2})
+    plain = StepProgress(redis_url, cfg, terminal=False)
+    assert plain.poll(1) is None  # a file: not before PLAIN_EVERY_S
+    plain.PLAIN_EVERY_S = 0.0
+    redis_client.hincrby(names.counts, f"produced:{names.rollouts}", 1)
+    assert plain.poll(1) == "1 groups rolled out, 0 scored since the step began (2 a step)"
+    assert plain.poll(1) is None  # nothing new
+    term = StepProgress(redis_url, cfg, terminal=True)
+    assert term.poll(2) == "0 groups rolled out, 0 scored since the step began (2 a step)"
+    redis_client.hincrby(names.counts, f"produced:{names.scored}", 2)
+    assert term.poll(2) == "0 groups rolled out, 2 scored since the step began (2 a step)"
+    assert term.poll(3).startswith("0 groups rolled out, 0 scored")  # a new step counts from its start
+
