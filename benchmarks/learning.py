@@ -149,15 +149,17 @@ def train(cfg: dict, out: Path, method: str, resume: Path | None = None) -> Path
 
 def held_out(run_cfg, backend, ctx, out_dir: Path, label: str) -> dict:
     """Play the eval split with `backend`'s current weights: {"metric" (the env's headline eval metric:
-    "success", or "f1" for graded verifiers), "value", "lo", "hi" (its 95% interval), "success", "episodes",
-    "format_valid_rate", "seconds"}."""
+    "success", "f1" for graded verifiers, "score" for WebShop, here as a fraction), "value", "lo", "hi" (its
+    95% interval), "success", "episodes", "format_valid_rate", "seconds"}."""
     from services.rollout.evaluate import evaluate
 
     report = evaluate(run_cfg, backend, ctx, out_dir, checkpoint=label)
     overall = report["overall"]
     metric = report["metrics"][0]
-    lo, hi = overall[metric]["ci95"] or (None, None)
-    return {"metric": metric, "value": overall[metric]["value"], "lo": lo, "hi": hi,
+    scale = 0.01 if metric == "score" else 1.0  # WebShop's Score is in percent: every curve here is in [0, 1]
+    lo, hi = (x * scale for x in overall[metric]["ci95"]) if overall[metric]["ci95"] else (None, None)
+    value = overall[metric]["value"]
+    return {"metric": metric, "value": None if value is None else value * scale, "lo": lo, "hi": hi,
             "success": overall["success"]["value"] if "success" in overall else None, "episodes": overall["episodes"],
             "format_valid_rate": overall["format_valid_rate"], "seconds": report["seconds"]}
 

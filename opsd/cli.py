@@ -447,16 +447,20 @@ def run(
 
 class StepProgress:
     """What happens inside a step, from the run's counts in Redis (`StreamNames.counts`: groups each stream got):
-    groups rolled out and, with a teacher, scored, since the step began. `poll(step)` returns a short text when
+    groups rolled out and, with a teacher, scored, since the last step line (with max_staleness > 0 some belong
+    to the next steps). `poll(step)` returns a short text when
     there is something new to say: on a terminal at every change (the progress bar's description), otherwise at
     most every PLAIN_EVERY_S seconds (a plain line), so a log file is not silent for minutes."""
 
     PLAIN_EVERY_S = 30.0
 
+    RETRY_AFTER_S = 10.0  # after a failed read: the display waits, the supervisor loop must not
+
     def __init__(self, redis_url: str, cfg: RunConfig, terminal: bool):
         from opsd.queue import StreamNames
 
-        self.url, self.block_ms, self.terminal = redis_url, cfg.redis.block_ms, terminal
+        self.url, self.terminal = redis_url, terminal
+        self.quiet_until = 0.0
         self.names = StreamNames(cfg.redis.stream_prefix)
         self.teacher = cfg.needs_teacher
         self.per_step = cfg.env.num_games
@@ -466,22 +470,28 @@ class StepProgress:
         self.last_text, self.last_print = "", time.monotonic()
 
     def _counts(self) -> tuple[int, int]:
-        from opsd.redis_server import connect
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        if self.client is None:
-            self.client = connect(self.url, self.block_ms)
+        if self.client is None:  # its own client: short timeouts, no retries (the loop also supervises the roles)
+            self.client = redis.Redis.from_url(self.url, protocol=2, socket_timeout=0.5, socket_connect_timeout=0.5,
+                                               retry=Retry(NoBackoff(), 0))
         raw = self.client.hgetall(self.names.counts)
         return tuple(int(raw.get(f"produced:{stream}".encode(), 0)) for stream in (self.names.rollouts, self.names.scored))
 
     def poll(self, step: int) -> str | None:
+        if time.monotonic() < self.quiet_until:
+            return None
         try:
             rolled, scored = self._counts()
         except Exception:  # a Redis hiccup: the roles ride it out, and so does this display
+            self.quiet_until = time.monotonic() + self.RETRY_AFTER_S
             return None
         if step != self.step:
             self.step, self.base = step, (rolled, scored)
         text = f"{rolled - self.base[0]} groups rolled out" + (f", {scored - self.base[1]} scored" if self.teacher else "")
-        text += f" since the step began ({self.per_step} a step)"
+        text += f" since the last step line ({self.per_step} a step)"
         now = time.monotonic()
         if text == self.last_text or (not self.terminal and now - self.last_print < self.PLAIN_EVERY_S):
             return None
@@ -600,8 +610,11 @@ def eval_cmd(
     from services.rollout.evaluate import SHORT, resolve_checkpoint
 
     cfg = _installed(load_config(config, backend=backend))
-    if episodes is not None:
-        cfg.eval = cfg.eval.model_copy(update={"episodes_per_task": episodes})
+    if episodes is not None:  # validated as the file's own value (the wire's bound on a group's turns)
+        try:
+            cfg = RunConfig.model_validate({**cfg.model_dump(), "eval": {**cfg.eval.model_dump(), "episodes_per_task": episodes}})
+        except pydantic.ValidationError as e:
+            _usage_error(f"--episodes {episodes}: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
     try:
         src = resolve_checkpoint(checkpoint)
     except ValueError as e:

@@ -132,12 +132,14 @@ return {1, out}
 """
 
 # Reset the idle time of the entries ARGV[3..] that consumer ARGV[2] still owns,
-# without counting a delivery (JUSTID); never takes an entry from another consumer.
+# without counting a delivery (JUSTID); never takes an entry from another consumer. An entry deleted from the
+# stream (XDEL/XTRIM) is left alone: Redis 7's XCLAIM would drop it from the pending list, so the holder's
+# output would be refused and nobody would know; left idle, the next reclaim reports it as deleted.
 _TOUCH = """
 local n = 0
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
+  if #p == 1 and p[1][2] == ARGV[2] and #redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i]) == 1 then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
     n = n + 1
   end

@@ -439,8 +439,10 @@ class MessageLimits:
     each role's queue: `check_limits`). A schema-valid message past them (a 2M-token turn, 4,095 empty turns)
     would make the teacher or trainer allocate gigabytes; it is dead-lettered instead.
 
-    max_tokens: token ids of one trajectory (the context, model.max_model_len, plus the last observation the
-      episode appended, at most 4 tokens a character of env.max_observation_chars, plus chat-template slack);
+    max_tokens: token ids of one trajectory: a rollout never grows its context past model.max_model_len, but
+      one truncated before its first turn holds its whole first prompt (an observation, an admissible list,
+      the system and one-shot text); bounded by model.max_model_len + 4 tokens a character of
+      env.max_observation_chars + 1024, loose for every shipped config;
     max_turns: TaskGroup.max_turns (env.max_turns), hence the turns of each of its trajectories;
     max_group_size: TaskGroup.group_size, the trajectories of one group (rollout.group_size).
     """

@@ -413,6 +413,7 @@ def test_a_job_deleted_from_its_stream_while_pending_is_issued_again(redis_clien
         q.ensure_group()
         return q
 
+    dead = DeadLetters(redis_client, names.dead)  # the trainer, running before the job was lost
     dying = worker_queue("rollout-dies")
     held = dying.consume(100, count=4)
     assert [d.msg.group_id for d in held] == ids
@@ -435,9 +436,41 @@ def test_a_job_deleted_from_its_stream_while_pending_is_issued_again(redis_clien
     worker = threading.Thread(target=_fake_rollout, args=(redis_client, stream_prefix, stop), daemon=True)
     worker.start()
     try:
-        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), DeadLetters(redis_client, names.dead), ids, 0, 0)
-        assert [m.group_id for m in msgs] == ids
+        t0 = time.perf_counter()
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), dead, ids, 0, 0)
+        assert [m.group_id for m in msgs] == ids and time.perf_counter() - t0 < 10  # not the step-timeout rescue
         assert int(redis_client.hget(names.counts, f"produced:{names.tasks}")) == 3  # the lost one issued again
     finally:
         stop.set()
         worker.join(5)
+
+
+def test_a_group_lost_without_a_trace_is_issued_again_once_at_the_step_timeout(redis_client, stream_prefix):
+    """A job can vanish in a way no worker reports (e.g. Redis 7 dropping a deleted entry from the pending list
+    when a retried XAUTOCLAIM's first reply was lost): at step_timeout_s the missing groups are issued again once,
+    and the step completes instead of failing; a restarted trainer does not count deletions from before it."""
+    names = StreamNames(stream_prefix)
+    cfg = _cfg(stream_prefix, steps=1, k=0)
+    cfg.run.step_timeout_s = 1.0
+    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
+    issuer.top_up(0, 0)
+    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+    first = redis_client.xrange(names.tasks)[0][0]
+    redis_client.xdel(names.tasks, first)  # gone before any worker read it: nobody can report it
+    redis_client.xadd(names.dead, {"reason": "deleted", "group_id": "", "entry_id": "0-1"})  # an old deletion
+    time.sleep(0.01)
+    dead = DeadLetters(redis_client, names.dead)
+    dead.poll()
+    assert dead.lost == 0  # from before this trainer started
+    col = Collector(_queue(redis_client, stream_prefix), 0, role="trainer-test")
+    stop = threading.Event()
+    worker = threading.Thread(target=_fake_rollout, args=(redis_client, stream_prefix, stop), daemon=True)
+    worker.start()
+    try:
+        msgs = wait_for_groups(stop, cfg, issuer, col, Backoff("t", stop), dead, ids, 0, 0)
+        assert [m.group_id for m in msgs] == ids
+        assert int(redis_client.hget(names.counts, f"produced:{names.tasks}")) == 3
+    finally:
+        stop.set()
+        worker.join(5)
+

@@ -780,11 +780,14 @@ def test_the_cli_reports_progress_inside_a_step(redis_url, redis_client, stream_
     assert plain.poll(1) is None  # a file: not before PLAIN_EVERY_S
     plain.PLAIN_EVERY_S = 0.0
     redis_client.hincrby(names.counts, f"produced:{names.rollouts}", 1)
-    assert plain.poll(1) == "1 groups rolled out, 0 scored since the step began (2 a step)"
+    assert plain.poll(1) == "1 groups rolled out, 0 scored since the last step line (2 a step)"
     assert plain.poll(1) is None  # nothing new
     term = StepProgress(redis_url, cfg, terminal=True)
-    assert term.poll(2) == "0 groups rolled out, 0 scored since the step began (2 a step)"
+    assert term.poll(2) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
     redis_client.hincrby(names.counts, f"produced:{names.scored}", 2)
-    assert term.poll(2) == "0 groups rolled out, 2 scored since the step began (2 a step)"
+    assert term.poll(2) == "0 groups rolled out, 2 scored since the last step line (2 a step)"
     assert term.poll(3).startswith("0 groups rolled out, 0 scored")  # a new step counts from its start
+    dead = StepProgress("redis://:pw@127.0.0.1:1/0", cfg, terminal=True)  # nothing listens there
+    t0 = time.perf_counter()
+    assert dead.poll(1) is None and dead.poll(1) is None and time.perf_counter() - t0 < 2.0  # never blocks the loop
 

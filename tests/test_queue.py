@@ -175,6 +175,21 @@ def test_reclaim_drops_pending_entries_deleted_from_the_stream(redis_client, str
     assert [d.entry_id for d in a.reclaim(min_idle_ms=0)] == [kept]
 
 
+def test_a_held_job_deleted_from_its_stream_still_finishes(redis_client, stream_prefix):
+    """An operator deletes the entry of a job a live worker holds: the heartbeat leaves it pending (Redis 7's XCLAIM
+    would drop it from the pending list and the finished output would be refused), so the worker's output is
+    written and its input acknowledged as usual."""
+    names = StreamNames(stream_prefix)
+    q = queue(redis_client, names, "teacher-0")
+    q.produce(make_rollout_group(G=2, turns=1, seed=3))
+    (d,) = q.consume(block_ms=100)
+    redis_client.xdel(names.rollouts, d.entry_id)
+    assert q.keep_alive([d.entry_id]) == 0  # not refreshed: deleted
+    assert redis_client.xpending(names.rollouts, "teacher")["pending"] == 1  # still ours
+    assert q.produce_then_ack(names.scored, make_rollout_group(G=2, turns=1, seed=4), d.entry_id) is not None
+    assert redis_client.xpending(names.rollouts, "teacher")["pending"] == 0 and redis_client.xlen(names.scored) == 1
+
+
 def test_queue_refuses_a_str_decoding_client(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     with pytest.raises(ValueError, match="bytes replies"):

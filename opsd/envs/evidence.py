@@ -146,7 +146,7 @@ def _tables(rng: random.Random, target_chars: int) -> Document:
 
 def _person(rng: random.Random, used: set[str]) -> str:
     """A name no other passage of the document has (a middle initial once plain names run out), so "the
-    person who lives in Oslo" is never also someone who lives elsewhere. Up to 24 x 22 x 27 names."""
+    person who lives in Oslo" is never also someone who lives elsewhere. Up to 24 x 22 x (1 + 22) names."""
     for _ in range(10_000):
         middle = rng.choice("ABCDEFGHIJKLMNOPRSTVWZ") + ". " if len(used) > 200 and rng.random() < 0.9 else ""
         name = f"{rng.choice(FIRST)} {middle}{rng.choice(LAST)}"

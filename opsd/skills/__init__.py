@@ -42,10 +42,11 @@ MAX_SKILL_BYTES = 64 * 1024
 
 
 def _read(root: Path, path: Path) -> str:
-    """The text of skill file `path` under `root`, "" when there is none. Only a regular file, with one link,
-    whose real path (of the file actually opened) lies inside the real `root` is read (never a symlink, a
+    """The text of skill file `path` under `root`, "" when there is none. Only a regular file whose real path
+    (of the file actually opened) lies inside the real `root` is read (never a symlink, a
     device, a FIFO or /proc: their content, e.g. the environment's secrets, would travel in every TaskGroup),
-    and at most MAX_SKILL_BYTES of it. ValueError otherwise."""
+    and at most MAX_SKILL_BYTES of it. ValueError otherwise. Hard links are allowed: installers (uv, conda)
+    hard-link package files from their caches."""
     refused = f"skill file {path} is not a regular file inside the skills folder {root}: refused"
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):  # before opening: opening a device may do something
@@ -59,7 +60,7 @@ def _read(root: Path, path: Path) -> str:
         st = os.fstat(fd)
         # The file opened, not the name: a parent folder swapped for a symlink after the open cannot fool it.
         opened = Path(os.readlink(f"/proc/self/fd/{fd}")) if os.path.exists(f"/proc/self/fd/{fd}") else Path(path).resolve()
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not opened.is_relative_to(root.resolve()):
+        if not stat.S_ISREG(st.st_mode) or not opened.is_relative_to(root.resolve()):
             raise ValueError(refused)
         data = f.read(MAX_SKILL_BYTES + 1)  # the size of what is read, not what stat says (/proc reads as 0)
     if len(data) > MAX_SKILL_BYTES:

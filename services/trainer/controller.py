@@ -132,17 +132,14 @@ class TaskIssuer:
 
 
     def reissue_missing(self, step: int, arrived: set[str], version: int) -> None:
-        """Issue again, with policy `version`, every task of the steps issued from `step` on whose group id is not
-        in `arrived` (a job was lost without a name: its entry deleted while pending). A copy still in flight
-        makes a duplicate the trainer drops. Raises redis.RedisError or WireError."""
-        raw = self.client.get(self.key)
-        last = step if raw is None else max(int(raw), step)
-        for s in range(step, min(last, self.cfg.run.steps - 1) + 1):
-            missing = {t.group_id for t in step_tasks(self.cfg, self.games, s, version)} - arrived
-            if missing:
-                log.warning("a job was deleted from a stream while pending: issuing step %d's groups %s again", s,
-                            sorted(missing))
-                self.reissue(s, missing, version)
+        """Issue again, with policy `version`, every task of `step` whose group id is not in `arrived` (a job was
+        lost without a name: its entry deleted while pending). A copy still in flight makes a duplicate the
+        trainer drops; a later step's lost job is issued again when that step waits for it (its timeout).
+        Raises redis.RedisError or WireError."""
+        missing = {t.group_id for t in step_tasks(self.cfg, self.games, step, version)} - arrived
+        if missing:
+            log.warning("step %d: a job was lost: issuing its groups %s again", step, sorted(missing))
+            self.reissue(step, missing, version)
 
 
 class StepFailed(RuntimeError):
@@ -220,8 +217,8 @@ class DeadLetters:
     """The groups the run's dead-letter stream reports (field `group_id`, set by `StreamQueue.dead_letter`).
 
     `poll()` reads entries added since the last call; `take(gid)` returns
-    (reason, error) of the newest unhandled dead letter of `gid`, once; `take_lost()` how many jobs were lost
-    without a group id (their entry deleted from a stream while pending: reason "deleted"), once.
+    (reason, error) of the newest unhandled dead letter of `gid`, once; `lost` counts the jobs lost since this
+    trainer started without a group id (their entry deleted from a stream while pending: reason "deleted").
     """
 
     def __init__(self, client: redis.Redis, dead_stream: str):
@@ -229,6 +226,8 @@ class DeadLetters:
         self.last = "0-0"  # from the start: a restarted trainer sees what died before it
         self.unhandled: dict[str, tuple[str, str]] = {}
         self.lost = 0
+        # Lost jobs count from this trainer's start: a restarted one must not re-issue for old deletions again.
+        self.since_ms = int(time.time() * 1000)
 
     def poll(self) -> None:
         """Read new dead letters (at most a few hundred a call). Raises redis.RedisError."""
@@ -240,7 +239,7 @@ class DeadLetters:
                 if gid:
                     self.unhandled[gid] = (fields.get(b"reason", b"").decode(errors="replace"),
                                            fields.get(b"error", b"").decode(errors="replace"))
-                elif fields.get(b"reason") == b"deleted":
+                elif fields.get(b"reason") == b"deleted" and int(self.last.split("-")[0]) >= self.since_ms:
                     self.lost += 1
             if len(entries) < 64:
                 return
@@ -248,9 +247,7 @@ class DeadLetters:
     def take(self, gid: str) -> tuple[str, str] | None:
         return self.unhandled.pop(gid, None)
 
-    def take_lost(self) -> int:
-        lost, self.lost = self.lost, 0
-        return lost
+
 
 
 def _task(msg) -> TaskGroup:
@@ -429,9 +426,12 @@ def wait_for_groups(stop: threading.Event, cfg, issuer: TaskIssuer, collector: C
     A group dead-lettered by a worker has its task issued again, at most
     redis.max_deliveries times (then StepFailed, with the dead letter's reason).
     Redis connection failures are ridden out with `backoff` (state kept).
-    Raises TimeoutError after `cfg.run.step_timeout_s` without all groups.
+    After `cfg.run.step_timeout_s` without all groups, the missing ones are issued again once (a job can
+    vanish without a trace: an entry deleted from a stream in a way no worker saw); TimeoutError after a
+    second `step_timeout_s`.
     """
     deadline = time.monotonic() + cfg.run.step_timeout_s
+    rescued = False
     reissued: dict[str, int] = {}
     while not stop.is_set():
         try:
@@ -453,13 +453,22 @@ def wait_for_groups(stop: threading.Event, cfg, issuer: TaskIssuer, collector: C
                             gid, died[0], died[1][:200], reissued[gid], cfg.redis.max_deliveries)
                 issuer.reissue(step, {gid}, version)
             collector.poll(version, step, cfg.redis.block_ms, cfg.redis.reclaim_idle_ms)
-            if dead.take_lost():  # a job deleted while pending names no group: issue every missing one again
+            if dead.lost:  # a job deleted while pending names no group: issue the step's missing ones again
+                lost = dead.lost
                 issuer.reissue_missing(step, set(collector.buffer), version)
+                dead.lost -= lost  # only once it is done: a Redis error above keeps the count for the next round
             collector.queue.depth()
             backoff.reset()
         except REDIS_ERRORS as e:
             backoff.wait(e)
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and not rescued:
+            # Lost without any trace (a job deleted in a way no worker could report): issue it again, once.
+            rescued = True
+            deadline = time.monotonic() + cfg.run.step_timeout_s
+            log.warning("step %d: groups %s did not arrive within %.0f s; issuing them again once", step,
+                        sorted(set(group_ids) - set(collector.buffer)), cfg.run.step_timeout_s)
+            backoff.retry(lambda: issuer.reissue_missing(step, set(collector.buffer), version))
+        elif time.monotonic() > deadline:
             missing = sorted(set(group_ids) - set(collector.buffer))
             raise TimeoutError(
                 f"step {step}: groups {missing} did not arrive within {cfg.run.step_timeout_s:.0f}s "
