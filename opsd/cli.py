@@ -55,7 +55,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from opsd.config import RunConfig, read_yaml
 from opsd.service import FATAL_EXIT, read_port, service_url
 
-app = typer.Typer(add_completion=False, help="opsd: RL + on-policy self-distillation for LLM agents.")
+# Plain click help: typer's rich help prints a type for every option, so flags such as --dump-credit and --help
+# read as if they took a <bool> value.
+app = typer.Typer(add_completion=False, rich_markup_mode=None, help="opsd: RL + on-policy self-distillation for LLM agents.")
 console = Console(soft_wrap=True)  # one line per step, also when piped to a file
 
 STEP_COLUMNS = (

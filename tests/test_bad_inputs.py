@@ -1021,3 +1021,13 @@ def test_every_bad_input_case_has_a_test():
                 tree = ast.parse(src.read_text())
                 defined[file] = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
             assert name in defined[file], f"{node} is in the map but {file} defines no such test"
+
+
+def test_help_shows_flags_as_flags():
+    """`opsd run --help`: a flag takes no value, so none is shown (typer's rich help printed "<bool>")."""
+    from typer.testing import CliRunner
+
+    from opsd.cli import app
+
+    out = CliRunner().invoke(app, ["run", "--help"]).output
+    assert "--dump-credit" in out and "<bool>" not in out and "--steps <int>" in out
