@@ -595,7 +595,9 @@ def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False))
 
 @app.command("eval")
 def eval_cmd(
-    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="run config (YAML): env, eval section, model"),
+    config: Optional[Path] = typer.Argument(None, exists=True, dir_okay=False,
+                                            help="run config (YAML): env, eval section, model; default: the "
+                                                 "config.yaml of the run --checkpoint belongs to"),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="a run directory, an HF model directory (a run's "
                                     "checkpoint/ or final_model/) or a published weights file (.safetensors)"),
     backend: Optional[str] = typer.Option(None, help="override model.backend: hf or vllm"),
@@ -611,16 +613,20 @@ def eval_cmd(
     from opsd.models import load_backend
     from services.rollout.evaluate import SHORT, resolve_checkpoint
 
+    try:
+        src = resolve_checkpoint(checkpoint)
+    except ValueError as e:
+        _usage_error(str(e))
+    if config is None:  # a run's own config says which env and eval split it was trained for
+        if src.run_dir is None or not (src.run_dir / "config.yaml").is_file():
+            _usage_error(f"--checkpoint {checkpoint} is not inside a run directory with a config.yaml: give CONFIG")
+        config = src.run_dir / "config.yaml"
     cfg = _installed(load_config(config, backend=backend))
     if episodes is not None:  # validated as the file's own value (the wire's bound on a group's turns)
         try:
             cfg = RunConfig.model_validate({**cfg.model_dump(), "eval": {**cfg.eval.model_dump(), "episodes_per_task": episodes}})
         except pydantic.ValidationError as e:
             _usage_error(f"--episodes {episodes}: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
-    try:
-        src = resolve_checkpoint(checkpoint)
-    except ValueError as e:
-        _usage_error(str(e))
     if src.model_dir is not None:
         cfg.model = cfg.model.model_copy(update={"name": str(src.model_dir)})
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -319,6 +319,15 @@ def test_cli_eval_on_a_saved_checkpoint(policy_backend, tmp_path):
     assert data2["checkpoint"] == str(bare) and data2["policy_version"] == 0
     assert data2["tasks"][0]["episodes"] == data["tasks"][0]["episodes"]
 
+    # Without CONFIG: the run directory's own config.yaml (the same env and eval split), the same episodes.
+    (run / "config.yaml").write_text(config.read_text())
+    res = runner.invoke(app, ["eval", "--checkpoint", str(run), "--max-tasks", "1", "--episodes", "2",
+                              "--out", str(tmp_path / "out3")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out3" / "eval.json").read_text())["tasks"][0]["episodes"] == data["tasks"][0]["episodes"]
+    res = runner.invoke(app, ["eval", "--checkpoint", str(bare)])
+    assert res.exit_code == 2 and "give CONFIG" in res.output
+
     res = runner.invoke(app, ["eval", str(config), "--checkpoint", str(tmp_path / "missing")])
     assert res.exit_code == 2 and "no such file or directory" in res.output
     res = runner.invoke(app, ["eval", str(config), "--checkpoint", str(config)])
