@@ -660,8 +660,10 @@ def eval_cmd(
             console.print(f"  [red]{escape(result['task_id'])}: {escape(result['error'])}[/red]")
         else:
             wins = sum(e["won"] for e in result["episodes"])
+            # Tasks are played together (eval.parallel_tasks a call): the time is the batch's, shared between them.
+            share = "" if result["alone"] else " (its share of a batch played together)"
             console.print("  " + escape(f"{result['task_id']} [{result['category']}]: {wins}/{len(result['episodes'])} won, "
-                                        f"{result['seconds']:.1f}s"))
+                                        f"{result['seconds']:.1f}s{share}"))
 
     from services.rollout.evaluate import evaluate
 
