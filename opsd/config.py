@@ -30,7 +30,7 @@ class RunSection(_Section):
     seed: int = 0
     output_dir: str = "runs"  # the run directory is output_dir/<name>-<timestamp>
     method: str = "alignopsd"  # a registered credit estimator (opsd.credit.registered()), checked on load
-    step_timeout_s: float = Field(1800.0, gt=0)  # a step waiting longer than this fails the run
+    step_timeout_s: float = Field(1800.0, gt=0)  # a step waiting this long re-issues its missing groups once; twice this long fails the run
     # 0 = synchronous (step n+1's tasks are issued after step n's update); k >= 1 = k-step-off:
     # tasks of steps n+1..n+k are in flight (sampled with older policies) while step n trains,
     # and a group more than k policy versions older than the trainer is dropped and counted.
