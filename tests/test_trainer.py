@@ -232,3 +232,14 @@ def test_metrics_png_panels_say_what_they_show():
     rows[1]["reward_mean"] = 0.7  # graded rewards: two curves
     (first, *_) = metric_panels(rows)
     assert list(first[3]) == ["success_rate", "reward_mean"]
+
+
+def test_the_trainers_queue_dead_letters_an_entry_that_keeps_killing_it():
+    """Issue 23: the trainer's input queue had no delivery bound (1 << 30): an entry that crashes the trainer at
+    every start crash-looped it under a platform that restarts without limit. Now the bound is finite and above
+    what run.max_restarts lets a held group reach."""
+    from opsd.config import RunConfig
+    from services.trainer.__main__ import trainer_max_deliveries
+
+    cfg = RunConfig.model_validate({"run": {"max_restarts": 5}, "redis": {"max_deliveries": 3}})
+    assert trainer_max_deliveries(cfg) == 9 > 1 + cfg.run.max_restarts

@@ -75,6 +75,17 @@ def publish(backend, run_dir, client, prefix: str, version: int, keep: int, back
     backoff.retry(lambda: client.set(f"{prefix}:policy_version", version))
 
 
+def trainer_max_deliveries(cfg) -> int:
+    """Deliveries after which the trainer dead-letters one of its input entries (its task is then issued again,
+    at most redis.max_deliveries times before the step fails with the reason).
+
+    A group the trainer holds across a restart is delivered again once per restart, so the bound sits above
+    what run.max_restarts allows (`opsd run` fails before a held group could reach it); under a platform that
+    restarts without limit (docker, k8s), an entry that kills the trainer every time ends in the dead-letter
+    stream instead of a crash loop."""
+    return cfg.redis.max_deliveries + cfg.run.max_restarts + 1
+
+
 def main() -> None:
     try:
         train()
@@ -148,9 +159,9 @@ def train() -> None:
     except ValueError as e:
         fatal(ROLE, str(e))
     streams = StreamNames(cfg.redis.stream_prefix)
-    # Groups held across trainer restarts are re-delivered once per restart: not poison, never dead-letter them.
     queue = proc.open_queue(streams.scored if cfg.needs_teacher else streams.rollouts,
-                            ScoredGroup if cfg.needs_teacher else RolloutGroup, backend.vocab_size, max_deliveries=1 << 30)
+                            ScoredGroup if cfg.needs_teacher else RolloutGroup, backend.vocab_size,
+                            max_deliveries=trainer_max_deliveries(cfg))
     client = queue.client
     backoff = Backoff(ROLE, proc.stop)
     claim_prefix(client, streams, run_dir, config_hash(hashed), backoff)
