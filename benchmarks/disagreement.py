@@ -58,18 +58,12 @@ def bootstrap(values: list[float], samples: int, rng: np.random.Generator) -> tu
 
 
 def group_values(scored) -> dict | None:
-    """One group's diagnostics from a ScoredGroup: s_i = mean identity-view teacher - sampler log-prob over the
-    trajectory's loss tokens (0 without any), R_i its F1 reward; None when its rewards do not differ."""
-    from opsd.credit.diagnostics import group_diagnostics
+    """One group's diagnostics from a ScoredGroup (the trainer's `trajectory_scores`: s_i and the F1 reward R_i of
+    each rankable trajectory); None when its rewards do not differ."""
+    from opsd.credit.diagnostics import group_diagnostics, trajectory_scores
 
-    reward_N, score_N = [], []
-    for t, lp in zip(scored.rollout.trajectories, scored.teacher_logprobs_S):
-        m = t.loss_mask_S == 1
-        s = float((lp[m] - t.sampler_logprobs_S[m]).mean()) if m.any() else 0.0
-        if t.turns and np.isfinite(s):  # as the trainer's report: no reply or a -inf teacher log-prob, no rank
-            reward_N.append(t.reward)
-            score_N.append(s)
-    diag = group_diagnostics(np.array(reward_N), np.array(score_N))
+    rows = trajectory_scores(scored)
+    diag = group_diagnostics(np.array([r for r, _, _ in rows]), np.array([s for _, s, _ in rows]))
     return None if diag is None else {"pairwise_disagreement": diag.pairwise_disagreement,
                                       "top1_mismatch": diag.top1_mismatch, "preference_gap": diag.preference_gap}
 

@@ -397,16 +397,20 @@ def test_version_zero_loads_from_its_file_after_a_newer_one(tmp_path):
     assert ensure_version(backend, tmp_path, 0) is True and backend.policy_version == 0
 
 
+def _step0_issued(client, prefix: str, step_timeout_s: float):
+    """A one-step run (k = 0) whose step 0 is issued: (stream names, config, issuer, step 0's group ids)."""
+    cfg = _cfg(prefix, steps=1, k=0)
+    cfg.run.step_timeout_s = step_timeout_s
+    issuer = TaskIssuer(client, cfg, GAMES, MAX_BYTES)
+    issuer.top_up(0, 0)
+    return StreamNames(prefix), cfg, issuer, [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+
+
 def test_a_job_deleted_from_its_stream_while_pending_is_issued_again(redis_client, stream_prefix):
     """An operator's XDEL (or a producer's MAXLEN) removes a task entry a worker holds; the worker dies. The next
     worker's reclaim finds the entry gone: it is dead-lettered (reason "deleted", counted, logged), not dropped
     silently, and the trainer issues the step's missing group again instead of waiting until the step times out."""
-    names = StreamNames(stream_prefix)
-    cfg = _cfg(stream_prefix, steps=1, k=0)
-    cfg.run.step_timeout_s = 20
-    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
-    issuer.top_up(0, 0)
-    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+    names, cfg, issuer, ids = _step0_issued(redis_client, stream_prefix, step_timeout_s=20)
 
     def worker_queue(consumer):
         q = StreamQueue(redis_client, names.tasks, "rollout", consumer, TaskGroup, "rollout-test", MAX_BYTES, names.dead)
@@ -449,12 +453,7 @@ def test_a_group_lost_without_a_trace_is_issued_again_once_at_the_step_timeout(r
     """A job can vanish in a way no worker reports (e.g. Redis 7 dropping a deleted entry from the pending list
     when a retried XAUTOCLAIM's first reply was lost): at step_timeout_s the missing groups are issued again once,
     and the step completes instead of failing; a restarted trainer does not count deletions from before it."""
-    names = StreamNames(stream_prefix)
-    cfg = _cfg(stream_prefix, steps=1, k=0)
-    cfg.run.step_timeout_s = 1.0
-    issuer = TaskIssuer(redis_client, cfg, GAMES, MAX_BYTES)
-    issuer.top_up(0, 0)
-    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+    names, cfg, issuer, ids = _step0_issued(redis_client, stream_prefix, step_timeout_s=1.0)
     first = redis_client.xrange(names.tasks)[0][0]
     redis_client.xdel(names.tasks, first)  # gone before any worker read it: nobody can report it
     redis_client.xadd(names.dead, {"reason": "deleted", "group_id": "", "entry_id": "0-1"})  # an old deletion

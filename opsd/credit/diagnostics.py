@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from opsd.types import ScoredGroup
+
 DIAGNOSTICS = ("pairwise_disagreement", "top1_mismatch", "preference_gap")
 
 
@@ -70,6 +72,21 @@ def group_diagnostics(reward_N: np.ndarray, score_N: np.ndarray, eps: float = 1e
     mismatch = float((r_N[top_N] < r_N.max() - eps).mean())
     gap = float((np.sign(dr_P[ordered_P]) * ds_P[ordered_P]).mean())
     return GroupDiagnostics(disagreement, mismatch, gap)
+
+
+def trajectory_scores(scored: ScoredGroup) -> list[tuple[float, float, int]]:
+    """(reward R_i, teacher score s_i, prompt tokens) of each trajectory of a scored group that can be ranked.
+
+    s_i: the mean identity-view teacher minus sampler log-prob over its loss tokens (nats/token; 0 without any,
+    as GC-OPD's s_i); prompt tokens: before its first reply. Left out: a trajectory that ended before its first
+    reply (truncated, an env error: no response to rank) or whose score is not finite (a -inf teacher log-prob)."""
+    out = []
+    for t, lp_S in zip(scored.rollout.trajectories, scored.teacher_logprobs_S):
+        m_S = t.loss_mask_S == 1
+        s = float((lp_S[m_S] - t.sampler_logprobs_S[m_S]).mean()) if m_S.any() else 0.0
+        if t.turns and np.isfinite(s):
+            out.append((t.reward, s, t.turns[0].response_start))
+    return out
 
 
 def bucket_names(bounds: list[int]) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from opsd.credit.diagnostics import teacher_verifier_metrics
+from opsd.credit.diagnostics import teacher_verifier_metrics, trajectory_scores
 from opsd.types import RolloutGroup, ScoredGroup
 
 log = logging.getLogger(__name__)
@@ -80,25 +80,12 @@ def summarize(
 
 
 def teacher_verifier(scored: list[ScoredGroup], prompt_buckets: list[int]) -> dict[str, float]:
-    """The step's teacher-verifier diagnostics: per trajectory its reward, its teacher score s_i (mean
-    identity-view teacher minus sampler log-prob over its loss tokens; 0 without any, as GC-OPD's s_i) and its
-    prompt length (tokens before the first reply); see opsd.credit.diagnostics.teacher_verifier_metrics."""
-    reward_N, score_N, group_N, prompt_N = [], [], [], []
-    for g, sg in enumerate(scored):
-        for t, lp_S in zip(sg.rollout.trajectories, sg.teacher_logprobs_S):
-            if not t.turns:  # ended before its first reply (truncated, an env error): no response to rank
-                continue
-            m = t.loss_mask_S == 1
-            s = float((lp_S[m] - t.sampler_logprobs_S[m]).mean()) if m.any() else 0.0
-            if not math.isfinite(s):  # a -inf teacher log-prob: no score to rank by (the credit code reports it)
-                continue
-            reward_N.append(t.reward)
-            score_N.append(s)
-            group_N.append(g)
-            prompt_N.append(t.turns[0].response_start)
+    """The step's teacher-verifier diagnostics over the trajectories `trajectory_scores` can rank; see
+    opsd.credit.diagnostics.teacher_verifier_metrics."""
+    rows = [(g, r, s, p) for g, sg in enumerate(scored) for r, s, p in trajectory_scores(sg)]
+    group_N, reward_N, score_N, prompt_N = (np.asarray(col) for col in (zip(*rows) if rows else ([],) * 4))
     try:
-        return teacher_verifier_metrics(np.array(reward_N), np.array(score_N), np.array(group_N), np.array(prompt_N),
-                                        prompt_buckets)
+        return teacher_verifier_metrics(reward_N, score_N, group_N, prompt_N, prompt_buckets)
     except ValueError as e:  # a report, never a reason to lose a step that has been trained
         log.warning("teacher-verifier diagnostics skipped this step: %s", e)
         return {}
