@@ -903,7 +903,7 @@ def test_a_yaml_anchor_bomb_is_refused_at_once(tmp_path):
     (tmp_path / "loop.yaml").write_text("run: &r\n  name: *r\n")
     with pytest.raises(ValueError, match="expands to more than"):
         RunConfig.load(tmp_path / "loop.yaml")
-    assert time.perf_counter() - t0 < 5.0
+    assert time.perf_counter() - t0 < 15.0  # 39 s before the cap, on a loaded 2-core machine
     assert not (tmp_path / "runs").exists()
 
 
