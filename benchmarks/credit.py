@@ -1,18 +1,24 @@
-"""Credit-assignment speed: every registered method on an ALFWorld-scale batch.
+"""Credit-assignment speed and memory: every registered method on ALFWorld-scale batches.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/credit.py [--tasks 16 --rollouts 8 --turns 50 --tokens 512]
-                                                             [--quick] [--json OUT]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/credit.py [--sizes 16x8x50x512 ...]
+        [--tasks T --rollouts G --turns K --tokens L] [--quick] [--json OUT]
 
-The batch is random but valid (fixed seed): 16 tasks x 8 rollouts x 50 turns,
-512 response tokens per turn with a random number of loss tokens, binary
-episode rewards, some invalid turns, log-probs <= 0, a block-diagonal
-similarity matrix. Each method runs through `opsd.credit.compute_advantages`
-(the trainer's call, including validation), credit alone: no model passes.
-Targets (issue 3): AlignOPSD < 1 s, every other method < 0.1 s on one core.
-Prints: method, batch shape, median of 5 runs (after one warm-up run).
-`--quick`: 2 x 4 x 10 x 64, 2 runs (a smoke test; the targets are stated for
-the default size only). `--json OUT`: the rows as a benchmark JSON
-(benchmarks/common.py), for `make bench`'s table.
+Each batch is random but valid (fixed seed): tasks x rollouts x turns, a
+number of response tokens per turn with a random number of loss tokens,
+binary episode rewards, some invalid turns, log-probs <= 0, one similarity
+and eligibility block per task. Each method runs through
+`opsd.credit.compute_advantages` (the trainer's call, including validation),
+credit alone: no model passes.
+Sizes (default): 16x8x50x512 (the papers' ALFWorld step; the targets),
+16x8x100x512 (100 turns) and 128x8x50x512 (a 128-task step).
+Targets (issue 3), at 16x8x50x512 only: AlignOPSD < 1 s, every other method
+< 0.1 s on one core.
+Prints per method and size: median of 5 runs (after one warm-up run) and the
+peak memory the call allocates beyond the batch (tracemalloc, which numpy
+reports its arrays to; a separate run, so tracing does not slow the timed ones).
+`--tasks/--rollouts/--turns/--tokens`: one size instead (unset ones from 16x8x50x512).
+`--quick`: 2x4x10x64, 2 runs (a smoke test). `--json OUT`: the rows as a
+benchmark JSON (benchmarks/common.py), for `make bench`'s table.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import os
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -62,62 +69,95 @@ def make_batch(tasks: int, rollouts: int, turns: int, tokens: int, seed: int = 0
     reward_T = rng.integers(0, 2, size=tasks * rollouts).astype(np.float32) * 10.0
     episode_reward_M = np.repeat(reward_T, turns)
     n = rollouts * turns
-    H_MM = np.zeros((M, M), dtype=np.float32)
-    E_MM = np.zeros((M, M), dtype=bool)
     roll = np.repeat(np.arange(rollouts), turns)
-    for t in range(tasks):
-        sl = slice(t * n, (t + 1) * n)
-        H_MM[sl, sl] = rng.uniform(0.3, 1.0, size=(n, n)).astype(np.float32)
-        E_MM[sl, sl] = roll[:, None] != roll[None, :]
+    # One [n, n] block per task, as the trainer builds them (services/trainer/batch.py): pairs never cross tasks.
+    H = {f"task{t:03d}": rng.uniform(0.3, 1.0, size=(n, n)).astype(np.float32) for t in range(tasks)}
+    E = {f"task{t:03d}": roll[:, None] != roll[None, :] for t in range(tasks)}
     return CreditBatch(
         task_id=task_id, rollout_id=rollout_id, turn_id=turn_id, data_source=["alfworld"] * M,
         episode_reward=episode_reward_M, is_action_valid=rng.random(M) > 0.1, loss_mask_ML=mask_ML,
         student_logprobs_ML=student_ML, teacher_logprobs_ML=teacher_ML, corrected_logprobs_ML=corrected_ML,
-        similarity_MM=H_MM, eligible_MM=E_MM, base_logprobs_ML=student_ML.copy(),
+        similarity_blocks=H, eligible_blocks=E, base_logprobs_ML=student_ML.copy(),
         teacher_entropy_ML=rng.uniform(0, 3, size=(M, L)).astype(np.float32) * mask_ML,
         student_entropy_ML=rng.uniform(0, 3, size=(M, L)).astype(np.float32) * mask_ML,
     )
 
 
+ISSUE_SIZE = (16, 8, 50, 512)
+DEFAULT_SIZES = ("16x8x50x512", "16x8x100x512", "128x8x50x512")
+
+
+def parse_size(text: str) -> tuple[int, int, int, int]:
+    """'16x8x50x512' -> (tasks, rollouts, turns, tokens); argparse.ArgumentTypeError otherwise."""
+    try:
+        size = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        size = ()
+    if len(size) != 4 or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"a size is TASKSxROLLOUTSxTURNSxTOKENS of positive integers, got {text!r}")
+    return size  # type: ignore[return-value]
+
+
+def peak_mib(method: str, batch: CreditBatch, cfg: CreditSection) -> float:
+    """MiB allocated at the peak of one compute_advantages call, beyond what existed before it."""
+    tracemalloc.start()
+    try:
+        compute_advantages(method, batch, cfg)
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", type=int, default=None, help="default 16 (--quick 2)")
-    ap.add_argument("--rollouts", type=int, default=None, help="default 8 (--quick 4)")
-    ap.add_argument("--turns", type=int, default=None, help="default 50 (--quick 10)")
-    ap.add_argument("--tokens", type=int, default=None, help="default 512 (--quick 64)")
+    ap.add_argument("--sizes", nargs="+", type=parse_size, default=None,
+                    help=f"TASKSxROLLOUTSxTURNSxTOKENS each (default {' '.join(DEFAULT_SIZES)})")
+    ap.add_argument("--tasks", type=int, default=None, help="one size: tasks (default 16)")
+    ap.add_argument("--rollouts", type=int, default=None, help="one size: rollouts per task (default 8)")
+    ap.add_argument("--turns", type=int, default=None, help="one size: turns per rollout (default 50)")
+    ap.add_argument("--tokens", type=int, default=None, help="one size: response tokens per turn (default 512)")
     ap.add_argument("--repeats", type=int, default=None, help="default 5 (--quick 2)")
     ap.add_argument("--methods", nargs="*", default=None, help="default: every registered method")
     ap.add_argument("--quick", action="store_true", help="a small batch for a smoke test (2 x 4 x 10 x 64, 2 runs)")
     ap.add_argument("--json", type=Path, default=None, help="write the benchmark JSON here")
     args = ap.parse_args()
-    for name, full, quick in (("tasks", 16, 2), ("rollouts", 8, 4), ("turns", 50, 10), ("tokens", 512, 64),
-                              ("repeats", 5, 2)):
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    batch = make_batch(args.tasks, args.rollouts, args.turns, args.tokens)
-    shape = f"{args.tasks}x{args.rollouts}x{args.turns}x{args.tokens}"
-    issue_size = (args.tasks, args.rollouts, args.turns, args.tokens) == (16, 8, 50, 512)
-    rows: list[Row] = []
-    if not issue_size:
-        print(f"batch {shape} is not the issue's 16x8x50x512: no targets judged")
+    one = (args.tasks, args.rollouts, args.turns, args.tokens)
+    if args.quick:
+        sizes = [(2, 4, 10, 64)]
+    elif any(v is not None for v in one):
+        if args.sizes:
+            ap.error("give --sizes or --tasks/--rollouts/--turns/--tokens, not both")
+        sizes = [tuple(d if v is None else v for v, d in zip(one, ISSUE_SIZE))]
+    else:
+        sizes = args.sizes or [parse_size(x) for x in DEFAULT_SIZES]
+    repeats = args.repeats or (2 if args.quick else 5)
     names = args.methods or [m for m in registered() if m not in ALIASES] + list(VARIANTS)
-    print(f"{'method':<24} {'batch (tasks x rollouts x turns x tokens)':<42} {'median s':>9} {'target s':>9}  ok")
-    for name in names:
-        method, overrides = VARIANTS.get(name, (name, {}))
-        cfg = CreditSection.model_validate(overrides)
-        compute_advantages(method, batch, cfg)  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            compute_advantages(method, batch, cfg)
-            times.append(time.perf_counter() - t0)
-        med = float(np.median(times))
-        target = TARGET_S.get(method, DEFAULT_TARGET_S)
-        verdict = f"{target:>9.2f}  {'yes' if med < target else 'NO'}" if issue_size else f"{'-':>9}"  # as the rows
-        print(f"{name:<24} {shape:<42} {med:>9.3f} {verdict}")
-        rows.append(Row(f"{name} ({shape}): median s", med, "s", target=f"< {target:g} s" if issue_size else None,
-                        note=f"median of {args.repeats} after a warm-up" + (
-                            "" if issue_size else f"; target < {target:g} s holds for 16x8x50x512, not this size")))
+    rows: list[Row] = []
+    print(f"{'method':<24} {'size (tasks x rollouts x turns x tokens)':<40} {'median s':>9} {'target s':>9}  ok  "
+          f"{'peak MiB':>9}")
+    for size in sizes:
+        batch = make_batch(*size)
+        shape = "x".join(str(x) for x in size)
+        issue_size = size == ISSUE_SIZE
+        for name in names:
+            method, overrides = VARIANTS.get(name, (name, {}))
+            cfg = CreditSection.model_validate(overrides)
+            compute_advantages(method, batch, cfg)  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                compute_advantages(method, batch, cfg)
+                times.append(time.perf_counter() - t0)
+            med = float(np.median(times))
+            peak = peak_mib(method, batch, cfg)
+            target = TARGET_S.get(method, DEFAULT_TARGET_S)
+            verdict = f"{target:>9.2f}  {'yes' if med < target else 'NO '}" if issue_size else f"{'-':>9}  -  "
+            print(f"{name:<24} {shape:<40} {med:>9.3f} {verdict} {peak:>9.1f}", flush=True)
+            rows.append(Row(f"{name} ({shape}): median s", med, "s", target=f"< {target:g} s" if issue_size else None,
+                            note=f"median of {repeats} after a warm-up" + (
+                                "" if issue_size else f"; target < {target:g} s holds for 16x8x50x512, not this size")))
+            rows.append(Row(f"{name} ({shape}): peak MiB", peak, "MiB",
+                            note="allocated by one call beyond the batch (tracemalloc)"))
     if args.json:
         write_json(args.json, "credit", command_line(), rows)
         print(f"wrote {args.json}")

@@ -19,6 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opsd.types import MAX_GROUP_SIZE, MAX_GROUP_TURNS
 
+# The credit methods a run may name: opsd/credit registers one estimator under each and refuses any other name,
+# so this module validates run.method without importing the estimators (which import this module).
+CREDIT_METHODS = ("agentopsd", "alignopsd", "ex_opd", "fire_opd", "gc_opd", "grpo", "grpo_opd", "grpo_opsd", "opd",
+                  "opsd", "power_opd", "uni_opd")
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -29,7 +34,7 @@ class RunSection(_Section):
     steps: int = Field(3, ge=1)
     seed: int = 0
     output_dir: str = "runs"  # the run directory is output_dir/<name>-<timestamp>
-    method: str = "alignopsd"  # a registered credit estimator (opsd.credit.registered()), checked on load
+    method: str = "alignopsd"  # one of CREDIT_METHODS (each a registered estimator, opsd.credit), checked on load
     step_timeout_s: float = Field(1800.0, gt=0)  # a step waiting this long re-issues its missing groups once; twice this long fails the run
     # 0 = synchronous (step n+1's tasks are issued after step n's update); k >= 1 = k-step-off:
     # tasks of steps n+1..n+k are in flight (sampled with older policies) while step n trains,
@@ -661,10 +666,8 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _known_method(self) -> "RunConfig":
-        from opsd.credit import registered  # the registry imports this module
-
-        if self.run.method not in registered():
-            raise ValueError(f"run.method {self.run.method!r} is not a credit method; registered: {', '.join(registered())}")
+        if self.run.method not in CREDIT_METHODS:
+            raise ValueError(f"run.method {self.run.method!r} is not a credit method; known: {', '.join(CREDIT_METHODS)}")
         return self
 
     @model_validator(mode="after")

@@ -404,8 +404,11 @@ class CreditBatch:
     - loss_mask_ML uint8/float32 0/1, student_logprobs_ML float32 (pi_old of the
       sampled token), teacher_logprobs_ML float32 (identity privileged view),
       corrected_logprobs_ML float32 (after rectification; = teacher where no
-      source), similarity_MM float32 and eligible_MM bool ([source, target],
-      block-diagonal by task: 0/False across tasks).
+      source).
+    - similarity_blocks float32 and eligible_blocks bool: per task id, one
+      [m, m] block ([source, target]) over that task's m rows in batch order
+      (opsd.credit.batch.task_rows). Pairs never cross tasks (spec 4.1), so
+      nothing [M, M] over the step is kept (opsd.credit.batch).
     - per row: task_id, rollout_id, turn_id, data_source, episode_reward
       (raw return repeated on every turn), is_action_valid.
     Teacher fields may be None for methods that need no teacher (GRPO).
@@ -421,8 +424,8 @@ class CreditBatch:
     student_logprobs_ML: np.ndarray
     teacher_logprobs_ML: np.ndarray | None = None
     corrected_logprobs_ML: np.ndarray | None = None
-    similarity_MM: np.ndarray | None = None
-    eligible_MM: np.ndarray | None = None
+    similarity_blocks: dict[str, np.ndarray] | None = None
+    eligible_blocks: dict[str, np.ndarray] | None = None
     # Needed by single methods only (None otherwise), float32 [M, L]:
     base_logprobs_ML: np.ndarray | None = None  # ex_opd: the initial policy's log-prob of the token
     teacher_entropy_ML: np.ndarray | None = None  # fire_opd: entropy (nats) of the teacher's next-token distribution

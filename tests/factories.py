@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from opsd.credit.batch import pair_blocks
 from opsd.types import CreditBatch, RolloutGroup, ScoredGroup, TaskGroup, Trajectory, TurnRecord
 
 VOCAB_SIZE = 49_152  # SmolLM2's vocabulary
@@ -222,7 +223,8 @@ def random_credit_batch(
         data_source=["textworld"] * M, episode_reward=reward, is_action_valid=valid,
         loss_mask_ML=mask, student_logprobs_ML=student, teacher_logprobs_ML=teacher,
         corrected_logprobs_ML=np.minimum(teacher + rng.normal(0, 0.1, (M, L)), 0).astype(np.float32),
-        similarity_MM=np.where(task[:, None] == task[None], rng.uniform(0.5, 1.0, (M, M)), 0).astype(np.float32),
-        eligible_MM=(task[:, None] == task[None]) & (roll[:, None] != roll[None]),
+        similarity_blocks=pair_blocks(
+            np.where(task[:, None] == task[None], rng.uniform(0.5, 1.0, (M, M)), 0).astype(np.float32), list(task)),
+        eligible_blocks=pair_blocks((task[:, None] == task[None]) & (roll[:, None] != roll[None]), list(task)),
         base_logprobs_ML=base, teacher_entropy_ML=t_ent, student_entropy_ML=s_ent,
     )

@@ -114,7 +114,8 @@ import pytest
 import torch
 
 from opsd.config import AlignSection, CreditSection, EmbedderSection, RunConfig, TrainerSection
-from opsd.credit import alignopsd, compute_advantages, registered
+from opsd.credit import compute_advantages, registered
+from opsd.credit.alignopsd import correspondence, spans
 from opsd.queue import StreamNames, StreamQueue
 from opsd.redis_server import LocalRedis, connect
 from opsd.types import MessageError, RolloutGroup, ScoredGroup, TaskGroup
@@ -430,10 +431,10 @@ def test_tiny_temperatures_give_the_limit_not_nan():
     E = ~np.eye(3, dtype=bool)
     cfg = AlignSection(aggregation_temperature=1e-320, profile_temperature=1e-320, action_filter_enabled=False,
                        top_k=2, similarity_threshold=0.5)
-    sel = alignopsd.select_sources(H, E, cfg, rollout_id=["a", "b", "c"])
+    sel = correspondence.select_sources(H, E, cfg, rollout_id=["a", "b", "c"])
     np.testing.assert_array_equal(sel.weights[0], [1.0, 0.0])  # the limit: all weight on the best source
     assert np.isfinite(sel.rho_M).all() and np.isfinite(sel.alpha_M).all()
-    P, _ = alignopsd.dense_profiles(H, E, cfg)
+    P, _ = spans.dense_profiles(H, E, cfg)
     np.testing.assert_array_equal(P[0], [0.0, 1.0, 0.0])
     sg = make_scored_group(G=4, turns=4, seed=3)
     batch, _ = build_credit_batch([sg.rollout], [sg])

@@ -414,8 +414,12 @@ def test_credit_tiny_writes_its_rows(tmp_path):
     doc = run_benchmark("credit.py", tmp_path / "c.json", "--tasks", "1", "--rollouts", "4", "--turns", "4",
                         "--tokens", "16", "--repeats", "1", "--methods", "grpo", "alignopsd")
     rows = check_report(doc, "credit")
-    assert list(rows) == ["grpo (1x4x4x16): median s", "alignopsd (1x4x4x16): median s"]
+    assert list(rows) == ["grpo (1x4x4x16): median s", "grpo (1x4x4x16): peak MiB",
+                          "alignopsd (1x4x4x16): median s", "alignopsd (1x4x4x16): peak MiB"]
     assert all(r["target"] is None for r in rows.values())  # targets are for the size only
+    # Peak memory is what the call allocates: more than its [M, L] advantages (16 x 16 float32), far less than
+    # a dense [M, M] per step would be at a real size.
+    assert 16 * 16 * 4 / 2**20 < rows["alignopsd (1x4x4x16): peak MiB"]["value"] < 5
 
 
 def test_learning_configs_differ_only_in_the_method_and_the_plot_is_written(tmp_path):

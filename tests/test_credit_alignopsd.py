@@ -16,20 +16,14 @@ import pytest
 
 from opsd.config import ALIGNOPSD_PROFILES, AlignSection, CreditSection, RunConfig
 from opsd.credit import compute_advantages, permute_batch
-from opsd.credit.alignopsd import (
-    alignopsd_credit,
-    boundary_distances,
-    dense_profiles,
-    project_density,
-    random_boundaries,
-    rectify,
-    segment_trajectory,
-    select_sources,
-    similarity_matrix,
-    structural_mask,
-    task_blocks,
-    webshop_actions_agree,
+from opsd.credit.alignopsd import alignopsd_credit
+from opsd.credit.alignopsd.correspondence import (
+    rectify, select_sources, similarity_matrix, structural_mask, webshop_actions_agree,
 )
+from opsd.credit.alignopsd.spans import (
+    boundary_distances, dense_profiles, project_density, random_boundaries, segment_trajectory, task_blocks,
+)
+from opsd.credit.batch import pair_blocks
 from opsd.credit.grpo import trajectory_index
 from opsd.credit.reference import (
     credit_section_from_reference_config,
@@ -105,8 +99,10 @@ def batch_from_case(case: dict) -> CreditBatch:
         student_logprobs_ML=np.asarray(inp["student_log_probs"], np.float32),
         teacher_logprobs_ML=np.asarray(inp["diagonal_teacher_log_probs"], np.float32),
         corrected_logprobs_ML=np.asarray(exp["corrected_teacher_log_probs"], np.float32),
-        similarity_MM=np.asarray(exp["thinking_similarity_source_by_target"], np.float32),
-        eligible_MM=np.asarray(exp["structural_mask_source_by_target"], bool),
+        similarity_blocks=pair_blocks(np.asarray(exp["thinking_similarity_source_by_target"], np.float32),
+                                      [t["task_id"] for t in turns]),
+        eligible_blocks=pair_blocks(np.asarray(exp["structural_mask_source_by_target"], bool),
+                                    [t["task_id"] for t in turns]),
     )
 
 
@@ -385,7 +381,7 @@ def test_ablation_c_turn_level_allocates_over_the_whole_trajectory():
         np.testing.assert_allclose(out.raw_density_M[rows], h, rtol=1e-5)
         np.testing.assert_allclose(out.turn_weight_M[rows], W, rtol=1e-5)
     assert out.segmentations == [] and (out.segment_index_M == -1).all() and out.segment_budget_S.size == 0
-    assert math.isinf(out.threshold) and not out.profiles_MM.any() and not out.profile_valid_M.any()
+    assert math.isinf(out.threshold) and not any(P.any() for P in out.profiles) and not out.profile_valid_M.any()
     assert out.metrics["alignopsd/num_spans"] == 0.0
     got = replay_case({"inputs": case["inputs"], "config": dict(case["config"], ablation_mode="C")})["expected"]
     assert got["segments_per_trajectory"] == [] and got["boundary_kinds"] == [] and got["segment_budget"] == []
@@ -483,14 +479,15 @@ def test_random_boundaries_follow_the_shuffle():
     assert random_boundaries(3, cfg, random.Random(0)) == []  # no feasible position
 
 
-# ---------------------------------------------------------------- blocked [M, M] work
+# ---------------------------------------------------------------- per-task pair blocks
 
 
 def test_blocked_profiles_and_distances_equal_the_full_computation():
     case = load_case(REF_DIR / "case_9.json")
     batch = batch_from_case(case)
     cfg = credit_section_from_reference_config(case["config"]).alignopsd
-    H, E = batch.similarity_MM, batch.eligible_MM
+    H = np.asarray(case["expected"]["thinking_similarity_source_by_target"], np.float32)
+    E = np.asarray(case["expected"]["structural_mask_source_by_target"], bool)
     # two tasks: the case's task twice, shifted
     M = batch.num_rows
     H2 = np.zeros((2 * M, 2 * M), np.float32)
@@ -500,18 +497,32 @@ def test_blocked_profiles_and_distances_equal_the_full_computation():
     blocks = task_blocks(["a"] * M + ["b"] * M)
     assert blocks == [(0, M), (M, 2 * M)]
     P_full, v_full = dense_profiles(H2, E2, cfg)
-    P_blk, v_blk = dense_profiles(H2, E2, cfg, blocks)
-    np.testing.assert_array_equal(P_blk, P_full)
-    np.testing.assert_array_equal(v_blk, v_full)
+    P_blk, v_blk = dense_profiles(H, E, cfg)  # one task's block: the same rows as the whole batch's
+    for a, b in blocks:
+        np.testing.assert_array_equal(P_full[a:b, a:b], P_blk)
+        np.testing.assert_array_equal(v_full[a:b], v_blk)
+    assert not P_full[:M, M:].any() and not P_full[M:, :M].any()
     traj, _ = trajectory_index(["a"] * M + ["b"] * M, batch.rollout_id * 2)
     D_full, b_full = boundary_distances(P_full, v_full, E2, traj)
-    D_blk, b_blk = boundary_distances(P_blk, v_blk, E2, traj, blocks)
-    np.testing.assert_allclose(D_blk, D_full, atol=1e-7)
-    np.testing.assert_array_equal(b_blk, b_full)
-    assert_matches(D_blk[:M].astype(float).tolist(), case["expected"]["profile_distance_jsd"])
+    D_blk, b_blk = boundary_distances(P_blk, v_blk, E, traj[:M])
+    np.testing.assert_allclose(D_full, np.concatenate([D_blk, D_blk]), atol=1e-7)
+    np.testing.assert_array_equal(b_full, np.concatenate([b_blk, b_blk]))
+    assert_matches(D_blk.astype(float).tolist(), case["expected"]["profile_distance_jsd"])
+    # The estimator on the two-task batch keeps one block per task and gives each task what it gives alone.
+    two = permute_batch(batch, np.arange(M))
+    two = replace(two, task_id=["a"] * M + ["b"] * M, rollout_id=batch.rollout_id * 2, turn_id=batch.turn_id * 2,
+                  data_source=batch.data_source * 2,
+                  **{nm: np.concatenate([getattr(batch, nm)] * 2) for nm in (
+                      "episode_reward", "is_action_valid", "loss_mask_ML", "student_logprobs_ML",
+                      "teacher_logprobs_ML", "corrected_logprobs_ML")},
+                  similarity_blocks=pair_blocks(H2, ["a"] * M + ["b"] * M),
+                  eligible_blocks=pair_blocks(E2, ["a"] * M + ["b"] * M))
+    ccfg = credit_section_from_reference_config(case["config"])
+    assert_matches(alignopsd_credit(two, ccfg).distance_M.astype(float).tolist(),
+                   case["expected"]["profile_distance_jsd"] * 2)
     E2[0, M + 1] = True  # a source of task a eligible for a target of task b
     with pytest.raises(ValueError, match="different tasks"):
-        dense_profiles(H2, E2, cfg, blocks)
+        pair_blocks(E2, ["a"] * M + ["b"] * M)
     with pytest.raises(ValueError, match="contiguous"):
         task_blocks(["a", "b", "a"])
 
@@ -572,15 +583,20 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="NaN or inf on a loss token"):
         alignopsd_credit(batch, cfg)
     batch = batch_from_case(case)
-    batch.similarity_MM = batch.similarity_MM[:-1]
-    with pytest.raises(ValueError, match="similarity_MM must be"):
+    (task,) = batch.similarity_blocks
+    batch.similarity_blocks[task] = batch.similarity_blocks[task][:-1]
+    with pytest.raises(ValueError, match=r"similarity_blocks\['.*'\] must be"):
+        alignopsd_credit(batch, cfg)
+    batch = batch_from_case(case)
+    batch.eligible_blocks = {"another task": batch.eligible_blocks[task]}
+    with pytest.raises(ValueError, match="one block per task"):
         alignopsd_credit(batch, cfg)
     batch = batch_from_case(case)
     batch.corrected_logprobs_ML = batch.corrected_logprobs_ML[:, :-1]
     with pytest.raises(ValueError, match="corrected_logprobs_ML"):
         alignopsd_credit(batch, cfg)
     batch = batch_from_case(case)
-    batch.similarity_MM[0, 1] = np.inf
+    batch.similarity_blocks[task][0, 1] = np.inf
     with pytest.raises(ValueError, match="NaN or inf"):
         alignopsd_credit(batch, cfg)
 
@@ -599,3 +615,22 @@ def test_replay_rejects_what_the_reference_rejects():
     # The product handles both (see tests/test_credit_properties.py); so does the relaxed reference run.
     got = run_reference_case(varying["inputs"], varying["config"], strict=False)
     assert len(set(got["trajectory_advantage"][:5])) == 1
+
+
+def test_credit_memory_grows_with_one_task_not_with_the_step():
+    """64 tasks x 4 rollouts x 8 turns (M = 2,048 rows): a dense [M, M] similarity, eligibility and profile
+    set would take 36 MiB; per-task blocks (64 x [32, 32]) and the [M, L] arrays take well under 4 MiB."""
+    import tracemalloc
+
+    from benchmarks.credit import make_batch
+
+    batch = make_batch(tasks=64, rollouts=4, turns=8, tokens=8)
+    assert all(H.shape == (32, 32) for H in batch.similarity_blocks.values()) and len(batch.similarity_blocks) == 64
+    tracemalloc.start()
+    try:
+        adv_ML, _ = compute_advantages("alignopsd", batch, CreditSection())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert adv_ML.shape == (2048, 8) and np.isfinite(adv_ML).all()
+    assert peak < 4 * 2**20, f"alignopsd allocated {peak / 2**20:.1f} MiB at its peak"

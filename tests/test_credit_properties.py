@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 
 from opsd.config import AlignSection, CreditSection
 from opsd.credit import compute_advantages, permute_batch
-from opsd.credit.alignopsd import alignopsd_credit, similarity_matrix, structural_mask
+from opsd.credit.alignopsd import alignopsd_credit
+from opsd.credit.alignopsd.correspondence import similarity_matrix, structural_mask
+from opsd.credit.batch import pair_blocks
 from opsd.types import CreditBatch
 
 ABLATIONS = ["none", "no_rectification", "token_level", "turn_level", "random_spans"]
@@ -72,8 +74,8 @@ def batches(draw, max_turns: int = 20):
         student_logprobs_ML=student,
         teacher_logprobs_ML=teacher,
         corrected_logprobs_ML=(teacher + 0.3 * rng.normal(size=(M, L))).astype(np.float32),
-        similarity_MM=H,
-        eligible_MM=E,
+        similarity_blocks=pair_blocks(H, task),
+        eligible_blocks=pair_blocks(E, task),
     )
 
 

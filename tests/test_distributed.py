@@ -115,7 +115,8 @@ def update(model, opt, seqs, world=None) -> dict[str, float]:
 def worker(out: Path) -> None:
     from safetensors.torch import save_file
 
-    from services.trainer.distributed import follow, init_from_env, parallelize, receive, send
+    from services.trainer.distributed import init_from_env, parallelize, receive, send
+    from services.trainer.update import follow
 
     torch.set_num_threads(1)
     print(f"{time.perf_counter() - T0:.1f}s: imported", flush=True)

@@ -15,7 +15,7 @@ import torch
 
 from opsd.chat import ChatFormat
 from opsd.config import EnvSection, RunConfig
-from opsd.credit.alignopsd import rectify
+from opsd.credit.alignopsd.correspondence import rectify
 from opsd.credit.policy_loss import entropy_from_logits
 from opsd.envs.textworld import make_games
 from opsd.types import ScoredGroup, TaskGroup

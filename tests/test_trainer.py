@@ -19,11 +19,11 @@ def test_credit_batch_rows_are_canonical_and_blocks_stay_inside_groups():
     batch, rows = build_credit_batch(groups, scored)
     keys = list(zip(batch.task_id, batch.rollout_id, batch.turn_id))
     assert keys == sorted(keys) and len(keys) == 12
-    same_group = np.equal.outer(np.array(batch.task_id), np.array(batch.task_id))
-    assert not batch.eligible_MM[~same_group].any() and not batch.similarity_MM[~same_group].any()
-    # The block of each group equals its own H in its canonical turn order.
-    g = [m for m, (gi, _, _) in enumerate(rows) if gi == 0]
-    assert np.array_equal(batch.similarity_MM[np.ix_(g, g)], scored[0].similarity_MM)
+    # One block per group, equal to its own H and eligibility in its canonical turn order (its rows' order).
+    assert set(batch.similarity_blocks) == set(batch.eligible_blocks) == {s.group_id for s in scored}
+    for s in scored:
+        assert np.array_equal(batch.similarity_blocks[s.group_id], s.similarity_MM)
+        assert np.array_equal(batch.eligible_blocks[s.group_id], s.eligible_MM)
     # Row m carries exactly the response tokens of its turn.
     gi, i, k = rows[3]
     traj = groups[gi].trajectories[i]

@@ -54,7 +54,8 @@ import numpy as np
 from scipy.signal import lfilter
 
 from opsd.config import AgentOPSDSection, CreditSection
-from opsd.credit import check_batch, permute_batch, register
+from opsd.credit.batch import check_batch, permute_batch
+from opsd.credit.registry import register
 from opsd.credit.grpo import (
     Singleton,
     apply_invalid_action_penalty,

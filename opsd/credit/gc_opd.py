@@ -47,7 +47,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from opsd.config import CreditSection, GCOPDSection
-from opsd.credit import check_batch, register
+from opsd.credit.batch import check_batch
+from opsd.credit.registry import register
 from opsd.types import CreditBatch
 
 CREDIT_MODES = ("raca", "uniform", "teacher_abs", "relative_teacher_support", "relative_opd_leverage")

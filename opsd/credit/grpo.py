@@ -20,7 +20,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from opsd.credit import register
+from opsd.credit.registry import register
 
 Singleton = Literal["zero", "reference"]
 GRPO_EPS = 1e-6  # added to the std, spec §0

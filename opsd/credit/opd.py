@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opsd.credit import register
+from opsd.credit.registry import register
 from opsd.credit.grpo import apply_invalid_action_penalty, edge_case_metrics, grpo_sequence_advantage
 
 

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from opsd.config import CreditSection, ExOPDSection, FiReOPDSection, PowerOPDSection, UniOPDSection
-from opsd.credit import register
+from opsd.credit.registry import register
 from opsd.credit.gc_opd import (
     _cfg,
     _f,

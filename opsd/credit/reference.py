@@ -22,8 +22,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from opsd.config import AlignSection, CreditSection
-from opsd.credit import check_batch
-from opsd.credit.alignopsd import EmptyTurns, alignopsd_credit, rectify, select_sources, similarity_matrix, structural_mask
+from opsd.credit.batch import check_batch, pair_blocks
+from opsd.credit.alignopsd import EmptyTurns, alignopsd_credit
+from opsd.credit.alignopsd.correspondence import rectify, select_sources, similarity_matrix, structural_mask
+from opsd.credit.alignopsd.spans import task_blocks
 from opsd.credit.grpo import Singleton
 from opsd.types import CreditBatch
 
@@ -102,6 +104,15 @@ def _flag(value: Any, name: str) -> bool:
 
 def _f(x: np.ndarray) -> list:
     return np.asarray(x, dtype=np.float64).tolist()
+
+
+def _block_diagonal(blocks: list[np.ndarray], ranges: list[tuple[int, int]]) -> np.ndarray:
+    """The [M, M] array the reference reports, from per-task blocks on the row ranges `ranges`."""
+    M = ranges[-1][1] if ranges else 0
+    out = np.zeros((M, M), dtype=np.float32)
+    for (a, b), X in zip(ranges, blocks):
+        out[a:b, a:b] = X
+    return out
 
 
 def run_reference_case(
@@ -213,8 +224,8 @@ def _run_case(
         student_logprobs_ML=np.asarray(inputs["student_log_probs"], dtype=np.float32),
         teacher_logprobs_ML=diag,
         corrected_logprobs_ML=corr,
-        similarity_MM=H,
-        eligible_MM=E,
+        similarity_blocks=pair_blocks(H, task, "thinking_similarity_source_by_target"),
+        eligible_blocks=pair_blocks(E, task, "structural_mask_source_by_target"),
     )
     check_batch(batch)  # the trainer's input checks, for a file too
     out = alignopsd_credit(batch, cfg, singleton=singleton, empty_turns=empty_turns, reference_ablations=reference_ablations)
@@ -233,7 +244,7 @@ def _run_case(
         "corrected_teacher_log_probs": _f(corr),
         "corrected_token_gap": _f(out.corrected_gap_ML),
         "trajectory_advantage": _f(out.trajectory_advantage_M),
-        "dense_profiles_target_by_source": _f(out.profiles_MM),
+        "dense_profiles_target_by_source": _f(_block_diagonal(out.profiles, task_blocks(task))),
         "profile_valid": out.profile_valid_M.tolist(),
         "profile_distance_jsd": _f(out.distance_M),
         "boundary_valid": out.boundary_valid_M.tolist(),

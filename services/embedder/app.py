@@ -32,7 +32,7 @@ from opsd.auth import ApiGuard
 from opsd.config import EmbedderSection
 from opsd.embedding_api import (CorrespondRequest, CorrespondResponse, EmbedRequest, EmbedResponse, RetrievedPassage,
                                 RetrieveRequest, RetrieveResponse)
-from opsd.credit import alignopsd
+from opsd.credit.alignopsd import correspondence
 from opsd.encoder import Encoder
 from opsd.retrieval import IndexBuilding
 
@@ -78,7 +78,7 @@ def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:
     teacher_MD[[not t.teacher_valid for t in turns]] = 0.0
     student_MD[[not t.student_valid for t in turns]] = 0.0
     H_MM = cosine_matrix_faiss(teacher_MD, student_MD)
-    eligible_MM = alignopsd.structural_mask(
+    eligible_MM = correspondence.structural_mask(
         [req.task_id] * M,
         [t.rollout_id for t in turns],
         [t.data_source for t in turns],
@@ -90,7 +90,7 @@ def correspond(encoder: Encoder, req: CorrespondRequest) -> CorrespondResponse:
         acts = encoder.embed([t.teacher_action for t in turns] + [t.student_action for t in turns])
     if req.align.action_filter_enabled:
         action_sim = cosine_matrix_faiss(acts[:M], acts[M:])
-    sel = alignopsd.select_sources(
+    sel = correspondence.select_sources(
         H_MM,
         eligible_MM,
         req.align,

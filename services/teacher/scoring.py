@@ -30,7 +30,7 @@ import numpy as np
 from opsd import metrics
 from opsd.chat import ChatFormat, decode, parse_response
 from opsd.config import RunConfig
-from opsd.credit import alignopsd
+from opsd.credit.alignopsd import correspondence
 from opsd.embedding_api import CorrespondResponse
 from opsd.skills import turn_privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
@@ -162,7 +162,7 @@ def score_group(
     embedder (methods other than AlignOPSD) there is no generation and no
     pass 2. When the embedder fails, or answers what it cannot have
     computed (`CorrespondResponse.check` fails, or it marks eligible a pair
-    outside `alignopsd.structural_mask` of the turns sent), every turn falls
+    outside `correspondence.structural_mask` of the turns sent), every turn falls
     back to its identity view (alpha = 0), `identity_fallback` is set and
     the group is counted in opsd_embedder_fallbacks_total. Raises
     EmbedderAuthError when the embedder refuses the token (401/403).
@@ -266,7 +266,7 @@ def score_group(
         # Eligibility as the embedder computes it (spec 4.1), from what we sent it:
         # an answer pairing a turn with itself or a sibling turn of its own rollout is garbage.
         sent = payload["turns"]
-        own_elig_MM = alignopsd.structural_mask(
+        own_elig_MM = correspondence.structural_mask(
             [group.group_id] * M, [t["rollout_id"] for t in sent], [t["data_source"] for t in sent],
             np.array([t["student_valid"] for t in sent]), np.array([t["teacher_valid"] for t in sent]))
         try:
@@ -330,7 +330,7 @@ def score_group(
         cross_M.append(cross_KL)
         if not kept or alpha_M[t] == 0:
             continue
-        _, corrected_L = alignopsd.rectify(
+        _, corrected_L = correspondence.rectify(
             teacher_S[i][sl], cross_KL, w_K, float(alpha_M[t]), cfg.credit.alignopsd.aggregation_mode
         )
         corrected_S[i][sl] = np.where(trajs[i].loss_mask_S[sl] == 1, corrected_L, 0.0)

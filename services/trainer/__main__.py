@@ -46,11 +46,12 @@ from services.trainer.checkpoint import CheckpointError, TrainerState, find_chec
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
 )
-from services.trainer.distributed import follow, init_from_env, parallelize, share_checkpoint
+from services.trainer.distributed import init_from_env, parallelize, share_checkpoint
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
+from services.trainer.update import follow
 
 ROLE = "trainer"
 RECLAIM_AT_START = 4096  # entries claimed at once from the dead trainer consumers

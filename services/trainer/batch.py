@@ -32,7 +32,7 @@ def build_credit_batch(
 
     `scored[g]` (when given) is group g's teacher output: identity and
     corrected teacher log-probs, and the group's H / eligibility over its
-    turns in `RolloutGroup.canonical_turns()` order, placed block-diagonally.
+    turns (`RolloutGroup.canonical_turns()` order), kept as the group's pair blocks.
     Student log-probs are the sampler's (pi_old of the sampled tokens).
     Entropy fields are filled when every trajectory (sampler) / every scored
     group (teacher) carries them; `base_logprobs[(g, i)]` (float32 [S], the
@@ -68,14 +68,13 @@ def build_credit_batch(
             base[m, :n] = base_logprobs[(g, i)][sl]
     H = elig = None
     if scored:
-        # Row index of (group, canonical turn position) so each group's block lands in place.
-        where = {(g, i, k): m for m, (g, i, k) in enumerate(rows)}
-        H = np.zeros((M, M), dtype=np.float32)
-        elig = np.zeros((M, M), dtype=bool)
-        for g, sg in enumerate(scored):
-            idx = [where[(g, i, k)] for i, k in groups[g].canonical_turns()]
-            H[np.ix_(idx, idx)] = sg.similarity_MM
-            elig[np.ix_(idx, idx)] = sg.eligible_MM
+        # Each group's [m, m] blocks, re-indexed from its canonical turn order to its rows' order in the batch.
+        pos = [{ik: p for p, ik in enumerate(grp.canonical_turns())} for grp in groups]
+        order: list[list[int]] = [[] for _ in groups]
+        for g, i, k in rows:
+            order[g].append(pos[g][(i, k)])
+        H = {groups[g].group_id: sg.similarity_MM[np.ix_(order[g], order[g])] for g, sg in enumerate(scored)}
+        elig = {groups[g].group_id: sg.eligible_MM[np.ix_(order[g], order[g])] for g, sg in enumerate(scored)}
     batch = CreditBatch(
         task_id=[groups[g].group_id for g, _, _ in rows],
         rollout_id=[groups[g].trajectories[i].rollout_id for g, i, _ in rows],
@@ -87,8 +86,8 @@ def build_credit_batch(
         student_logprobs_ML=student,
         teacher_logprobs_ML=teacher,
         corrected_logprobs_ML=corrected,
-        similarity_MM=H,
-        eligible_MM=elig,
+        similarity_blocks=H,
+        eligible_blocks=elig,
         base_logprobs_ML=base,
         teacher_entropy_ML=t_ent,
         student_entropy_ML=s_ent,

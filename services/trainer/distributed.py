@@ -2,7 +2,7 @@
 
 Launch: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`.
 Rank 0 is the trainer service (Redis, credit assignment, checkpoints,
-publishing, /metrics). Ranks > 0 run `follow`: they receive each step's
+publishing, /metrics). Ranks > 0 run `follow` (services/trainer/update.py): they receive each step's
 sequences from rank 0, run their share of the PPO update (`ppo_update` with
 a `World`), and take part in gathering the full weights when rank 0 saves or
 publishes. Without torchrun (WORLD_SIZE unset or 1) no process group starts:
@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgpack
 import numpy as np
@@ -34,15 +34,24 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-if TYPE_CHECKING:
-    from opsd.config import RunConfig
-    from services.trainer.update import Sequence
-
 log = logging.getLogger("trainer")
 Strategy = Literal["auto", "fsdp2", "ddp"]
 # Ranks > 0 wait on rank 0's next message while it waits for a step's groups (up to run.step_timeout_s and
 # beyond, for Redis): no deadline there. torchrun ends them when rank 0 dies.
 CONTROL_TIMEOUT = timedelta(days=7)
+
+
+@dataclass
+class Sequence:
+    """One trajectory as the update sees it (all arrays [S]); what rank 0 sends the other ranks."""
+
+    token_ids_S: np.ndarray
+    loss_mask_S: np.ndarray
+    advantages_S: np.ndarray
+    sampler_logprobs_S: np.ndarray
+    teacher_logprobs_S: np.ndarray | None = None  # identity privileged view; needed by the SDAR term
+
+
 SEQUENCE_FIELDS = ("token_ids_S", "loss_mask_S", "advantages_S", "sampler_logprobs_S", "teacher_logprobs_S")
 _WIRE_KINDS = "biuf"  # bool, signed/unsigned int, float: the only array kinds a message may carry
 
@@ -188,8 +197,6 @@ REQUIRED_FIELDS = SEQUENCE_FIELDS[:4]  # teacher_logprobs_S may be absent (no SD
 
 def _decode_sequence(s: dict):
     """One `Sequence` of a message; ValueError unless the required fields are there with one length."""
-    from services.trainer.update import Sequence
-
     if not isinstance(s, dict) or set(s) - set(SEQUENCE_FIELDS):
         raise ValueError(f"malformed sequence: fields {sorted(s) if isinstance(s, dict) else type(s).__name__}")
     arrays = {f: None if s.get(f) is None else _decode_array(s[f]) for f in SEQUENCE_FIELDS}
@@ -428,28 +435,3 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 # ---------------------------------------------------------------------------
 # Ranks > 0
-
-
-def follow(par: Parallel, cfg: RunConfig) -> int:
-    """Ranks > 0: run rank 0's messages until "stop"; returns the number of updates run.
-
-    "update": ppo_update on the step's sequences with the run's settings
-    (this rank trains its `shard`); "gather": join `Parallel.gather`.
-    Raises RuntimeError for an unknown message; ppo_update's errors propagate
-    (rank 0 raises the same one on the same batch).
-    """
-    from services.trainer.update import ppo_update
-
-    updates = 0
-    while True:
-        msg = receive(par.world)
-        if msg.op == "stop":
-            return updates
-        if msg.op == "update":
-            ppo_update(par.module, par.optimizer, msg.seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature,
-                       cfg.credit.sdar, par.world)
-            updates += 1
-        elif msg.op == "gather":
-            par._collect(bool(msg.args.get("optimizer")))
-        else:
-            raise RuntimeError(f"rank {par.world.rank}: unknown message {msg.op!r} from rank 0")

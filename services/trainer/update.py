@@ -14,29 +14,17 @@ one process would.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from opsd.config import SDARSection, TrainerSection
+from opsd.config import RunConfig, SDARSection, TrainerSection
 from opsd.credit.policy_loss import (
     entropy_from_logits, ppo_loss, sampler_mismatch_k3, sdar_loss, token_logprobs, truncated_is_weight,
 )
 from opsd.models.hf import autocast
-from services.trainer.distributed import World, all_reduce, shard
-
-
-@dataclass
-class Sequence:
-    """One trajectory as the update sees it (all arrays [S])."""
-
-    token_ids_S: np.ndarray
-    loss_mask_S: np.ndarray
-    advantages_S: np.ndarray
-    sampler_logprobs_S: np.ndarray
-    teacher_logprobs_S: np.ndarray | None = None  # identity privileged view; needed by the SDAR term
+from services.trainer.distributed import Parallel, Sequence, World, all_reduce, receive, shard
 
 
 def _pad(seqs: list[Sequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -274,3 +262,26 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def _ids_in_range(ids: np.ndarray, vocab: int) -> bool:
     return ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab)
+
+
+def follow(par: Parallel, cfg: RunConfig) -> int:
+    """Ranks > 0: run rank 0's messages until "stop"; returns the number of updates run.
+
+    "update": ppo_update on the step's sequences with the run's settings
+    (this rank trains its `shard`); "gather": join `Parallel.gather`.
+    Raises RuntimeError for an unknown message; ppo_update's errors propagate
+    (rank 0 raises the same one on the same batch).
+    """
+    updates = 0
+    while True:
+        msg = receive(par.world)
+        if msg.op == "stop":
+            return updates
+        if msg.op == "update":
+            ppo_update(par.module, par.optimizer, msg.seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature,
+                       cfg.credit.sdar, par.world)
+            updates += 1
+        elif msg.op == "gather":
+            par._collect(bool(msg.args.get("optimizer")))
+        else:
+            raise RuntimeError(f"rank {par.world.rank}: unknown message {msg.op!r} from rank 0")
