@@ -148,14 +148,17 @@ def save_adapter(model: torch.nn.Module, path: Path, policy_version: int) -> Non
     """Write the adapter of `model` (see `adapter_state_dict`) as an opsd-lora file at `path`, atomically.
 
     Written to a temp file in the same directory, then renamed: a reader sees
-    the old file or the complete new one. Raises ValueError (no adapters) or
-    OSError (write failure; no temp file is left).
+    the old file or the complete new one. The metadata records the tensors'
+    content digest (`opsd.weights.DIGEST_KEY`). Raises ValueError (no
+    adapters) or OSError (write failure; no temp file is left).
     """
     from safetensors.torch import save_file
 
+    from opsd.weights import DIGEST_KEY, tensor_digest
+
     tensors, rank, alpha, targets = adapter_state_dict(model)
     meta = {"format": FORMAT, "rank": str(rank), "alpha": repr(alpha), "target_modules": json.dumps(targets),
-            "policy_version": str(int(policy_version))}
+            "policy_version": str(int(policy_version)), DIGEST_KEY: tensor_digest(tensors)}
     atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 

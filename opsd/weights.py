@@ -8,6 +8,15 @@ get a task of version 0 (k-step-off). The trainer keeps the newest
 `max_staleness + 2` files: every version a task still in flight can carry.
 The latest published version is also stored under the Redis key
 `<prefix>:policy_version`.
+
+A version number alone does not name one set of weights: a trainer resumed
+from an older checkpoint trains the versions after it again, and (training
+not being bit-deterministic) rewrites their files with other weights. So each
+published file records a content digest in its safetensors metadata
+(`DIGEST_KEY`, `tensor_digest`), inside the file it describes: the two are
+renamed into place together and can never disagree. `ensure_version` records
+the digest of what it loaded as `backend.policy_digest` and reloads a version
+it holds when its file now records another digest.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"policy-v(\d+)\.safetensors")
 _EMA_NAME = re.compile(r"ema-v(\d+)\.safetensors")
+DIGEST_KEY = "opsd_content_sha256"  # safetensors metadata key of a published file's `tensor_digest`
 
 
 class StalePolicyError(RuntimeError):
@@ -94,11 +104,78 @@ def keep_snapshot(run_dir: Path, version: int, every: int) -> Path | None:
     return dst
 
 
+def tensor_digest(tensors) -> str:
+    """The content digest of a weights file's tensors: sha256, 64 hex characters.
+
+    tensors: a mapping name -> torch.Tensor (any dtype, shape, device), e.g.
+    a model's state_dict() or what `safetensors.torch.load_file` returns.
+    Hashed in name order: each tensor's name, dtype, shape and raw bytes.
+    Tensors sharing all their memory with an earlier name (a tied embedding / LM
+    head) count once, under the first name, as `safetensors.torch.save_model`
+    stores them: the digest of a model equals the digest of `load_file` on
+    the file `save_model` writes of it. Costs one pass over the bytes
+    (about 0.8 GB/s on one core) and a CPU copy of one tensor at a time.
+    """
+    import hashlib
+
+    import torch
+
+    h, seen = hashlib.sha256(), set()
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if t.numel():
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            if key in seen:
+                continue
+            seen.add(key)
+        data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
+        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0{data.nbytes}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def published_digest(path: Path) -> str | None:
+    """The content digest (`DIGEST_KEY`) recorded in the safetensors file `path`, from its header alone.
+
+    None when the file records none (written before digests were recorded,
+    or by hand), is missing, or is no readable safetensors file: no evidence
+    of other content, so callers keep what they hold. Never raises.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get(DIGEST_KEY)
+    except Exception:  # FileNotFoundError, safetensors' SafetensorError (a header that does not parse), ...
+        return None
+
+
+def _holds(backend, run_dir: Path, version: int, path_of) -> bool:
+    """True when `backend` holds `version` as published now: its policy_version is `version` and the file was not
+    replaced by other content since it was loaded (both digests known and different). Reads the file's header only
+    when the backend recorded a digest; a file gone since (pruned) is no replacement."""
+    if backend.policy_version != version:
+        return False
+    held = getattr(backend, "policy_digest", None)
+    if held is None:  # the initial model (version 0, from the model cache) or a file without a digest: unknown
+        return True
+    now = published_digest(path_of(run_dir, version))
+    return now is None or now == held
+
+
 def ensure_version(backend, run_dir: Path, version: int, path_of=weights_path) -> bool:
     """Load policy `version` into `backend` unless it already holds it; returns True if it loaded.
 
     path_of(run_dir, version): the file of a version (`weights_path`; `ema_path` for a teacher that
     scores with the policy's moving average).
+
+    "Holds" means the same version AND the same content: the digest the
+    file records (`published_digest`) is kept as `backend.policy_digest`
+    after each load, and a version whose file now records another digest
+    (rewritten by a resumed trainer) is loaded again. A missing digest on
+    either side (version 0 from the model cache, files of older runs) counts
+    as unknown and never causes a reload. The check reads the file's header
+    only (no re-hash), and only when the backend recorded a digest.
 
     Raises StalePolicyError when the version's file is gone and a newer
     version exists (the backend holds one, or its file is published): the
@@ -107,12 +184,20 @@ def ensure_version(backend, run_dir: Path, version: int, path_of=weights_path) -
     on). Raises FileNotFoundError when the version is not published yet.
     On any error the backend keeps the weights it held.
     """
-    if backend.policy_version == version:
+    if _holds(backend, run_dir, version, path_of):
         return False
     path = path_of(run_dir, version)
+    replaced = backend.policy_version == version
+    # Read before the load: a file replaced during the load leaves the older digest recorded, so the
+    # next call sees a mismatch and loads again, never the reverse (new digest on old weights).
+    digest = published_digest(path)
     try:
         t0 = time.perf_counter()
         backend.load_weights(path, version)
+        if replaced:
+            log.info("policy version %d was published again with other weights (digest %s, was %s): reloading",
+                     version, digest, getattr(backend, "policy_digest", None))
+        backend.policy_digest = digest
         log.info("loaded policy version %d from %s in %.2f s", version, path, time.perf_counter() - t0)
         return True
     except FileNotFoundError:
@@ -128,12 +213,14 @@ def ensure_version(backend, run_dir: Path, version: int, path_of=weights_path) -
 class VersionGate:
     """Serve the groups a worker holds one policy version at a time (rollout and teacher, many groups in flight).
 
-    A group of version v runs only while the engine holds v and no group of a
-    LOWER version waits: the lowest version held is served first (the
-    trainer's oldest step is the one it waits for). A switch to another
-    version waits until every running group of the current one has finished
-    (drained), then loads it (`ensure_version(engine, run_dir, v)`), so no
-    request of version v runs after v+1 is loaded and no group mixes two.
+    A group of version v runs only while the engine holds v (its content as
+    published now: see `ensure_version`) and no group of a LOWER version
+    waits: the lowest version held is served first (the trainer's oldest step
+    is the one it waits for). A switch to another version, or a reload of v
+    rewritten with other weights, waits until every running group of the
+    current one has finished (drained), then loads it (`ensure_version(engine,
+    run_dir, v)`), so no request of version v runs after v+1 is loaded and no
+    group mixes two.
 
     engine: what `ensure_version` loads into (policy_version, load_weights);
     on_switch(drain_s, load_s): called after each load (metrics), drain_s
@@ -159,7 +246,9 @@ class VersionGate:
             try:
                 while True:
                     lowest = min(self._waiting)
-                    if version == lowest and self.engine.policy_version == version:
+                    # False also when the file of the version held was replaced: drain, then reload it.
+                    current = _holds(self.engine, self.run_dir, version, self.path_of)
+                    if version == lowest and current:
                         self._running += 1
                         return
                     if version == lowest and self._running == 0:
@@ -170,7 +259,7 @@ class VersionGate:
                         if self.on_switch is not None:
                             self.on_switch(drain_s, time.perf_counter() - t0)
                         continue
-                    if self._drain_since is None and self._running and version != self.engine.policy_version:
+                    if self._drain_since is None and self._running and not current:
                         self._drain_since = time.perf_counter()
                     self._cond.wait()
             finally:

@@ -988,17 +988,22 @@ class HFBackend:
         its adapter only (opsd-lora format, `opsd.lora.save_adapter`; metadata
         policy_version = self.policy_version). Otherwise the whole state dict
         (metadata format "pt"); tied tensors (embedding / LM head) are stored
-        once and `load_weights` restores the tie. Raises OSError on write failure.
+        once and `load_weights` restores the tie. Either way the metadata also
+        records the tensors' content digest (`opsd.weights.DIGEST_KEY`), which
+        workers compare to reload a version rewritten with other weights.
+        Raises OSError on write failure.
         """
         from safetensors.torch import save_model
 
         from opsd import lora
+        from opsd.weights import DIGEST_KEY, tensor_digest
 
         path = Path(path)
         if lora.is_lora_model(self.model):
             lora.save_adapter(self.model, path, self.policy_version)
             return
-        meta = {"format": "pt", "policy_version": str(self.policy_version)}
+        meta = {"format": "pt", "policy_version": str(self.policy_version),
+                DIGEST_KEY: tensor_digest(self.model.state_dict())}
         lora.atomic_write(path, lambda tmp: save_model(self.model, tmp, metadata=meta))
 
     def save_checkpoint(self, directory: Path) -> None:

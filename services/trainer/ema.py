@@ -40,12 +40,16 @@ class PolicyEMA:
 
     def save(self, path: Path, version: int) -> None:
         """Write the average as a policy-format safetensors file at `path`, atomically (a reader sees the old or
-        the complete new file); metadata policy_version = `version`. Raises OSError on write failure."""
+        the complete new file); metadata policy_version = `version` and the content digest
+        (`opsd.weights.DIGEST_KEY`: a teacher reloads an average republished with other values).
+        Raises OSError on write failure."""
         from safetensors.torch import save_model
 
         from opsd.lora import atomic_write
+        from opsd.weights import DIGEST_KEY, tensor_digest
 
-        meta = {"format": "pt", "policy_version": str(version), "ema_decay": repr(self.decay)}
+        meta = {"format": "pt", "policy_version": str(version), "ema_decay": repr(self.decay),
+                DIGEST_KEY: tensor_digest(self.model.state_dict())}
         atomic_write(Path(path), lambda tmp: save_model(self.model, tmp, metadata=meta))
 
     def load(self, path: Path) -> None:
