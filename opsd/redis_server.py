@@ -42,6 +42,10 @@ ALLOW_NO_AUTH_ENV = "OPSD_REDIS_ALLOW_NO_AUTH"  # =1: connect() accepts a URL wi
 OWNED_URL_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "health_check_interval",
                                "retry", "retry_on_timeout", "retry_on_error", "socket_keepalive", "protocol", "decode_responses",
                                "legacy_responses"})
+# Appended to the local Redis's log after its own overcommit warning (`LocalRedis`).
+OVERCOMMIT_NOTE = ("the warning above is about forks: only a rewrite of the append-only file (redis.appendonly) forks "
+                   "here, and with vm.overcommit_memory=0 such a fork can fail under memory pressure (Redis logs it "
+                   "and retries later; no data is lost). `sudo sysctl vm.overcommit_memory=1` silences it.")
 _NO_RETRY = Retry(NoBackoff(), 0)
 
 
@@ -215,7 +219,16 @@ class LocalRedis:
         except RuntimeError:
             self._kill()
             raise
+        self._explain_overcommit_warning()
         return self
+
+    def _explain_overcommit_warning(self) -> None:
+        # Redis warns "Memory overcommit must be enabled!" on every start where vm.overcommit_memory is 0 (the
+        # Linux default, and no config option silences it): a reader of logs/redis.log deserves to know what it
+        # means for opsd and how to make it go away.
+        if "overcommit" in self._log_tail(50):
+            with open(self.log_path, "a") as log:
+                log.write(f"opsd: {OVERCOMMIT_NOTE}\n")
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -17,7 +17,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from opsd.queue import Delivery, StreamNames, StreamQueue, produce_message
-from opsd.redis_server import LocalRedis, connect, resolve_redis_url
+from opsd.redis_server import OVERCOMMIT_NOTE, LocalRedis, connect, resolve_redis_url
 from opsd.types import RolloutGroup, ScoredGroup, TaskGroup
 from opsd.wire import WireError, decode, encode
 from tests.factories import make_rollout_group, make_scored_group, make_task
@@ -335,6 +335,10 @@ def test_local_redis_requires_password_and_stops(tmp_path):
         redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, retry=NO_RETRY).ping()
     assert "Ready to accept connections" in log.read_text()
     server.stop()  # idempotent
+    # Redis's own overcommit warning is followed by what it means for opsd, on machines where Redis warns.
+    warned = "overcommit" in log.read_text().replace(OVERCOMMIT_NOTE, "")
+    assert warned == (Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1")
+    assert log.read_text().count(f"opsd: {OVERCOMMIT_NOTE}") == int(warned)
 
 
 def test_local_redis_dies_with_a_killed_parent(tmp_path):
