@@ -340,6 +340,11 @@ def run(
         if done is not None and done >= cfg.run.steps:
             console.print(f"run {run_dir} already finished: {done} steps (run.steps {cfg.run.steps}); nothing to do")
             return
+        from services.trainer.checkpoint import OPTIMIZER_DROPPED
+
+        if done is not None and (run_dir / "checkpoint" / OPTIMIZER_DROPPED).exists():
+            _usage_error(f"{run_dir} finished with trainer.keep_optimizer_state false: its optimizer state was "
+                         f"dropped, so it cannot train on; start a new run with model.name: {run_dir / 'checkpoint'}")
         # The old run's DONE and port files would make this run look finished, or point at dead services.
         (run_dir / "DONE").unlink(missing_ok=True)
         shutil.rmtree(run_dir / "ports", ignore_errors=True)

@@ -525,6 +525,10 @@ class TrainerSection(_Section):
     truncated_is: bool = False
     tis_cap: float = Field(5.0, gt=0)
     checkpoint_every: int = Field(1, ge=1)  # steps between checkpoints (resume point; the last step always saves)
+    # A finished run's checkpoint/ keeps the optimizer state (AdamW: twice the model, 1.1 GB for SmolLM2 fp32)
+    # so it can be resumed with more run.steps; false drops it once the run is DONE (the policy stays, for
+    # `opsd eval` and as a teacher or a new run's model) and such a run can no longer be resumed.
+    keep_optimizer_state: bool = True
     # Keep the published weights of every Nth policy version in <run_dir>/snapshots/ (version 0 too when it is
     # published: run.max_staleness >= 1), for learning curves (benchmarks/learning.py evaluates them);
     # 0 = keep none. ~540 MB each for SmolLM2 fp32.
@@ -776,7 +780,7 @@ RESUMABLE_FIELDS = (
     ("redis", "url"), ("redis", "block_ms"), ("redis", "reclaim_idle_ms"), ("redis", "max_deliveries"),
     ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
     ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"), ("trainer", "snapshot_every"),
-    ("credit", "diagnostic_prompt_buckets"),  # what is reported, not what is trained
+    ("trainer", "keep_optimizer_state"), ("credit", "diagnostic_prompt_buckets"),  # what is reported, not what is trained
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.

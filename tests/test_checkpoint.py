@@ -12,7 +12,7 @@ import torch
 
 from opsd.config import RunConfig, config_hash, hashed_config
 from services.trainer.checkpoint import (
-    CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint,
+    CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint, save_checkpoint,
 )
 from tests.factories import tiny_llama
 
@@ -335,6 +335,30 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, saved_chec
     with pytest.raises(CheckpointError, match=r"no usable checkpoint.*checkpoint/metrics\.jsonl: missing") as err:
         find_checkpoint(tmp_path)
     assert (old == "incomplete") == (".checkpoint-old/optimizer.json: missing" in str(err.value))
+
+
+def test_a_finished_run_that_dropped_its_optimizer_state_keeps_a_loadable_policy_and_refuses_resume(
+        tmp_path, saved_checkpoint):
+    """trainer.keep_optimizer_state false: the optimizer files go (most of a checkpoint's size), the model stays
+    a loadable HF directory, and a resume says why it cannot instead of a missing-file error."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "checkpoint"
+    shutil.copytree(saved_checkpoint / "checkpoint", path)
+    size = (path / "optimizer.safetensors").stat().st_size + (path / "optimizer.json").stat().st_size
+    before = sum(f.stat().st_size for f in path.iterdir())
+    assert drop_optimizer_state(path) == size
+    assert not (path / "optimizer.safetensors").exists() and not (path / "optimizer.json").exists()
+    assert sum(f.stat().st_size for f in path.iterdir()) < before - size + 1000
+    with pytest.raises(CheckpointError, match="keep_optimizer_state false.*cannot be resumed.*model.name"):
+        find_checkpoint(tmp_path)
+    from safetensors.torch import load_file
+
+    policy = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    saved = {k: v for f in sorted(path.glob("model*.safetensors")) for k, v in load_file(f).items()}
+    assert saved and all(torch.equal(policy[k], v) for k, v in saved.items())
 
 
 # -- the teacher's moving average (teacher.version ema:D) ----------------------------

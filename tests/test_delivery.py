@@ -671,6 +671,20 @@ def test_resume_of_a_finished_run_says_so_and_starts_nothing(tmp_path):
     assert (run_dir / "DONE").exists() and not (run_dir / "logs").exists()  # nothing started, nothing removed
 
 
+def test_a_finished_run_without_optimizer_state_is_not_resumed_for_more_steps(tmp_path):
+    """trainer.keep_optimizer_state false: `--resume --steps N` is refused up front, and the run stays DONE."""
+    run_dir = tmp_path / "run-1"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    RunConfig.model_validate({"run": {"steps": 2}, "redis": {"stream_prefix": "opsd:run-1"}}).dump(run_dir / "config.yaml")
+    (run_dir / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 2, "policy_version": 2}))
+    (run_dir / "checkpoint" / "optimizer.dropped").write_text("")
+    (run_dir / "DONE").write_text("{}")
+    result = _cli("--resume", str(run_dir), "--steps", "4")
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "keep_optimizer_state false" in out and "model.name:" in out, result.output
+    assert (run_dir / "DONE").exists() and not (run_dir / "logs").exists()
+
+
 @pytest.mark.parametrize("args, expect", [
     ([], "give exactly one of CONFIG and --resume RUN_DIR"),
     (["CONFIG", "--resume", "RUN"], "give exactly one of CONFIG and --resume RUN_DIR"),

@@ -65,9 +65,11 @@ def test_one_step_through_four_services(tmp_path):
 
 
 def test_every_other_method_runs_by_name_end_to_end(tmp_path):
-    """gc_opd (teacher without embedder) through the real services; its dump replays exactly."""
+    """gc_opd (teacher without embedder) through the real services; its dump replays exactly. With
+    trainer.keep_optimizer_state false the finished run keeps its policy and drops the optimizer state."""
     cfg = RunConfig.load(REPO / "tests/configs/tiny.yaml").model_dump(mode="json")
     cfg["run"]["method"] = "gc_opd"
+    cfg["trainer"]["keep_optimizer_state"] = False
     path = tmp_path / "gc_opd.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
@@ -80,6 +82,9 @@ def test_every_other_method_runs_by_name_end_to_end(tmp_path):
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert record["policy_version"] == 1 and "gc_opd/residual_abs_mean" in record
     assert json.loads((run_dir / "run_summary.json").read_text())["roles"] == ["rollout", "teacher", "trainer"]
+    kept = {p.name for p in (run_dir / "checkpoint").iterdir()}
+    assert "model.safetensors" in kept and "optimizer.dropped" in kept and not kept & {"optimizer.safetensors",
+                                                                                        "optimizer.json"}
     check = subprocess.run([sys.executable, "-m", "opsd.cli", "credit", "check", str(run_dir / "credit")],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0 and check.stdout.strip().endswith("1 passed, 0 failed"), check.stdout + check.stderr

@@ -42,7 +42,9 @@ from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
-from services.trainer.checkpoint import CheckpointError, TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.checkpoint import (
+    CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint, save_checkpoint,
+)
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
 )
@@ -259,6 +261,10 @@ def train() -> None:
         from opsd.lora import save_merged
 
         save_merged(backend.model, backend.tokenizer, run_dir / "final_model")
+    if not cfg.trainer.keep_optimizer_state:
+        freed = drop_optimizer_state(run_dir / "checkpoint")
+        log.info("trainer.keep_optimizer_state false: dropped the optimizer state (%.2f GB) from the finished run's "
+                 "checkpoint", freed / 1e9)
     (run_dir / "DONE").write_text(json.dumps({"steps": cfg.run.steps, "policy_version": version}))
     proc.status["finished"] = True
     log.info("finished %d steps; final checkpoint in %s", cfg.run.steps, run_dir / "checkpoint")

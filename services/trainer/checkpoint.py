@@ -224,9 +224,32 @@ def _is_int(x, lo: int = 0, hi: float = float("inf")) -> bool:
     return type(x) is int and lo <= x <= hi  # not bool, not a string of digits
 
 
+OPTIMIZER_DROPPED = "optimizer.dropped"  # marker: a finished run dropped its optimizer state (drop_optimizer_state)
+
+
+def drop_optimizer_state(path: Path) -> int:
+    """Delete the optimizer state of the finished run's checkpoint dir `path` (trainer.keep_optimizer_state
+    false) and leave a marker saying so; returns the bytes freed. The model, tokenizer and trainer state stay
+    (a loadable HF directory). Such a checkpoint is refused on resume (`load_checkpoint`). Raises OSError."""
+    path = Path(path)
+    freed = 0
+    (path / OPTIMIZER_DROPPED).write_text("trainer.keep_optimizer_state was false: the optimizer state was deleted "
+                                          "when the run finished; this checkpoint cannot be resumed\n")
+    for name in ("optimizer.safetensors", "optimizer.json"):
+        f = path / name
+        if f.is_file():
+            freed += f.stat().st_size
+            f.unlink()
+    return freed
+
+
 def _check_complete(path: Path) -> None:
     """The checks that need no model: state file valid, every file present, tensor headers and RNG states readable."""
     _read_state(path)
+    if (path / OPTIMIZER_DROPPED).exists():
+        raise CheckpointError(f"{path}: the run finished with trainer.keep_optimizer_state false, so its optimizer "
+                              f"state was deleted and it cannot be resumed; train on from it in a new run with "
+                              f"model.name: {path}")
     for name in ("optimizer.json", "metrics.jsonl"):
         if not (path / name).is_file():
             raise CheckpointError(f"{path / name}: missing")
