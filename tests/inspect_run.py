@@ -68,6 +68,18 @@ def step_groups(tasks: int = 2, G: int = 3, turns: int = 3, seed: int = 0) -> tu
     return [s.rollout for s in scored], scored
 
 
+def with_text_tokens(groups: list[RolloutGroup], tokenizer) -> list[RolloutGroup]:
+    """`groups` with each response's ids replaced by `tokenizer`'s encoding of the turn's text (cut or padded with
+    id 2 to the response's length, so spans, masks and log-probs stay), for readable screenshots."""
+    for grp in groups:
+        for t in grp.trajectories:
+            for turn in t.turns:
+                n = turn.response_end - turn.response_start
+                ids = (tokenizer.encode(turn.text, add_special_tokens=False).ids + [2] * n)[:n]
+                t.token_ids_S[turn.response_start: turn.response_end] = ids
+    return groups
+
+
 def write_step(run_dir: Path, step: int, method: str, groups: list[RolloutGroup], scored: list[ScoredGroup]) -> Path:
     """One step's dump through `write_credit_dump`, advantages from `compute_advantages` (the trainer's calls)."""
     cfg = RunConfig.model_validate({"run": {"method": method, "name": "inspect-test"}})
@@ -87,10 +99,18 @@ def write_tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> Path:
     return path
 
 
-def write_run(run_dir: Path) -> dict[int, str]:
-    """The run directory described in the module docstring; returns {step: method}."""
+def write_run(run_dir: Path, tokenizer_json: Path | None = None, G: int = 3, turns: int = 3) -> dict[int, str]:
+    """The run directory described in the module docstring; returns {step: method}.
+
+    With `tokenizer_json` (a real tokenizer.json) the responses' ids encode their texts and that tokenizer
+    is the run's (scripts/inspect_screenshots.py); else ids are random and decode as `w<id>`.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    groups, scored = step_groups()
+    groups, scored = step_groups(G=G, turns=turns)
+    if tokenizer_json is not None:
+        from tokenizers import Tokenizer
+
+        with_text_tokens(groups, Tokenizer.from_file(str(tokenizer_json)))
     methods = dict(enumerate(registered()))
     lines = []
     for step, method in methods.items():
@@ -99,5 +119,9 @@ def write_run(run_dir: Path) -> dict[int, str]:
                                  "gap": -0.5 + 0.01 * step, "privileged_signal": None if step == 1 else 0.02 * step,
                                  "span_len": 2.0, "loss": 1.0 / (step + 1), "teacher": ["self:live"]}))
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    write_tokenizer(run_dir / "checkpoint" / "tokenizer.json")
+    if tokenizer_json is None:
+        write_tokenizer(run_dir / "checkpoint" / "tokenizer.json")
+    else:
+        (run_dir / "checkpoint").mkdir(exist_ok=True)
+        (run_dir / "checkpoint" / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
     return methods

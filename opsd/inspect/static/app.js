@@ -16,6 +16,10 @@ function el(tag, attrs, ...kids) {
   for (const c of kids.flat()) if (c !== null && c !== undefined) e.append(c instanceof Node ? c : String(c));
   return e;
 }
+// replaceChildren() with lists flattened and null/undefined (absent parts) left out.
+function fill(parent, ...kids) {
+  parent.replaceChildren(...kids.flat(2).filter(k => k !== null && k !== undefined));
+}
 const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
 
 async function api(path, params) {
@@ -81,7 +85,7 @@ async function runPage() {
     run.steps.map(s => el("tr", {}, el("td", {}, el("a", { href: `#/step/${s.step}`, text: `step ${s.step}` })),
       el("td", { class: "num", text: `${(s.bytes / 1e6).toFixed(2)} MB` }))));
   const main = order.slice(0, 8), rest = order.slice(8);
-  view.replaceChildren(
+  fill(view, 
     el("h1", { text: `run ${run.name}` }),
     el("h2", { text: "metrics per step" + (run.bad_metric_lines ? ` (${run.bad_metric_lines} unreadable lines left out)` : "") }),
     keys.length ? el("div", { class: "plots", id: "plots" }, main.map(k => plot(k, run.metrics[k]))) : el("p", { class: "muted", text: "no metrics.jsonl yet" }),
@@ -97,7 +101,7 @@ async function stepPage(step, offset = 0) {
     el("td", {}, el("a", { href: `#/step/${step}/group/${enc(g.group)}`, text: g.group })),
     el("td", { text: g.data_source }), el("td", { class: "num", text: g.rollouts }), el("td", { class: "num", text: g.turns }),
     el("td", { class: "rewards", text: g.rewards.map(r => fmt(r, 2)).join(" ") }), el("td", { class: "num", text: fmt(g.adv_mean, 4) })));
-  view.replaceChildren(
+  fill(view, 
     el("h1", { text: `step ${s.step} · ${s.method}` }),
     el("p", { class: "muted", text: `${s.rows} turns, up to ${s.tokens} response tokens each; teacher: ${s.has_teacher ? "yes" : "no"}; texts and token ids: ${s.has_display ? "yes" : "no (an older dump)"}` }),
     el("table", { id: "groups" }, el("tr", {}, ["group", "source", "rollouts", "turns", "rewards", "mean advantage"].map(t => el("th", { text: t }))), rows),
@@ -136,7 +140,7 @@ async function groupPage(step, group, offset = 0) {
   setCrumbs([[`step ${step}`, `#/step/${step}`], [`group ${group}`, base]]);
   const g = await api("group", { step, group, offset, limit: 50 });
   const longest = Math.max(...g.trajectories.map(t => t.total_turns));
-  view.replaceChildren(
+  fill(view, 
     el("h1", { text: `step ${step} · group ${group} · ${g.method}` }),
     el("p", {}, el("a", { id: "compare-link", href: `${base}/compare`, text: "compare with another method or settings →" })),
     g.extras_error ? el("p", { class: "error", text: `the ${g.method} intermediates could not be recomputed: ${g.extras_error}` }) : null,
@@ -153,7 +157,7 @@ async function trajPage(step, group, rollout, offset = 0) {
   const t = await api("trajectory", { step, group, rollout, offset, limit: 20 });
   const all = t.turns.flatMap(u => u.tokens.filter(k => k.on).map(k => Math.abs(k.adv)));
   const scale = Math.max(1e-9, ...all);
-  view.replaceChildren(
+  fill(view, 
     el("h1", { text: `${rollout} · reward ${fmt(t.reward, 2)} · ${t.method}` }),
     el("p", { class: "muted", text: `${t.decoded ? "token text from the run's tokenizer" : "token ids (no tokenizer in the run's checkpoint/ or no ids in the dump)"}; colour: advantage (green > 0, red < 0, full at |a| = ${fmt(scale, 4)}); hover a token for its values` }),
     t.turns.map(u => el("div", { class: "tokens", "data-turn": u.turn },
@@ -177,12 +181,12 @@ async function comparePage(step, group, query) {
   const form = el("form", { id: "compare-form", on: { submit: e => { e.preventDefault(); location.hash = `${base}/compare?` + new URLSearchParams({ method: sel.value, overrides: over.value }); } } },
     el("label", {}, "method ", sel), " ", el("label", {}, "settings (JSON, over the dump's credit config) ", over), el("button", { type: "submit", text: "recompute" }));
   const out = el("div", { id: "compare-result" }, el("p", { class: "muted", text: "recomputing..." }));
-  view.replaceChildren(el("h1", { text: `step ${step} · group ${group}: ${s.method} (dumped) vs another` }), form, out);
+  fill(view, el("h1", { text: `step ${step} · group ${group}: ${s.method} (dumped) vs another` }), form, out);
   try {
     const c = await api("compare", { step, group, method, overrides });
     const scale = Math.max(1e-9, ...c.trajectories.flatMap(t => t.turns.flatMap(u => [Math.abs(u.dumped), Math.abs(u.replayed)])));
     const bar = x => el("span", { class: "bar", style: `width:${Math.round(40 * Math.abs(x) / scale)}px;background:${advColor(x, scale)}` });
-    out.replaceChildren(
+    fill(out, 
       el("p", { id: "compare-summary", text: `${c.dumped_method} (as trained) vs ${c.method} ${JSON.stringify(c.overrides)}: max |difference| ${fmt(c.max_abs_diff, 4)} over the step's loss tokens, correlation ${c.correlation === null ? "–" : fmt(c.correlation, 3)}` }),
       el("div", { class: "grid" }, c.trajectories.map(t => el("div", { class: "traj", "data-rollout": t.rollout },
         el("h2", { text: `${t.rollout} · reward ${fmt(t.reward, 2)}` }),
@@ -191,7 +195,7 @@ async function comparePage(step, group, query) {
             el("td", { class: "num dumped" }, fmt(u.dumped, 4), " ", bar(u.dumped)),
             el("td", { class: "num replayed" }, fmt(u.replayed, 4), " ", bar(u.replayed)))))))));
   } catch (e) {
-    out.replaceChildren(el("p", { class: "error", text: e.message }));
+    fill(out, el("p", { class: "error", text: e.message }));
   }
 }
 
@@ -207,7 +211,7 @@ async function route() {
     else if (p[0] === "step" && p[2] === "group" && p[4] === "compare") await comparePage(p[1], p[3], query);
     else throw new Error(`404: no page ${path}`);
   } catch (e) {
-    view.replaceChildren(el("h1", { text: "cannot show this page" }), el("p", { class: "error", id: "error", text: e.message }),
+    fill(view, el("h1", { text: "cannot show this page" }), el("p", { class: "error", id: "error", text: e.message }),
       el("p", {}, el("a", { href: "#/", text: "back to the run" })));
   }
   document.body.dataset.ready = location.hash;  // tests wait for this
