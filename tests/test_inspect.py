@@ -260,6 +260,26 @@ def test_bad_dumps_and_requests_get_a_clear_4xx(tmp_path):
         r = c.get(path, params=params, headers=AUTH)
         assert 400 <= r.status_code < 500 and r.json()["detail"], (path, params, r.status_code, r.text)
     assert c.get("/api/nothing", headers=AUTH).status_code == 404
+    # Hostile texts and ids: shown as text / positions, never a 500.
+    odd = json.loads(text)
+    odd["display"][0]["token_ids"] = ["x", 10**30]
+    odd["display"][1]["token_ids"] = [10**12, -5]
+    odd["display"][2]["observation"] = {"not": "text"}
+    (credit / "step_00071.json").write_text(json.dumps(odd))
+    r0 = odd["inputs"]["traj_uid"][0]
+    for path, params in [("/api/group", {"step": 71, "group": g}), ("/api/trajectory", {"step": 71, "group": g, "rollout": r0})]:
+        r = c.get(path, params=params, headers=AUTH)
+        assert r.status_code == 200, (path, r.text)
+    # NaN is not JSON (orjson refuses it); the standard library's json reads it, and parse_step refuses it.
+    from opsd.inspect.data import InspectError, parse_step
+
+    nan = json.loads(text)
+    nan["inputs"]["episode_rewards"][0] = float("nan")
+    (credit / "step_00072.json").write_text(json.dumps(nan))
+    assert c.get("/api/step", params={"step": 72}, headers=AUTH).status_code == 422
+    with pytest.raises(InspectError, match="NaN") as err:
+        parse_step(nan, 72)
+    assert err.value.status == 422
     # A dump from before the display section: no texts, positions instead of token ids, still every number.
     old = {k: v for k, v in good.items() if k != "display"}
     (credit / "step_00070.json").write_text(json.dumps(old))

@@ -207,6 +207,8 @@ def parse_step(case: Any, step: int) -> Step:
         raise InspectError(422, "malformed dump: the row fields have different lengths")
     if M == 0:
         raise InspectError(422, "malformed dump: no rows")
+    if not all(math.isfinite(r) for r in reward):
+        raise InspectError(422, "malformed dump: an episode reward is NaN or infinite")
     if mask_key not in inputs or "student_log_probs" not in inputs:
         raise InspectError(422, f"partial dump: inputs has no `{mask_key}` or `student_log_probs`")
     mask = _matrix(inputs[mask_key], mask_key, M, None)
@@ -258,8 +260,8 @@ def load_step(run_dir: Path, step: int) -> Step:
     try:
         case = _orjson.loads(raw) if _orjson is not None else json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise InspectError(422, f"step {step}'s dump is not complete JSON (a run still writing it, or a "
-                                f"damaged file): {str(exc)[:200]}") from None
+        raise InspectError(422, f"step {step}'s dump is not complete JSON (a run still writing it, a damaged "
+                                f"file, or a NaN): {str(exc)[:200]}") from None
     data = parse_step(case, step)
     with _cache_lock:
         _cache[key] = data

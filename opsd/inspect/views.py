@@ -297,7 +297,7 @@ class Decoder:
         return self._tok is not None
 
     def __call__(self, token_id: int) -> str:
-        if self._tok is None:
+        if self._tok is None or not 0 <= token_id < self._tok.get_vocab_size(with_added_tokens=True):
             return f"#{token_id}"
         return self._tok.decode([token_id], skip_special_tokens=False) or (self._tok.id_to_token(token_id) or f"#{token_id}")
 
@@ -312,8 +312,8 @@ def trajectory_view(s: Step, group: str, rollout: str, decode: Decoder, offset: 
     turns = []
     for m in ms[offset: offset + limit]:
         ids = s.display[m].get("token_ids") if s.display is not None else None
-        if not isinstance(ids, list):
-            ids = None
+        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids)):
+            ids = None  # unreadable ids: show positions, as for a dump without them
         n = len(ids) if ids is not None else int(np.flatnonzero(s.mask_ML[m]).max(initial=-1) + 1)
         n = min(n, s.mask_ML.shape[1])
         toks = []
