@@ -1,7 +1,8 @@
 """`opsd inspect` in a real headless Chromium (Debian's /usr/bin/chromium driven by Playwright's Python package):
 each page of a dumped run shows the dump's numbers; run -> step -> group -> trajectory -> compare by clicks.
 
-Without chromium or playwright the tests skip, and fail under OPSD_REQUIRE_BROWSER=1 (.ci/run sets it).
+Without chromium (OPSD_CHROMIUM: another path) or playwright the tests skip, and fail under
+OPSD_REQUIRE_BROWSER=1 (.ci/run sets it).
 One Chromium for the module, closed at its end; screenshots land in the test's tmp_path.
 """
 
@@ -23,7 +24,7 @@ from opsd.credit.replay import batch_from_inputs
 from tests.inspect_run import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("OPSD_CHROMIUM", "/usr/bin/chromium")  # Debian's package; another build by path
 TOKEN = "browser-test-token-0123456789"
 
 
