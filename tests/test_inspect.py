@@ -310,7 +310,7 @@ def test_cli_serves_on_loopback_and_prints_the_url(run_dir):
     try:
         line = proc.stdout.readline()
         assert line.startswith("opsd inspect: open http://127.0.0.1:") and line.strip().endswith(f"/?token={TOKEN}"), line
-        base = line.split("open ", 1)[1].strip().split("/?", 1)[0]
+        base = line.split("open ", 1)[1].split("/?", 1)[0]
         deadline = time.monotonic() + 30
         while True:
             try:

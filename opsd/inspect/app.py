@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from opsd.inspect import data, views
+from opsd.inspect import data, models, views
 
 COOKIE = "opsd_inspect"
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
@@ -144,23 +144,23 @@ def create_app(run_dir: Path, token: str) -> ASGIApp:
 
         return {"methods": registered()}
 
-    @app.get("/api/step", response_model=views.StepView)
-    def step(step: int = Query(...), offset: int = 0, limit: int = 100) -> views.StepView:
+    @app.get("/api/step", response_model=models.StepView)
+    def step(step: int = Query(...), offset: int = 0, limit: int = 100) -> models.StepView:
         return _answer(views.step_view, data.load_step(run_dir, step), offset, limit)
 
-    @app.get("/api/group", response_model=views.GroupView)
-    def group(step: int, group: str, offset: int = 0, limit: int = 50) -> views.GroupView:
+    @app.get("/api/group", response_model=models.GroupView)
+    def group(step: int, group: str, offset: int = 0, limit: int = 50) -> models.GroupView:
         return _answer(views.group_view, data.load_step(run_dir, step), group, offset, limit)
 
-    @app.get("/api/trajectory", response_model=views.TrajectoryView)
-    def trajectory(step: int, group: str, rollout: str, offset: int = 0, limit: int = 20) -> views.TrajectoryView:
+    @app.get("/api/trajectory", response_model=models.TrajectoryView)
+    def trajectory(step: int, group: str, rollout: str, offset: int = 0, limit: int = 20) -> models.TrajectoryView:
         s = data.load_step(run_dir, step)
         if not decoder:
             decoder.append(views.Decoder(run_dir))
         return _answer(views.trajectory_view, s, group, rollout, decoder[0], offset, limit)
 
-    @app.get("/api/compare", response_model=views.CompareView)
-    def compare(step: int, group: str, method: str, overrides: str = "{}") -> views.CompareView:
+    @app.get("/api/compare", response_model=models.CompareView)
+    def compare(step: int, group: str, method: str, overrides: str = "{}") -> models.CompareView:
         try:
             over = json.loads(overrides)
         except (ValueError, RecursionError):

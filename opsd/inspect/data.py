@@ -231,9 +231,19 @@ def parse_step(case: Any, step: int) -> Step:
         for k, a in ((mask_key, mask), ("student_log_probs", student), (teacher_key, teacher), (corrected_key, corrected)):
             if a is not None:
                 inputs[k] = a
+        # The other [M][L] fields too, when they convert: as nested lists a cached big step holds ~8x the memory.
+        for k in ("base_log_probs", "teacher_entropys", "student_entropys"):
+            try:
+                a = np.asarray(inputs[k], dtype=np.float32) if isinstance(inputs.get(k), list) else None
+            except (TypeError, ValueError):
+                a = None  # left as read: the replay reports it
+            if a is not None and a.shape == (M, L):
+                inputs[k] = a
+    adv_ML = _matrix(adv, "expected.advantages", M, L)
+    case["expected"] = {**case["expected"], "advantages": adv_ML}  # read from here on, never as lists
     return Step(step=step, method=method, case=case, task=task, rollout=rollout, turn=turn,
                 reward=np.asarray(reward, np.float32), valid=np.asarray(valid, bool), mask_ML=mask,
-                adv_ML=_matrix(adv, "expected.advantages", M, L), student_ML=student,
+                adv_ML=adv_ML, student_ML=student,
                 teacher_ML=teacher, corrected_ML=corrected, display=display, groups=groups)
 
 
