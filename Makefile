@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm java gpu-check clean compose-env bench bench-quick redis-tools
+.PHONY: demo test test-main test-vllm install install-vllm java chromium gpu-check clean compose-env bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
 # targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
@@ -17,6 +17,14 @@ java:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends default-jre-headless; } \
 	  || { echo "TextWorld-Express and ScienceWorld need Java 11+: install a JRE (apt-get install default-jre-headless)"; exit 1; }
+
+# `opsd inspect`'s browser tests drive Debian's headless Chromium (/usr/bin/chromium) through Playwright (a test
+# dependency in pyproject.toml; no `playwright install` download). Only the tests need it.
+chromium:
+	@command -v chromium >/dev/null || { echo "no chromium: installing it"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends chromium; } \
+	  || { echo "tests/test_inspect_browser.py needs chromium (apt-get install chromium)"; exit 1; }
 
 # alfworld's planner (fast-downward-textworld) builds with `python build.py`: the venv's python goes first on PATH.
 $(STAMP): export PATH := $(abspath $(VENV))/bin:$(PATH)
@@ -55,7 +63,7 @@ demo: $(STAMP)
 
 test: test-main test-vllm
 
-test-main: $(STAMP) | java
+test-main: $(STAMP) | java chromium
 	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
 
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).

@@ -69,6 +69,7 @@ SCRIPTS = [
     Script("credit", "benchmarks/credit.py"),
     Script("scaling", "benchmarks/scaling.py"),
     Script("in flight (hf)", "benchmarks/inflight.py", ["--backend", "hf"]),
+    Script("inspect", "benchmarks/inspect_page.py"),
     Script("learning", "benchmarks/learning.py", default=False),
 ]
 # `--only` names: file stems, the table's names, and "teacher" (the table's teacher-scoring row is backends.py).

@@ -25,6 +25,7 @@ run, unless OPSD_API_TOKEN is already set).
 `opsd eval CONFIG --checkpoint DIR` plays the env's eval split with a
 checkpoint in this process (services/rollout/evaluate.py) and writes
 eval.json and eval.png. `opsd credit check` replays dumped credit inputs;
+`opsd inspect RUN_DIR` shows them (and the metrics) in a local web page;
 `opsd prepare` fills the caches.
 """
 
@@ -590,6 +591,33 @@ def credit_check(
     console.print(f"{passed} passed, {failed} failed")
     if failed:
         raise typer.Exit(1)
+
+
+@app.command("inspect")
+def inspect_cmd(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory (runs/<name>-<timestamp>/)"),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="port on 127.0.0.1 (0: a free one)"),
+) -> None:
+    """See where the credit went: a local web page over RUN_DIR's metrics and credit dumps.
+
+    Serves on 127.0.0.1 only, behind the run's API token (OPSD_API_TOKEN) or a
+    fresh one, and prints the URL to open (it carries the token once; the page
+    then keeps it in a cookie). Steps have dumps when the run was started with
+    --dump-credit. Stops on Ctrl-C.
+    """
+    from opsd.inspect import choose_token, serve
+
+    if not (run_dir / "credit").is_dir() and not (run_dir / "metrics.jsonl").is_file():
+        console.print(f"[yellow]warning:[/yellow] {escape(str(run_dir))} has no credit/ dumps and no metrics.jsonl "
+                      "(was it run with --dump-credit?)")
+    try:
+        serve(run_dir, port, choose_token(dict(os.environ)),
+              on_ready=lambda url: print(f"opsd inspect: open {url}", flush=True))
+    except OSError as exc:
+        console.print(f"[red]error:[/red] cannot listen on 127.0.0.1:{port}: {escape(str(exc))}")
+        raise typer.Exit(2)
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command("prepare")

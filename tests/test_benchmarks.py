@@ -422,6 +422,15 @@ def test_credit_tiny_writes_its_rows(tmp_path):
     assert 16 * 16 * 4 / 2**20 < rows["alignopsd (1x4x4x16): peak MiB"]["value"] < 5
 
 
+def test_inspect_quick_writes_its_rows(tmp_path):
+    doc = run_benchmark("inspect_page.py", tmp_path / "i.json", "--quick")
+    rows = check_report(doc, "inspect")
+    assert list(rows) == [f"{name} 2x4x10x16" for name in ("open step (cold)", "group page (warm)", "trajectory page (warm)",
+                                                            "compare (cold)", "dump size")]
+    assert all(r["target"] is None for r in rows.values())  # the 2 s target is for 16x8x50 only
+    assert 0.01 < rows["dump size 2x4x10x16"]["value"] < 5
+
+
 def test_learning_configs_differ_only_in_the_method_and_the_plot_is_written(tmp_path):
     from benchmarks import learning
     from opsd.config import RunConfig

@@ -19,6 +19,30 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 
+def check_inspect_pages(run_dir: Path) -> None:
+    """`opsd inspect`'s API on a real run's dump (issue 22): the step, a group with AlignOPSD's matched sources
+    and spans recomputed, a trajectory's tokens (decoded when the checkpoint holds a tokenizer.json)."""
+    from fastapi.testclient import TestClient
+
+    from opsd.inspect.app import create_app
+
+    token = "e2e-inspect-token-0123456789"
+    client = TestClient(create_app(run_dir, token), raise_server_exceptions=False)
+    auth = {"Authorization": f"Bearer {token}"}
+    step = client.get("/api/step", params={"step": 0}, headers=auth)
+    assert step.status_code == 200, step.text
+    step = step.json()
+    assert step["method"] == "alignopsd" and step["has_display"] and step["groups"]
+    group = step["groups"][0]["group"]
+    gv = client.get("/api/group", params={"step": 0, "group": group}, headers=auth).json()
+    assert gv["extras_error"] is None, gv["extras_error"]
+    assert all(t["sources"] is not None and t["span"] is not None for tr in gv["trajectories"] for t in tr["turns"])
+    tv = client.get("/api/trajectory", params={"step": 0, "group": group, "rollout": gv["trajectories"][0]["rollout"]},
+                    headers=auth).json()
+    assert tv["turns"] and tv["turns"][0]["tokens"]
+    assert tv["decoded"] == (run_dir / "checkpoint" / "tokenizer.json").is_file()
+
+
 def test_one_step_through_four_services(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the run must start its own redis-server
     proc = subprocess.run(
@@ -33,6 +57,7 @@ def test_one_step_through_four_services(tmp_path):
     check = subprocess.run([sys.executable, "-m", "opsd.cli", "credit", "check", str(run_dir / "credit")],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0 and check.stdout.strip().endswith("1 passed, 0 failed"), check.stdout + check.stderr
+    check_inspect_pages(run_dir)
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0]

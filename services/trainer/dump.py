@@ -17,6 +17,12 @@ Inputs:
   `student_log_probs` and, when the step has them, `teacher_log_probs`,
   `corrected_teacher_log_probs`, `base_log_probs`, `teacher_entropys`,
   `student_entropys` ([B][L], 0 off the mask).
+
+`display` (when the step's groups are given; read by `opsd inspect`, ignored by
+the replay): one entry per row, in the rows' order, with the turn's
+`observation` (the env's reply to it), `thinking`, `action`, decoded `text`,
+`format_valid`, `finish_reason` and `token_ids` (the response's ids: column j
+of the row's [L] arrays is token_ids[j]).
 """
 
 from __future__ import annotations
@@ -60,6 +66,24 @@ def token_inputs(batch: CreditBatch) -> dict[str, Any]:
         arr = getattr(batch, attr)
         if arr is not None:
             out[name] = _rows(arr)
+    return out
+
+
+def display_rows(batch: CreditBatch, groups: list[RolloutGroup]) -> list[dict[str, Any]]:
+    """What a person reads of each row of `batch` (module docstring, `display`); rows as in the batch.
+
+    Raises KeyError when a row's (task, rollout) is not in `groups`.
+    """
+    trajs = {(grp.group_id, t.rollout_id): t for grp in groups for t in grp.trajectories}
+    out = []
+    for task, rollout, k in zip(batch.task_id, batch.rollout_id, batch.turn_id):
+        traj = trajs[(task, rollout)]
+        turn = traj.turns[int(k)]
+        out.append({
+            "observation": turn.observation, "thinking": turn.thinking, "action": turn.action, "text": turn.text,
+            "format_valid": bool(turn.format_valid), "finish_reason": turn.finish_reason,
+            "token_ids": [int(x) for x in traj.token_ids_S[traj.response_slice(int(k))]],
+        })
     return out
 
 
@@ -130,7 +154,7 @@ def credit_case(
         inputs = alignopsd_inputs(batch, groups, scored)
     else:
         inputs = token_inputs(batch)
-    return {
+    out = {
         "method": method,
         "case": case,
         "description": f"credit inputs of one training step of run {cfg.run.name} (opsd run --dump-credit)",
@@ -141,6 +165,9 @@ def credit_case(
         "inputs": inputs,
         "expected": {"advantages": _rows(advantages_ML)},
     }
+    if groups is not None:
+        out["display"] = display_rows(batch, groups)
+    return out
 
 
 def write_credit_dump(

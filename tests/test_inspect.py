@@ -1,0 +1,326 @@
+"""`opsd inspect`: the API returns the dump's own numbers for every registered method, needs the token,
+serves nothing outside RUN_DIR and answers bad input with a 4xx, never a 500."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from opsd.credit import compute_advantages, registered
+from opsd.credit.replay import batch_from_inputs
+from opsd.config import CreditSection
+from opsd.inspect import choose_token
+from opsd.inspect.app import COOKIE, create_app
+from tests.inspect_run import write_run
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "t" * 12 + "-inspect-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    """One dump per registered method (step i = registered()[i]) through the trainer's dump code."""
+    d = tmp_path_factory.mktemp("inspect") / "run-test"
+    write_run(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def client(run_dir) -> TestClient:
+    # raise_server_exceptions=False: a server error must show up as a 500 status, which the tests refuse.
+    return TestClient(create_app(run_dir, TOKEN), raise_server_exceptions=False)
+
+
+def dump(run_dir: Path, step: int) -> dict:
+    return json.loads((run_dir / "credit" / f"step_{step:05d}.json").read_text())
+
+
+def rows_of(case: dict) -> tuple[list[str], list[str], list[float]]:
+    inp = case["inputs"]
+    if "turns" in inp:
+        return [t["task_id"] for t in inp["turns"]], [t["rollout_id"] for t in inp["turns"]], [t["episode_reward"] for t in inp["turns"]]
+    return inp["uid"], inp["traj_uid"], inp["episode_rewards"]
+
+
+@pytest.mark.parametrize("step,method", list(enumerate(registered())))
+def test_every_method_shows_the_dumps_numbers(client, run_dir, step, method):
+    case = dump(run_dir, step)
+    assert case["method"] == method
+    tasks, rollouts, rewards = rows_of(case)
+    adv = np.asarray(case["expected"]["advantages"])
+    inp = case["inputs"]
+    mask = np.asarray(inp.get("response_mask") or inp.get("policy_loss_mask"))
+    student = np.asarray(inp["student_log_probs"])
+    teacher = inp.get("teacher_log_probs") or inp.get("diagonal_teacher_log_probs")
+
+    s = client.get("/api/step", params={"step": step}, headers=AUTH)
+    assert s.status_code == 200, s.text
+    s = s.json()
+    assert s["method"] == method and s["rows"] == len(tasks) and s["has_display"]
+    assert [g["group"] for g in s["groups"]] == sorted(set(tasks))
+    for g in s["groups"]:
+        want = [rewards[rollouts.index(r)] for r in sorted({r for t, r in zip(tasks, rollouts) if t == g["group"]})]
+        assert g["rewards"] == pytest.approx(want)
+
+    group = s["groups"][0]["group"]
+    gv = client.get("/api/group", params={"step": step, "group": group}, headers=AUTH).json()
+    assert gv["extras_error"] is None
+    for traj in gv["trajectories"]:
+        for t in traj["turns"]:
+            m = t["row"]
+            assert (tasks[m], rollouts[m]) == (group, traj["rollout"])
+            on = mask[m] > 0
+            assert t["tokens"] == int(on.sum())
+            assert t["adv_sum"] == pytest.approx(float(adv[m][on].sum()), rel=1e-5, abs=1e-5)
+            assert t["action"] == case["display"][m]["action"] and t["observation"] == case["display"][m]["observation"]
+            if teacher is None:
+                assert t["gap"] is None
+            else:
+                assert t["gap"] == pytest.approx(float((np.asarray(teacher[m]) - student[m])[on].mean()), rel=1e-5, abs=1e-6)
+            if method == "alignopsd":
+                assert t["sources"] is not None and t["span"] is not None and t["rectified_gap"] is not None
+            if method == "agentopsd":
+                assert 0 < t["belief_after"] < 1 and 0 < t["belief_before"] < 1
+            if method == "gc_opd":
+                assert t["residual"] is not None
+
+    rollout = gv["trajectories"][0]["rollout"]
+    tv = client.get("/api/trajectory", params={"step": step, "group": group, "rollout": rollout}, headers=AUTH).json()
+    assert tv["decoded"]
+    rows = [m for m in range(len(tasks)) if (tasks[m], rollouts[m]) == (group, rollout)]
+    for m, turn in zip(rows, tv["turns"]):
+        ids = case["display"][m]["token_ids"]
+        assert [k["id"] for k in turn["tokens"]] == ids
+        assert [k["text"] for k in turn["tokens"]] == [f"w{i}" for i in ids]  # the run's tokenizer decoded them
+        assert [k["adv"] for k in turn["tokens"]] == pytest.approx(adv[m][: len(ids)].tolist(), rel=1e-6, abs=1e-7)
+        assert [k["on"] for k in turn["tokens"]] == [bool(x) for x in mask[m][: len(ids)]]
+
+
+def test_run_page_lists_steps_and_metrics(client, run_dir):
+    r = client.get("/api/run", headers=AUTH).json()
+    assert [s["step"] for s in r["steps"]] == list(range(len(registered())))
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert r["metrics"]["loss"] == [[float(x["step"]), x["loss"]] for x in lines]
+    assert len(r["metrics"]["privileged_signal"]) == len(lines) - 1  # the null is left out
+    assert "teacher" not in r["metrics"]  # not a number
+
+
+def test_compare_runs_the_credit_check_replay(client, run_dir):
+    step = registered().index("grpo_opd")
+    case = dump(run_dir, step)
+    group = sorted(set(case["inputs"]["uid"]))[0]
+    same = client.get("/api/compare", params={"step": step, "group": group, "method": "grpo_opd"}, headers=AUTH).json()
+    assert same["max_abs_diff"] < 1e-5  # the replay of its own dump: what `opsd credit check` passes
+    over = {"opd_coef": 0.5}
+    other = client.get("/api/compare", params={"step": step, "group": group, "method": "agentopsd",
+                                               "overrides": json.dumps(over)}, headers=AUTH)
+    assert other.status_code == 200, other.text
+    other = other.json()
+    cfg = CreditSection.model_validate({**case["config"]["opsd_credit"], **over})
+    want, _ = compute_advantages("agentopsd", batch_from_inputs(case["inputs"]), cfg)
+    mask = np.asarray(case["inputs"]["response_mask"])
+    for traj in other["trajectories"]:
+        for t, m in zip(traj["turns"], [m for m, (u, r) in enumerate(zip(case["inputs"]["uid"], case["inputs"]["traj_uid"]))
+                                        if (u, r) == (group, traj["rollout"])]):
+            on = mask[m] > 0
+            assert t["replayed"] == pytest.approx(float(want[m][on].mean()), rel=1e-5, abs=1e-6)
+            assert t["dumped"] == pytest.approx(float(np.asarray(case["expected"]["advantages"][m])[on].mean()), rel=1e-5, abs=1e-6)
+    # An AlignOPSD dump compares with a token method (its rows converted), not the other way round.
+    a = registered().index("alignopsd")
+    ga = dump(run_dir, a)["inputs"]["turns"][0]["task_id"]
+    assert client.get("/api/compare", params={"step": a, "group": ga, "method": "opd"}, headers=AUTH).status_code == 200
+    r = client.get("/api/compare", params={"step": step, "group": group, "method": "alignopsd"}, headers=AUTH)
+    assert r.status_code == 422 and "alignopsd dump" in r.json()["detail"]
+
+
+# ------------------------------------------------------------------------------------------ auth
+
+
+def test_token_required_and_moved_to_a_cookie(run_dir):
+    c = TestClient(create_app(run_dir, TOKEN), raise_server_exceptions=False)
+    assert c.get("/api/run").status_code == 401
+    assert c.get("/").status_code == 401 and "token" in c.get("/").text
+    assert c.get("/static/app.js").status_code == 401
+    assert c.get("/api/run", headers={"Authorization": "Bearer wrong-token-0123456789"}).status_code == 401
+    assert c.get("/api/run", headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
+    assert c.get("/?token=wrong").status_code == 401
+    assert c.get(f"/?token={TOKEN}&token={TOKEN}").status_code == 401
+    r = c.get(f"/?token={TOKEN}", follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/"
+    assert "httponly" in r.headers["set-cookie"].lower() and "samesite=strict" in r.headers["set-cookie"].lower()
+    assert c.cookies.get(COOKIE) == TOKEN
+    assert c.get("/api/run").status_code == 200 and c.get("/").status_code == 200
+    assert c.get("/static/app.js").status_code == 200
+    c.cookies.set(COOKIE, "wrong")
+    assert c.get("/api/run").status_code == 401
+
+
+def test_choose_token_uses_the_runs_token_or_a_fresh_one():
+    assert choose_token({"OPSD_API_TOKEN": TOKEN}) == TOKEN
+    fresh = choose_token({"OPSD_API_TOKEN": "short"})
+    assert fresh != "short" and len(fresh) >= 32 and choose_token({}) != choose_token({})
+
+
+# ------------------------------------------------------------------------------ nothing outside RUN_DIR
+
+
+def test_nothing_outside_the_run_dir_is_served(tmp_path):
+    run = tmp_path / "run"
+    write_run(run)
+    secret = tmp_path / "secret.json"
+    shutil.copy(run / "credit" / "step_00000.json", secret)  # a valid dump, so only the path check can refuse it
+    (run / "credit" / "step_00099.json").symlink_to(secret)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(tmp_path / "outside-metrics.jsonl")
+    (tmp_path / "outside-metrics.jsonl").write_text('{"step": 0, "leaked": 1}\n')
+    c = TestClient(create_app(run, TOKEN), raise_server_exceptions=False)
+    for path in ("/static/../../../../etc/passwd", "/static/..%2f..%2f..%2fetc%2fpasswd", "/static/%2e%2e/%2e%2e/etc/passwd",
+                 "/static/%2e%2e%2fdata.py", "//etc/passwd", "/static//etc/passwd", "/static/index.html",
+                 "/api/step?step=../../etc/passwd", "/api/step?step=%2e%2e", "/api/step?step=/etc/passwd",
+                 "/api/step?step=-1", "/api/step?step=99", "/api/step?step=1e3"):
+        r = c.get(path, headers=AUTH)
+        assert 400 <= r.status_code < 500, (path, r.status_code)
+        assert "root:" not in r.text and "inputs" not in r.text
+    assert c.get("/api/step?step=99", headers=AUTH).status_code in (403, 404)
+    run_info = c.get("/api/run", headers=AUTH).json()
+    assert 99 not in [s["step"] for s in run_info["steps"]] and "leaked" not in run_info["metrics"]
+    # A credit/ folder that is itself a link out of the run: no step is read through it.
+    shutil.rmtree(run / "credit")
+    (run / "credit").symlink_to(secret.parent)
+    shutil.copy(secret, tmp_path / "step_00000.json")
+    assert c.get("/api/step?step=0", headers=AUTH).status_code == 403
+    assert c.get("/api/run", headers=AUTH).json()["steps"] == []
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_dumps_and_requests_get_a_clear_4xx(tmp_path):
+    run = tmp_path / "run"
+    write_run(run)
+    credit = run / "credit"
+    good = json.loads((credit / "step_00006.json").read_text())
+    text = (credit / "step_00006.json").read_text()
+    bad = {
+        50: text[: len(text) // 2],  # a run still writing (or a torn copy)
+        51: "",
+        52: "[1, 2]",
+        53: json.dumps({k: v for k, v in good.items() if k != "expected"}),
+        54: json.dumps({**good, "inputs": {k: v for k, v in good["inputs"].items() if k != "uid"}}),
+        55: json.dumps({**good, "expected": {"advantages": good["expected"]["advantages"][:-1]}}),
+        56: json.dumps({**good, "inputs": {**good["inputs"], "student_log_probs": "oops"}}),
+        57: text.replace(str(good["inputs"]["student_log_probs"][0][0]), "NaN", 1),
+        58: json.dumps({**good, "inputs": {**good["inputs"], "uid": []}}),
+        59: json.dumps({**good, "inputs": {**good["inputs"], "turn_step": [{"a": 1}] * len(good["inputs"]["uid"])}}),
+        60: "[" * 100_000,
+    }
+    for step, body in bad.items():
+        (credit / f"step_{step:05d}.json").write_text(body)
+    (credit / "step_00061.json").mkdir()
+    (credit / "step_00062.json.tmp").write_text("{")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("not json\n[1]\n{\"step\": 99, \"loss\": 0.")  # garbage lines and a half-written last line
+    c = TestClient(create_app(run, TOKEN), raise_server_exceptions=False)
+    for step in bad:
+        r = c.get("/api/step", params={"step": step}, headers=AUTH)
+        assert r.status_code == 422, (step, r.status_code, r.text)
+        assert r.json()["detail"]
+    assert "not complete JSON" in c.get("/api/step", params={"step": 50}, headers=AUTH).json()["detail"]
+    assert c.get("/api/step", params={"step": 61}, headers=AUTH).status_code == 404
+    assert c.get("/api/step", params={"step": 62}, headers=AUTH).status_code == 404
+    assert "no credit dump" in c.get("/api/step", params={"step": 1234}, headers=AUTH).json()["detail"]
+    run_info = c.get("/api/run", headers=AUTH).json()
+    assert run_info["bad_metric_lines"] == 2 and max(p[0] for p in run_info["metrics"]["loss"]) < 99
+    g = good["inputs"]["uid"][0]
+    for path, params in [
+        ("/api/group", {"step": 6, "group": "no-such-group"}),
+        ("/api/trajectory", {"step": 6, "group": g, "rollout": "nope"}),
+        ("/api/group", {"step": 6, "group": g, "offset": -1}),
+        ("/api/group", {"step": 6, "group": g, "limit": 0}),
+        ("/api/step", {"step": 6, "limit": 10**9}),
+        ("/api/group", {"step": 6}),
+        ("/api/compare", {"step": 6, "group": g, "method": "nope"}),
+        ("/api/compare", {"step": 6, "group": g, "method": "opd", "overrides": "{not json"}),
+        ("/api/compare", {"step": 6, "group": g, "method": "opd", "overrides": "[1]"}),
+        ("/api/compare", {"step": 6, "group": g, "method": "opd", "overrides": '{"opd_coef": "lots"}'}),
+        ("/api/compare", {"step": 6, "group": g, "method": "opd", "overrides": '{"no_such_key": 1}'}),
+        ("/api/compare", {"step": 6, "group": g, "method": "opd", "overrides": "[" * 10_000}),
+    ]:
+        r = c.get(path, params=params, headers=AUTH)
+        assert 400 <= r.status_code < 500 and r.json()["detail"], (path, params, r.status_code, r.text)
+    assert c.get("/api/nothing", headers=AUTH).status_code == 404
+    # Hostile texts and ids: shown as text / positions, never a 500.
+    odd = json.loads(text)
+    odd["display"][0]["token_ids"] = ["x", 10**30]
+    odd["display"][1]["token_ids"] = [10**12, -5]
+    odd["display"][2]["observation"] = {"not": "text"}
+    (credit / "step_00071.json").write_text(json.dumps(odd))
+    r0 = odd["inputs"]["traj_uid"][0]
+    for path, params in [("/api/group", {"step": 71, "group": g}), ("/api/trajectory", {"step": 71, "group": g, "rollout": r0})]:
+        r = c.get(path, params=params, headers=AUTH)
+        assert r.status_code == 200, (path, r.text)
+    # NaN is not JSON (orjson refuses it); the standard library's json reads it, and parse_step refuses it.
+    from opsd.inspect.data import InspectError, parse_step
+
+    nan = json.loads(text)
+    nan["inputs"]["episode_rewards"][0] = float("nan")
+    (credit / "step_00072.json").write_text(json.dumps(nan))
+    assert c.get("/api/step", params={"step": 72}, headers=AUTH).status_code == 422
+    with pytest.raises(InspectError, match="NaN") as err:
+        parse_step(nan, 72)
+    assert err.value.status == 422
+    # A dump from before the display section: no texts, positions instead of token ids, still every number.
+    old = {k: v for k, v in good.items() if k != "display"}
+    (credit / "step_00070.json").write_text(json.dumps(old))
+    gv = c.get("/api/group", params={"step": 70, "group": g}, headers=AUTH).json()
+    assert gv["trajectories"][0]["turns"][0]["action"] is None
+    tv = c.get("/api/trajectory", params={"step": 70, "group": g, "rollout": gv["trajectories"][0]["rollout"]}, headers=AUTH).json()
+    assert not tv["decoded"] and tv["turns"][0]["tokens"][0]["text"] == "[0]" and tv["turns"][0]["tokens"][0]["id"] is None
+
+
+def test_pagination(client, run_dir):
+    s = client.get("/api/step", params={"step": 0, "offset": 1, "limit": 1}, headers=AUTH).json()
+    assert s["total_groups"] == 2 and [g["group"] for g in s["groups"]] == [sorted(set(dump(run_dir, 0)["inputs"]["uid"]))[1]]
+    g = s["groups"][0]["group"]
+    gv = client.get("/api/group", params={"step": 0, "group": g, "offset": 1, "limit": 1}, headers=AUTH).json()
+    assert all(len(t["turns"]) == 1 and t["turns"][0]["turn"] == 1 and t["total_turns"] == 3 for t in gv["trajectories"])
+    tv = client.get("/api/trajectory", params={"step": 0, "group": g, "rollout": gv["trajectories"][0]["rollout"],
+                                               "offset": 2, "limit": 5}, headers=AUTH).json()
+    assert [t["turn"] for t in tv["turns"]] == [2]
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def test_cli_serves_on_loopback_and_prints_the_url(run_dir):
+    env = {**os.environ, "OPSD_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "opsd.cli", "inspect", str(run_dir), "--port", "0"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("opsd inspect: open http://127.0.0.1:") and line.strip().endswith(f"/?token={TOKEN}"), line
+        base = line.split("open ", 1)[1].split("/?", 1)[0]
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(f"{base}/api/run", headers=AUTH, timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "server did not answer"
+                time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["steps"]
+        assert httpx.get(f"{base}/api/run", timeout=5).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
