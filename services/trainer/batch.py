@@ -73,8 +73,9 @@ def build_credit_batch(
         order: list[list[int]] = [[] for _ in groups]
         for g, i, k in rows:
             order[g].append(pos[g][(i, k)])
-        H = {groups[g].group_id: sg.similarity_MM[np.ix_(order[g], order[g])] for g, sg in enumerate(scored)}
-        elig = {groups[g].group_id: sg.eligible_MM[np.ix_(order[g], order[g])] for g, sg in enumerate(scored)}
+        # A group without turns (every episode failed before its first) has no rows, so no block.
+        H = {groups[g].group_id: sg.similarity_MM[np.ix_(order[g], order[g])] for g, sg in enumerate(scored) if order[g]}
+        elig = {groups[g].group_id: sg.eligible_MM[np.ix_(order[g], order[g])] for g, sg in enumerate(scored) if order[g]}
     batch = CreditBatch(
         task_id=[groups[g].group_id for g, _, _ in rows],
         rollout_id=[groups[g].trajectories[i].rollout_id for g, i, _ in rows],
