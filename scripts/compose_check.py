@@ -70,14 +70,15 @@ MEM_LIMITS = {"embedder": "1500m", "rollout": "1500m", "teacher": "1500m", "trai
 def check_config() -> dict:
     """The run: configs/quickstart.yaml (what compose runs by default) with the tiny model, cut small.
 
-    Two games a step (one task for each rollout replica), several steps so that a worker can be killed
-    mid-run, a short reclaim time so that the killed worker's job is taken over within seconds.
+    Four games a step and two groups in flight per rollout worker (so each of two replicas has work, and
+    the engine gauges of the dashboard have data), several steps so that a worker can be killed mid-run,
+    a short reclaim time so that the killed worker's job is taken over within seconds.
     """
     cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
     cfg["run"].update(name=RUN_NAME, steps=16, step_timeout_s=600)
     cfg["model"].update(name="tiny-random")
-    cfg["env"].update(num_games=2, game_pool=4, max_turns=3, list_admissible=False, one_shot=False)
-    cfg["rollout"].update(group_size=2, max_new_tokens=16)
+    cfg["env"].update(num_games=4, game_pool=8, max_turns=3, list_admissible=False, one_shot=False)
+    cfg["rollout"].update(group_size=2, max_new_tokens=16, max_groups_in_flight=2)
     cfg["teacher"]["thinking_max_new_tokens"] = 8
     cfg["trainer"].update(micro_batch_size=4, threads=1)
     cfg["redis"] = {"reclaim_idle_ms": 10_000}
@@ -482,7 +483,7 @@ def check_stack(ctx: Context) -> None:
     role_cids = {role: containers(ctx, role) for role in ROLES}
     all_roles = [cid for cids in role_cids.values() for cid in cids]
     wait_for("every role container healthy", lambda: all(health(ctx, c) == "healthy" for c in all_roles), 900, 5)
-    ctx.add("every role healthy (embedder, rollout x2, teacher, trainer)", True, time.monotonic() - t0,
+    ctx.add(f"every role healthy ({', '.join(r + ' x2' if r == 'rollout' else r for r in ROLES)})", True, time.monotonic() - t0,
             f"{len(all_roles)} containers healthy after `up -d --scale rollout=2`")
 
     uids = {}
@@ -557,7 +558,7 @@ def check_stack(ctx: Context) -> None:
 
     # Prometheus: every role replica is a target and up.
     t0 = time.monotonic()
-    want = {"embedder": 1, "rollout": 2, "teacher": 1, "trainer": 1}
+    want = {role: 2 if role == "rollout" else 1 for role in ROLES}
 
     def targets_up():
         active = prometheus("/api/v1/targets", state="active")["data"]["activeTargets"]
