@@ -194,6 +194,7 @@ def test_debian_dockerfiles_pass_hadolint(name):
 
 def test_the_debian_override_matches_compose_spec_and_compose_accepts_it(tmp_path):
     run_tool([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(DEBIAN)])
+    run_tool([tool("yamllint"), "--strict", "-d", "{extends: relaxed, rules: {line-length: disable}}", str(DEBIAN)])
     env = tmp_path / "compose.env"
     env.write_text("REDIS_PASSWORD=x-0123456789abcdef\nOPSD_API_TOKEN=x-0123456789abcdef0123456789\n"
                    "GRAFANA_ADMIN_PASSWORD=x-0123456789abcdef\n")
