@@ -62,9 +62,9 @@ NO_DATA_REASONS = {
     "DCGM_FI_DEV_GPU_UTIL": "GPU metric of NVIDIA's dcgm-exporter (docker-compose.gpu.yml): no GPU here",
     "DCGM_FI_DEV_FB_USED": "GPU metric of NVIDIA's dcgm-exporter (docker-compose.gpu.yml): no GPU here",
 }
-# Memory limits of the containers (compose mem_limit); dockerd's cgroup caps their sum (--memory).
-MEM_LIMITS = {"embedder": "1500m", "rollout": "1500m", "teacher": "1500m", "trainer": "2g", "redis": "256m",
-              "prometheus": "512m"}
+# Memory limits of the containers (compose mem_limit), a bound on a runaway one: the first role converts the
+# packaged SmolLM2 (the tiny model's tokenizer source) once. dockerd's cgroup caps their sum (--memory).
+MEM_LIMITS = {"embedder": "3g", "rollout": "3g", "teacher": "3g", "trainer": "3g", "redis": "512m", "prometheus": "1g"}
 
 
 def check_config() -> dict:
