@@ -16,14 +16,18 @@ no image registry, as root:
     a container cannot read it), and the machine's CPU torch 2.13.0 wheel (found in pip's find-links)
     copied into deploy/docker/wheels/. Redis and Prometheus from Debian packages
     (docker-compose.debian.yml); Grafana is not started (no image, no Debian package).
- 4. The stack (`-p opsd-check`, its own env file and volumes; a user's `.env` and stack are not
-    touched) with `--scale rollout=2`, the tiny random model (`model.name: tiny-random`) on the
-    quickstart's TextWorld AlignOPSD config cut small (CONFIG below), then the checks of CHECKS.
- 5. `down`, `down -v`.
+ 4. The stack (`-p opsd-check`, its own env file, config and volumes; a user's `.env` and stack are not
+    touched) with `--scale rollout=2`, on the quickstart's TextWorld AlignOPSD config cut small with the
+    tiny random model (`check_config`), and its checks (`check_stack`): every role healthy and running as
+    uid 10001; a rollout worker holding a task has its process SIGKILLed (Docker restarts it), then one is
+    `docker kill`ed (Docker leaves it down: `up -d` starts it); the run reaches DONE with every group
+    trained once (`python -m services.trainer.books` in the trainer container); both rollout replicas
+    did work; Prometheus's targets API lists every replica up; every query of the Grafana dashboard
+    returns data from Prometheus over the run, or has a reason it cannot (NO_DATA_REASONS).
+ 5. `down` (no container left), `down -v` (no volume left).
 
 Prints one table (check, pass/FAIL, seconds, detail) and writes it with every log to --out
-(default runs/compose-check/<UTC time>/). Exit status 0 when every check passed. About 25 min on
-2 cores from nothing, 8 min with the images built (README, Deploy).
+(default runs/compose-check/<UTC time>/). Exit status 0 when every check passed.
 """
 
 from __future__ import annotations
