@@ -65,6 +65,13 @@ TEMPLATE_VALUES = {"$__rate_interval": "1m", "$__interval": "15s", "$role": ".*"
 NO_DATA_REASONS = {
     "DCGM_FI_DEV_GPU_UTIL": "GPU metric of NVIDIA's dcgm-exporter (docker-compose.gpu.yml): no GPU here",
     "DCGM_FI_DEV_FB_USED": "GPU metric of NVIDIA's dcgm-exporter (docker-compose.gpu.yml): no GPU here",
+    "opsd_privileged_signal": "set once a step has turns that played the privileged hint's next command (and "
+                              "others): the tiny random model played none (metrics.jsonl: hint_match_turns 0 at every step)",
+}
+# A reason that can be checked against the run's metrics.jsonl records must hold there.
+REASON_HOLDS = {
+    "opsd_privileged_signal": lambda records: bool(records) and all(
+        r.get("privileged_signal") is None and not r.get("hint_match_turns") for r in records),
 }
 # Memory limits of the containers (compose mem_limit), a bound on a runaway one: the first role converts the
 # packaged SmolLM2 (the tiny model's tokenizer source) once. dockerd's cgroup caps their sum (--memory).
@@ -426,16 +433,31 @@ def redis_cli(ctx: Context, *args: str) -> str:
     return exec_in(ctx, redis, "redis-cli", "--no-auth-warning", *args)  # REDISCLI_AUTH is set in the container
 
 
+def consumer_name(ctx: Context, cid: str) -> str | None:
+    """The Redis consumer name of the role process running in container `cid` now: <role>-<hostname>-<pid>
+    (opsd.service; the pid as the container sees it). None while it has no process."""
+    try:
+        status = Path(f"/proc/{main_process(ctx, cid)}/status").read_text()
+    except (OSError, IndexError, KeyError):
+        return None
+    nspid = next(line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:"))
+    config = inspect(ctx, cid)["Config"]
+    return f"{config['Labels']['com.docker.compose.service']}-{config['Hostname']}-{nspid}"
+
+
 def rollout_holding_a_task(ctx: Context) -> str | None:
-    """A rollout container holding a task now (its consumer has a pending entry), or None."""
+    """A rollout container whose running process holds a task now (a pending entry of its consumer), or None.
+
+    A consumer that died keeps its pending entries until they are re-claimed: those do not count.
+    """
     out = redis_cli(ctx, "XPENDING", f"opsd:{RUN_NAME}:tasks", "rollout")
     # Reply: count, first id, last id, then consumer/count pairs.
     words = out.split()
     if not words or words[0] == "0":
         return None
-    holders = {w.split("-")[1] for w in words if w.startswith("rollout-")}
+    holders = {w for w in words if w.startswith("rollout-")}
     for cid in containers(ctx, "rollout"):
-        if cid[:12] in holders:
+        if consumer_name(ctx, cid) in holders:
             return cid
     return None
 
@@ -512,6 +534,7 @@ def check_stack(ctx: Context) -> None:
     # `docker kill` of a rollout container mid-run: Docker counts it as a manual stop (no restart policy
     # applies, as for `docker stop`); `up -d` brings it back, the other replica goes on meanwhile.
     t0 = time.monotonic()
+    wait_for("the restarted rollout healthy", lambda: health(ctx, victim) == "healthy", 300)
     wait_for("a rollout holding a task", lambda: rollout_holding_a_task(ctx), 900, 1)
     killed = rollout_holding_a_task(ctx) or role_cids["rollout"][-1]
     step_at_kill = steps_logged(ctx)
@@ -584,13 +607,15 @@ def check_stack(ctx: Context) -> None:
     t0 = time.monotonic()
     end = time.time()
     results, empty, unexplained = [], [], []
+    records = [json.loads(line) for line in (trainer_file(ctx, "metrics.jsonl") or "").splitlines() if line.strip()]
     for title, expr in dashboard_queries():
         r = prometheus("/api/v1/query_range", query=expr, start=f"{t_up:.0f}", end=f"{end:.0f}", step="15")
         n = len(r["data"]["result"]) if r.get("status") == "success" else -1
         results.append({"panel": title, "expr": expr, "series": n, "error": r.get("error")})
         if n <= 0:
             metrics = set(re.findall(r"\b(opsd_[a-z_]+|DCGM_[A-Z_]+)", expr))
-            reason = "; ".join(sorted({NO_DATA_REASONS[m] for m in metrics if m in NO_DATA_REASONS}))
+            reason = "; ".join(sorted({NO_DATA_REASONS[m] for m in metrics if m in NO_DATA_REASONS
+                                       and REASON_HOLDS.get(m, lambda _: True)(records)}))
             (empty if reason else unexplained).append(f"{title}: {reason or 'no data, no known reason'} [{expr}]")
     (ctx.out / "dashboard_queries.json").write_text(json.dumps(results, indent=1))
     with_data = sum(1 for r in results if r["series"] > 0)

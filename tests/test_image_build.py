@@ -314,3 +314,14 @@ def test_builds_use_a_docker_cli_that_has_buildkit(tmp_path):
     assert compose_check.build_cli([new_without_buildx, old]) == old
     assert compose_check.build_cli([with_buildx, old]) == with_buildx
     assert compose_check.build_cli([new_without_buildx, str(tmp_path / "absent")]) is None
+
+
+def test_a_no_data_reason_must_hold_in_the_runs_records():
+    """The Privileged signal panel had no data in the real run: the trainer sets the gauge only for a step
+    with turns that played the hint's next command, which the tiny random model never does. The check
+    accepts that reason only where metrics.jsonl shows it."""
+    holds = compose_check.REASON_HOLDS["opsd_privileged_signal"]
+    assert holds([{"privileged_signal": None, "hint_match_turns": 0, "hint_other_turns": 12}] * 3)
+    assert not holds([{"privileged_signal": None, "hint_match_turns": 0}, {"privileged_signal": 0.2, "hint_match_turns": 1}])
+    assert not holds([])  # no records: nothing shows the reason
+    assert set(compose_check.REASON_HOLDS) <= set(compose_check.NO_DATA_REASONS)
