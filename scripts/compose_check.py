@@ -462,6 +462,14 @@ def rollout_holding_a_task(ctx: Context) -> str | None:
     return None
 
 
+def holder_before_done(ctx: Context) -> str | None:
+    """rollout_holding_a_task, or RuntimeError once the run is DONE (a kill then would not be mid-run)."""
+    holder = rollout_holding_a_task(ctx)
+    if holder is None and trainer_file(ctx, "DONE") is not None:
+        raise RuntimeError("the run finished before a rollout could be killed mid-run (raise run.steps)")
+    return holder
+
+
 def health(ctx: Context, cid: str) -> str:
     state = inspect(ctx, cid)["State"]
     return state.get("Health", {}).get("Status", state["Status"]) if state["Status"] == "running" else state["Status"]
@@ -521,9 +529,8 @@ def check_stack(ctx: Context) -> None:
 
     # A crash of a rollout worker while it holds a task (its python SIGKILLed, as the OOM killer would).
     t0 = time.monotonic()
-    wait_for("a first step and a rollout holding a task",
-             lambda: steps_logged(ctx) >= 1 and rollout_holding_a_task(ctx), 900, 1)
-    victim = rollout_holding_a_task(ctx) or role_cids["rollout"][0]
+    wait_for("a first step", lambda: steps_logged(ctx) >= 1, 900, 1)
+    victim = wait_for("a rollout holding a task", lambda: holder_before_done(ctx), 900, 0.5)
     before = inspect(ctx, victim)["RestartCount"]
     os.kill(main_process(ctx, victim), signal.SIGKILL)
     wait_for("the crashed rollout restarted", lambda: inspect(ctx, victim)["RestartCount"] > before
@@ -534,9 +541,7 @@ def check_stack(ctx: Context) -> None:
     # `docker kill` of a rollout container mid-run: Docker counts it as a manual stop (no restart policy
     # applies, as for `docker stop`); `up -d` brings it back, the other replica goes on meanwhile.
     t0 = time.monotonic()
-    wait_for("the restarted rollout healthy", lambda: health(ctx, victim) == "healthy", 300)
-    wait_for("a rollout holding a task", lambda: rollout_holding_a_task(ctx), 900, 1)
-    killed = rollout_holding_a_task(ctx) or role_cids["rollout"][-1]
+    killed = wait_for("a rollout holding a task", lambda: holder_before_done(ctx), 900, 0.5)
     step_at_kill = steps_logged(ctx)
     run([ctx.docker, "kill", killed])
     time.sleep(10)
@@ -667,6 +672,11 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(out=out.resolve())
     started = time.monotonic()
     failed = None
+
+    def interrupted(signum, frame):  # SIGTERM (a CI timeout): clean up as for a failure
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
     try:
         ensure_engine(ctx, parse_size(args.memory))
         ctx.compose = [*compose_cli(ctx), "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"),
@@ -677,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
             build_images(ctx)
         if not args.build_only:
             check_stack(ctx)
-    except Exception as e:  # the table shows where it stopped
+    except (Exception, KeyboardInterrupt) as e:  # the table shows where it stopped; the stack is taken down
         failed = f"{type(e).__name__}: {e}"
         ctx.add("stopped", False, 0, failed)
         if ctx.compose:
