@@ -114,6 +114,7 @@ class Context:
     build_docker: str = "docker"  # a CLI that builds with BuildKit
     compose: list[str] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
+    redis_password: str = ""
     started_dockerd: subprocess.Popen | None = None
     cgroup: Path | None = None
 
@@ -389,8 +390,9 @@ def write_stack_files(ctx: Context) -> None:
     configs.mkdir(exist_ok=True)
     (configs / CONFIG_NAME).write_text(yaml.safe_dump(check_config(), sort_keys=False))
     env = ctx.out / "compose.env"
+    ctx.redis_password = secrets.token_urlsafe(32)
     env.write_text("".join(f"{k}={v}\n" for k, v in {
-        "REDIS_PASSWORD": secrets.token_urlsafe(32), "OPSD_API_TOKEN": secrets.token_urlsafe(32),
+        "REDIS_PASSWORD": ctx.redis_password, "OPSD_API_TOKEN": secrets.token_urlsafe(32),
         "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(32), "OPSD_CONFIG": CONFIG_NAME, "OPSD_RUN": RUN_NAME,
         "OPSD_DEBIAN_BASE": BASE_IMAGE}.items()))
     env.chmod(0o600)
@@ -428,43 +430,51 @@ def steps_logged(ctx: Context) -> int:
     return sum(1 for line in text.splitlines() if line.strip())
 
 
-def redis_cli(ctx: Context, *args: str) -> str:
-    (redis,) = containers(ctx, "redis")
-    return exec_in(ctx, redis, "redis-cli", "--no-auth-warning", *args)  # REDISCLI_AUTH is set in the container
-
-
 def consumer_name(ctx: Context, cid: str) -> str | None:
     """The Redis consumer name of the role process running in container `cid` now: <role>-<hostname>-<pid>
     (opsd.service; the pid as the container sees it). None while it has no process."""
+    info = inspect(ctx, cid)
     try:
-        status = Path(f"/proc/{main_process(ctx, cid)}/status").read_text()
-    except (OSError, IndexError, KeyError):
+        init = info["State"]["Pid"]
+        child = Path(f"/proc/{init}/task/{init}/children").read_text().split()[0]
+        status = Path(f"/proc/{child}/status").read_text()
+    except (OSError, IndexError):
         return None
     nspid = next(line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:"))
-    config = inspect(ctx, cid)["Config"]
-    return f"{config['Labels']['com.docker.compose.service']}-{config['Hostname']}-{nspid}"
+    return f"{info['Config']['Labels']['com.docker.compose.service']}-{info['Config']['Hostname']}-{nspid}"
 
 
-def rollout_holding_a_task(ctx: Context) -> str | None:
+def redis_client(ctx: Context):
+    """A client on the stack's Redis at its container's address on the compose network (from this host:
+    a held task lasts about a second, too short to poll through `docker exec`)."""
+    import redis
+
+    (cid,) = containers(ctx, "redis")
+    networks = inspect(ctx, cid)["NetworkSettings"]["Networks"]
+    address = next(n["IPAddress"] for n in networks.values() if n.get("IPAddress"))
+    return redis.Redis(host=address, port=6379, password=ctx.redis_password, socket_timeout=10)
+
+
+def rollout_holding_a_task(ctx: Context, client=None) -> str | None:
     """A rollout container whose running process holds a task now (a pending entry of its consumer), or None.
 
     A consumer that died keeps its pending entries until they are re-claimed: those do not count.
     """
-    out = redis_cli(ctx, "XPENDING", f"opsd:{RUN_NAME}:tasks", "rollout")
-    # Reply: count, first id, last id, then consumer/count pairs.
-    words = out.split()
-    if not words or words[0] == "0":
+    client = client or redis_client(ctx)
+    pending = client.xpending(f"opsd:{RUN_NAME}:tasks", "rollout")
+    holders = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+               for c in pending.get("consumers") or [] if int(c["pending"]) > 0}
+    if not holders:
         return None
-    holders = {w for w in words if w.startswith("rollout-")}
     for cid in containers(ctx, "rollout"):
         if consumer_name(ctx, cid) in holders:
             return cid
     return None
 
 
-def holder_before_done(ctx: Context) -> str | None:
+def holder_before_done(ctx: Context, client) -> str | None:
     """rollout_holding_a_task, or RuntimeError once the run is DONE (a kill then would not be mid-run)."""
-    holder = rollout_holding_a_task(ctx)
+    holder = rollout_holding_a_task(ctx, client)
     if holder is None and trainer_file(ctx, "DONE") is not None:
         raise RuntimeError("the run finished before a rollout could be killed mid-run (raise run.steps)")
     return holder
@@ -530,7 +540,8 @@ def check_stack(ctx: Context) -> None:
     # A crash of a rollout worker while it holds a task (its python SIGKILLed, as the OOM killer would).
     t0 = time.monotonic()
     wait_for("a first step", lambda: steps_logged(ctx) >= 1, 900, 1)
-    victim = wait_for("a rollout holding a task", lambda: holder_before_done(ctx), 900, 0.5)
+    client = redis_client(ctx)
+    victim = wait_for("a rollout holding a task", lambda: holder_before_done(ctx, client), 900, 0.2)
     before = inspect(ctx, victim)["RestartCount"]
     os.kill(main_process(ctx, victim), signal.SIGKILL)
     wait_for("the crashed rollout restarted", lambda: inspect(ctx, victim)["RestartCount"] > before
@@ -541,7 +552,7 @@ def check_stack(ctx: Context) -> None:
     # `docker kill` of a rollout container mid-run: Docker counts it as a manual stop (no restart policy
     # applies, as for `docker stop`); `up -d` brings it back, the other replica goes on meanwhile.
     t0 = time.monotonic()
-    killed = wait_for("a rollout holding a task", lambda: holder_before_done(ctx), 900, 0.5)
+    killed = wait_for("a rollout holding a task", lambda: holder_before_done(ctx, client), 900, 0.2)
     step_at_kill = steps_logged(ctx)
     run([ctx.docker, "kill", killed])
     time.sleep(10)
