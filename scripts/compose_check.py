@@ -263,11 +263,12 @@ def stop_engine(ctx: Context) -> None:
     except subprocess.TimeoutExpired:
         os.kill(p.pid, signal.SIGKILL)
         p.wait(30)
-    if ctx.cgroup is not None:
-        try:
-            ctx.cgroup.rmdir()
-        except OSError:
-            pass
+    if ctx.cgroup is not None:  # with what dockerd left in it (BuildKit's empty buildkit/), deepest first
+        for path in sorted((d for d in ctx.cgroup.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)) + [ctx.cgroup]:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
 
 
 # ------------------------------------------------------------------------------------------ images
