@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm java chromium gpu-check clean compose-env bench bench-quick redis-tools
+.PHONY: demo test test-main test-vllm install install-vllm java chromium gpu-check clean compose-env compose-check bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
 # targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
@@ -93,6 +93,11 @@ gpu-check: $(STAMP)
 # docker compose: write .env (Redis password, API token, Grafana admin password; mode 0600) once.
 compose-env:
 	python3 scripts/compose_env.py
+
+# The images built and the compose stack run on a real Docker engine (as root: installs docker.io and starts
+# dockerd if none runs), then one table of checks; logs in runs/compose-check/ (README, Deploy).
+compose-check: $(STAMP)
+	$(PY) scripts/compose_check.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .hypothesis
