@@ -435,7 +435,8 @@ def run(
         answered = services.scrape()
         ok = True
         console.print(f"[green]done[/green] in {time.perf_counter() - t0:.0f}s; /metrics answered: {answered}")
-        console.print(f"outputs: {run_dir}/metrics.jsonl, metrics.png, checkpoint/, logs/")
+        dumps = ", credit/ (opsd inspect, opsd credit check)" if cfg.trainer.dump_credit else ""
+        console.print(f"outputs: {run_dir}/metrics.jsonl, metrics.png, checkpoint/, logs/{dumps}")
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping services[/yellow]")
     except RuntimeError as e:
