@@ -103,3 +103,14 @@ def policy_backend():
     torch.set_num_threads(1)
     yield load_backend(ModelSection())
     torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="session")
+def inspect_run_dir(tmp_path_factory) -> Path:
+    """A run directory for `opsd inspect`'s tests: one credit dump per registered method (step i =
+    registered()[i]) through the trainer's dump code (tests/inspect_run.py). Read-only for its users."""
+    from tests.inspect_run import write_run
+
+    d = tmp_path_factory.mktemp("inspect") / "run-test"
+    write_run(d)
+    return d

@@ -29,11 +29,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="session")
-def run_dir(tmp_path_factory) -> Path:
-    """One dump per registered method (step i = registered()[i]) through the trainer's dump code."""
-    d = tmp_path_factory.mktemp("inspect") / "run-test"
-    write_run(d)
-    return d
+def run_dir(inspect_run_dir) -> Path:
+    return inspect_run_dir  # tests/conftest.py: shared with the browser tests, written once
 
 
 @pytest.fixture(scope="session")

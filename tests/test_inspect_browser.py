@@ -21,7 +21,6 @@ import pytest
 from opsd.config import CreditSection
 from opsd.credit import compute_advantages, registered
 from opsd.credit.replay import batch_from_inputs
-from tests.inspect_run import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("OPSD_CHROMIUM", "/usr/bin/chromium")  # Debian's package; another build by path
@@ -35,10 +34,8 @@ def _missing(reason: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("inspect-browser") / "run-browser"
-    write_run(d)
-    return d
+def run_dir(inspect_run_dir) -> Path:
+    return inspect_run_dir  # tests/conftest.py: shared with tests/test_inspect.py, written once
 
 
 @pytest.fixture(scope="module")
