@@ -568,7 +568,10 @@ def credit_check(
     try:
         files = vector_files(paths)
     except FileNotFoundError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        # The reference vectors are not in a clone: say where they live instead of only "not found".
+        console.print(f"[red]error:[/red] {escape(str(exc))} (the reference vectors are refvectors/ in the project's "
+                      "shared folder: ../shared beside the repository, or $OPSD_SHARED; a run's own dumps are "
+                      "RUN_DIR/credit/, written by opsd run --dump-credit)")
         raise typer.Exit(2)
     if not files:
         console.print("[red]error:[/red] no .json vector files under the given paths")
