@@ -415,22 +415,23 @@ def run(
             while True:
                 for msg in services.supervise():
                     progress.console.print(f"[yellow]{escape(msg)}[/yellow]")
-                news = inside.poll(seen)
-                if news and console.is_terminal:
-                    progress.update(bar, description=f"training ({news})")
-                elif news:  # a file or a pipe: the bar draws once at the end, so a plain line now and then
-                    progress.console.print(f"step {seen}: {news}")
                 lines = complete_lines(run_dir / "metrics.jsonl")
                 if len(lines) < seen:  # a resumed trainer rewrote the steps after its checkpoint
                     seen = len(lines)
                     progress.update(bar, completed=min(seen, cfg.run.steps))
                 for line in lines[seen:]:
                     progress.console.print(format_step(json.loads(line)))
-                    progress.advance(bar)
+                    progress.update(bar, advance=1, description="training")
                     services.scrape()
                 seen = len(lines)
                 if (run_dir / "DONE").exists():
                     break
+                # After the step lines: the step in progress is the one after them (none after the last).
+                news = in_step_line(seen, cfg.run.steps, inside.poll(seen))
+                if news and console.is_terminal:
+                    progress.update(bar, description=news)
+                elif news:  # a file or a pipe: the bar draws once at the end, so a plain line now and then
+                    progress.console.print(news)
                 time.sleep(1.0)
         answered = services.scrape()
         ok = True
@@ -457,9 +458,7 @@ def run(
 class StepProgress:
     """What happens inside a step, from the run's counts in Redis (`StreamNames.counts`: groups each stream got):
     groups rolled out and, with a teacher, scored, since the last step line (with max_staleness > 0 some belong
-    to the next steps). `poll(step)` returns a short text when
-    there is something new to say: on a terminal at every change (the progress bar's description), otherwise at
-    most every PLAIN_EVERY_S seconds (a plain line), so a log file is not silent for minutes."""
+    to the next steps). `poll(step)` returns a short text when there is something new to say (`news`)."""
 
     PLAIN_EVERY_S = 30.0
 
@@ -490,6 +489,7 @@ class StepProgress:
         return tuple(int(raw.get(f"produced:{stream}".encode(), 0)) for stream in (self.names.rollouts, self.names.scored))
 
     def poll(self, step: int) -> str | None:
+        """`news` about `step` from the counts in Redis now (None also when Redis does not answer)."""
         if time.monotonic() < self.quiet_until:
             return None
         try:
@@ -497,15 +497,33 @@ class StepProgress:
         except Exception:  # a Redis hiccup: the roles ride it out, and so does this display
             self.quiet_until = time.monotonic() + self.RETRY_AFTER_S
             return None
-        if step != self.step:
-            self.step, self.base = step, (rolled, scored)
-        text = f"{rolled - self.base[0]} groups rolled out" + (f", {scored - self.base[1]} scored" if self.teacher else "")
+        return self.news(step, rolled, scored, time.monotonic())
+
+    def news(self, step: int, rolled: int, scored: int, now: float) -> str | None:
+        """The text for `step` given the run's totals `rolled` and `scored` at monotonic time `now`, or None.
+
+        On a terminal every change is news (the progress bar's live description); otherwise a plain line
+        comes at most every PLAIN_EVERY_S seconds, counted from the last line, a step line included: the
+        step line just said what there was to say, so a new step is not announced with zero counts."""
+        if step != self.step:  # counts start again; a terminal shows the new step at once even if the text repeats
+            self.step, self.base, self.last_print, self.last_text = step, (rolled, scored), now, ""
+        new_rolled, new_scored = rolled - self.base[0], scored - self.base[1]
+        text = f"{new_rolled} group{'' if new_rolled == 1 else 's'} rolled out"
+        text += f", {new_scored} scored" if self.teacher else ""
         text += f" since the last step line ({self.per_step} a step)"
-        now = time.monotonic()
         if text == self.last_text or (not self.terminal and now - self.last_print < self.PLAIN_EVERY_S):
             return None
         self.last_text, self.last_print = text, now
         return text
+
+
+def in_step_line(done: int, total: int, news: str | None) -> str | None:
+    """The line about the step in progress after `done` of `total` steps, or None: no news, or every step
+    done (the trainer is saving: no step is in progress). Steps are numbered from 0, as the step lines
+    and metrics.jsonl number them, so the step in progress is step `done` (< `total`)."""
+    if news is None or done >= total:
+        return None
+    return f"step {done} in progress ({done}/{total} done): {news}"
 
 
 def lock_run_dir(run_dir: Path):
