@@ -61,19 +61,22 @@ from opsd.service import FATAL_EXIT, read_port, service_url
 app = typer.Typer(add_completion=False, rich_markup_mode=None, help="opsd: RL + on-policy self-distillation for LLM agents.")
 console = Console(soft_wrap=True)  # one line per step, also when piped to a file
 
+# (metrics key, label, format, key whose presence makes a missing value a "-"): a column of a teacher
+# run stays in place on steps where it has nothing to say (no gold-action turns for priv, no group with two
+# distinct rewards for disagree), so the step lines line up.
 STEP_COLUMNS = (
-    ("success_rate", "success", "{:.2f}"),
-    ("format_valid_rate", "valid", "{:.2f}"),
-    ("reward_mean", "reward", "{:.2f}"),
-    ("teacher_student_gap", "gap", "{:+.3f}"),
-    ("privileged_signal", "priv", "{:+.3f}"),
-    ("teacher_verifier/all/pairwise_disagreement", "disagree", "{:.2f}"),
-    ("mean_span_length", "span", "{:.1f}"),
-    ("loss", "loss", "{:+.4f}"),
-    ("rollout_seconds", "rollout_s", "{:.0f}"),
-    ("teacher_seconds", "teacher_s", "{:.0f}"),
-    ("train_seconds", "train_s", "{:.0f}"),
-    ("step_seconds", "step_s", "{:.0f}"),
+    ("success_rate", "success", "{:.2f}", None),
+    ("format_valid_rate", "valid", "{:.2f}", None),
+    ("reward_mean", "reward", "{:.2f}", None),
+    ("teacher_student_gap", "gap", "{:+.3f}", None),
+    ("privileged_signal", "priv", "{:+.3f}", "hint_match_turns"),
+    ("teacher_verifier/all/pairwise_disagreement", "disagree", "{:.2f}", "teacher_student_gap"),
+    ("mean_span_length", "span", "{:.1f}", None),
+    ("loss", "loss", "{:+.4f}", None),
+    ("rollout_seconds", "rollout_s", "{:.0f}", None),
+    ("teacher_seconds", "teacher_s", "{:.0f}", None),
+    ("train_seconds", "train_s", "{:.0f}", None),
+    ("step_seconds", "step_s", "{:.0f}", None),
 )
 
 
@@ -130,11 +133,11 @@ def complete_lines(path: Path) -> list[str]:
 def format_step(record: dict) -> str:
     """One human line for a metrics.jsonl record."""
     parts = [f"step {record['step']}"]
-    for key, label, fmt in STEP_COLUMNS:
+    for key, label, fmt, dash_with in STEP_COLUMNS:
         if record.get(key) is not None:
             parts.append(f"{label} {fmt.format(record[key])}")
-        elif key == "privileged_signal" and record.get("hint_match_turns") is not None:
-            parts.append(f"{label} -")  # no gold-action turns, or only those: nothing to compare (counts below)
+        elif dash_with is not None and record.get(dash_with) is not None:
+            parts.append(f"{label} -")
         if key == "privileged_signal" and record.get("hint_match_turns") is not None:
             # What the figure rests on: turns that took the hint's action / turns that did not.
             parts[-1] += f" ({record['hint_match_turns']}/{record['hint_other_turns']})"

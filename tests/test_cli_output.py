@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
-from opsd.cli import StepProgress, in_step_line
+from opsd.cli import StepProgress, format_step, in_step_line
 from opsd.config import RunConfig
+
+DISAGREE = "teacher_verifier/all/pairwise_disagreement"
+
+
+def test_disagree_keeps_its_place_on_a_step_without_a_mixed_group():
+    """A step whose groups each have one reward has no disagreement value: "-" in its column, not a gap."""
+    teacher_step = {"step": 4, "success_rate": 0.0, "teacher_student_gap": -0.5, "loss": 0.01,
+                    "teacher_verifier/all/groups": 0.0}
+    mixed = format_step({**teacher_step, DISAGREE: 0.25, "teacher_verifier/all/groups": 1.0}).split("  ")
+    flat = format_step(teacher_step).split("  ")
+    assert mixed == ["step 4", "success 0.00", "gap -0.500", "disagree 0.25", "loss +0.0100"]
+    assert flat == ["step 4", "success 0.00", "gap -0.500", "disagree -", "loss +0.0100"]
+    assert format_step({**teacher_step, DISAGREE: None}).split("  ") == flat  # a null in metrics.jsonl
+    # Without a teacher there is nothing to disagree with: no column at all, on every step.
+    assert format_step({"step": 4, "success_rate": 0.0, "loss": 0.01}) == "step 4  success 0.00  loss +0.0100"
 
 
 def _progress(terminal: bool) -> StepProgress:
