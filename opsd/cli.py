@@ -324,7 +324,11 @@ def run(
     dump_credit: bool = typer.Option(False, "--dump-credit", help="write each step's credit inputs to <run>/credit/ (replay: opsd credit check)"),
     backend: Optional[str] = typer.Option(None, help="override model.backend: hf (transformers) or vllm (`make install-vllm`)"),
 ) -> None:
-    """Train: start Redis (if needed) and the four roles, run the configured steps, write the run directory."""
+    """Train: start Redis and the four roles, run the configured steps.
+
+    Redis starts only when neither REDIS_URL nor redis.url is set; the run directory holds the metrics, the
+    checkpoint and one log per role (README: Where the outputs land).
+    """
     from opsd.redis_server import resolve_redis_url
 
     if (config is None) == (resume is None):
@@ -578,8 +582,9 @@ def credit_check(
     paths: list[Path] = typer.Argument(..., help="vector files (JSON) or folders of them"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="print every field, not only failures"),
 ) -> None:
-    """Replay credit vector files (../shared/refvectors schema, or a run's credit/ dumps) and compare.
+    """Replay credit vector files and compare with their expected values.
 
+    The files are in the schema of ../shared/refvectors (the reference vectors) or a run's credit/ dumps.
     Prints, per file, the max absolute error of every `expected` field, then
     `N passed, M failed`; exits 1 on any failure (a field that differs, or one
     the replay cannot compute), 2 when a path does not exist or holds no files.
@@ -623,7 +628,9 @@ def inspect_cmd(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory (runs/<name>-<timestamp>/)"),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="port on 127.0.0.1 (0: a free one)"),
 ) -> None:
-    """See where the credit went: a local web page over RUN_DIR's metrics and credit dumps.
+    """See where the credit went: a local web page over a run directory.
+
+    The page shows RUN_DIR's metrics and credit dumps.
 
     Serves on 127.0.0.1 only, behind the run's API token (OPSD_API_TOKEN) or a
     fresh one, and prints the URL to open (it carries the token once; the page
@@ -647,7 +654,10 @@ def inspect_cmd(
 
 @app.command("prepare")
 def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False)) -> None:
-    """Convert the model and generate the games into the cache (what `run` does first)."""
+    """Fill the caches (model conversion, games) without training.
+
+    Converts the model and generates the games into the cache, as `opsd run` does first.
+    """
     prepare(load_config(config))
 
 
@@ -663,8 +673,10 @@ def eval_cmd(
     episodes: Optional[int] = typer.Option(None, "--episodes", min=1, max=64, help="override eval.episodes_per_task"),
     max_tasks: Optional[int] = typer.Option(None, "--max-tasks", min=1, help="play only the first N eval tasks"),
 ) -> None:
-    """Validate a policy: the env's eval split at eval.temperature, metric per category with 95% bootstrap
-    intervals; writes eval.json and eval.png."""
+    """Validate a policy on the env's eval split (eval.json, eval.png).
+
+    Plays the eval split at eval.temperature and reports the metric per category with 95% bootstrap intervals.
+    """
     from rich.table import Table
 
     from opsd.envs import local_context

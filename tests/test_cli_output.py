@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from opsd.cli import StepProgress, format_step, in_step_line
+import typer
+from typer.testing import CliRunner
+
+from opsd.cli import StepProgress, app, format_step, in_step_line
 from opsd.config import RunConfig
 
 DISAGREE = "teacher_verifier/all/pairwise_disagreement"
@@ -57,3 +60,27 @@ def test_the_in_step_line_names_the_step_in_progress_and_none_past_the_last():
     assert in_step_line(3, 3, news) is None  # the last step's line is out: the trainer is saving
     assert in_step_line(4, 3, news) is None
     assert in_step_line(1, 3, None) is None
+
+
+def _groups(group, path: tuple[str, ...] = ()):
+    """(words, group) for `group` and every command group under it (typer's own click classes: duck-typed)."""
+    yield path, group
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from _groups(cmd, (*path, name))
+
+
+def test_help_shows_each_commands_description_whole_at_80_columns():
+    """`opsd --help` (and `opsd credit --help`) list each command with its whole first paragraph, one
+    sentence on one line: click cut longer ones to "..." (issue 24)."""
+    seen = []
+    for path, group in _groups(typer.main.get_command(app)):
+        out = CliRunner().invoke(app, [*path, "--help"], terminal_width=80).output
+        listed = out[out.index("Commands:"):].splitlines()[1:]  # one line a command
+        assert len(listed) == len(group.commands) and max(map(len, listed)) <= 80, out
+        for name, cmd in group.commands.items():
+            summary = " ".join(cmd.help.split("\n\n")[0].split())
+            assert summary.endswith(".") and ". " not in summary, f"{name}: not one sentence: {summary!r}"
+            assert [name, summary] in [line.split(None, 1) for line in listed], f"{name}: {summary!r} not whole in\n{out}"
+            seen.append(" ".join((*path, name)))
+    assert sorted(seen) == ["credit", "credit check", "eval", "inspect", "prepare", "run"]
