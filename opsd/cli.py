@@ -61,19 +61,22 @@ from opsd.service import FATAL_EXIT, read_port, service_url
 app = typer.Typer(add_completion=False, rich_markup_mode=None, help="opsd: RL + on-policy self-distillation for LLM agents.")
 console = Console(soft_wrap=True)  # one line per step, also when piped to a file
 
+# (metrics key, label, format, key whose presence makes a missing value a "-"): a column of a teacher
+# run stays in place on steps where it has nothing to say (no gold-action turns for priv, no group with two
+# distinct rewards for disagree), so the step lines line up.
 STEP_COLUMNS = (
-    ("success_rate", "success", "{:.2f}"),
-    ("format_valid_rate", "valid", "{:.2f}"),
-    ("reward_mean", "reward", "{:.2f}"),
-    ("teacher_student_gap", "gap", "{:+.3f}"),
-    ("privileged_signal", "priv", "{:+.3f}"),
-    ("teacher_verifier/all/pairwise_disagreement", "disagree", "{:.2f}"),
-    ("mean_span_length", "span", "{:.1f}"),
-    ("loss", "loss", "{:+.4f}"),
-    ("rollout_seconds", "rollout_s", "{:.0f}"),
-    ("teacher_seconds", "teacher_s", "{:.0f}"),
-    ("train_seconds", "train_s", "{:.0f}"),
-    ("step_seconds", "step_s", "{:.0f}"),
+    ("success_rate", "success", "{:.2f}", None),
+    ("format_valid_rate", "valid", "{:.2f}", None),
+    ("reward_mean", "reward", "{:.2f}", None),
+    ("teacher_student_gap", "gap", "{:+.3f}", None),
+    ("privileged_signal", "priv", "{:+.3f}", "hint_match_turns"),
+    ("teacher_verifier/all/pairwise_disagreement", "disagree", "{:.2f}", "teacher_student_gap"),
+    ("mean_span_length", "span", "{:.1f}", None),
+    ("loss", "loss", "{:+.4f}", None),
+    ("rollout_seconds", "rollout_s", "{:.0f}", None),
+    ("teacher_seconds", "teacher_s", "{:.0f}", None),
+    ("train_seconds", "train_s", "{:.0f}", None),
+    ("step_seconds", "step_s", "{:.0f}", None),
 )
 
 
@@ -130,11 +133,11 @@ def complete_lines(path: Path) -> list[str]:
 def format_step(record: dict) -> str:
     """One human line for a metrics.jsonl record."""
     parts = [f"step {record['step']}"]
-    for key, label, fmt in STEP_COLUMNS:
+    for key, label, fmt, dash_with in STEP_COLUMNS:
         if record.get(key) is not None:
             parts.append(f"{label} {fmt.format(record[key])}")
-        elif key == "privileged_signal" and record.get("hint_match_turns") is not None:
-            parts.append(f"{label} -")  # no gold-action turns, or only those: nothing to compare (counts below)
+        elif dash_with is not None and record.get(dash_with) is not None:
+            parts.append(f"{label} -")
         if key == "privileged_signal" and record.get("hint_match_turns") is not None:
             # What the figure rests on: turns that took the hint's action / turns that did not.
             parts[-1] += f" ({record['hint_match_turns']}/{record['hint_other_turns']})"
@@ -321,7 +324,11 @@ def run(
     dump_credit: bool = typer.Option(False, "--dump-credit", help="write each step's credit inputs to <run>/credit/ (replay: opsd credit check)"),
     backend: Optional[str] = typer.Option(None, help="override model.backend: hf (transformers) or vllm (`make install-vllm`)"),
 ) -> None:
-    """Train: start Redis (if needed) and the four roles, run the configured steps, write the run directory."""
+    """Train: start Redis and the four roles, run the configured steps.
+
+    Redis starts only when neither REDIS_URL nor redis.url is set; the run directory holds the metrics, the
+    checkpoint and one log per role (README: Where the outputs land).
+    """
     from opsd.redis_server import resolve_redis_url
 
     if (config is None) == (resume is None):
@@ -415,22 +422,23 @@ def run(
             while True:
                 for msg in services.supervise():
                     progress.console.print(f"[yellow]{escape(msg)}[/yellow]")
-                news = inside.poll(seen)
-                if news and console.is_terminal:
-                    progress.update(bar, description=f"training ({news})")
-                elif news:  # a file or a pipe: the bar draws once at the end, so a plain line now and then
-                    progress.console.print(f"step {seen}: {news}")
                 lines = complete_lines(run_dir / "metrics.jsonl")
                 if len(lines) < seen:  # a resumed trainer rewrote the steps after its checkpoint
                     seen = len(lines)
                     progress.update(bar, completed=min(seen, cfg.run.steps))
                 for line in lines[seen:]:
                     progress.console.print(format_step(json.loads(line)))
-                    progress.advance(bar)
+                    progress.update(bar, advance=1, description="training")
                     services.scrape()
                 seen = len(lines)
                 if (run_dir / "DONE").exists():
                     break
+                # After the step lines: the step in progress is the one after them (none after the last).
+                news = in_step_line(seen, cfg.run.steps, inside.poll(seen))
+                if news and console.is_terminal:
+                    progress.update(bar, description=news)
+                elif news:  # a file or a pipe: the bar draws once at the end, so a plain line now and then
+                    progress.console.print(news)
                 time.sleep(1.0)
         answered = services.scrape()
         ok = True
@@ -457,9 +465,7 @@ def run(
 class StepProgress:
     """What happens inside a step, from the run's counts in Redis (`StreamNames.counts`: groups each stream got):
     groups rolled out and, with a teacher, scored, since the last step line (with max_staleness > 0 some belong
-    to the next steps). `poll(step)` returns a short text when
-    there is something new to say: on a terminal at every change (the progress bar's description), otherwise at
-    most every PLAIN_EVERY_S seconds (a plain line), so a log file is not silent for minutes."""
+    to the next steps). `poll(step)` returns a short text when there is something new to say (`news`)."""
 
     PLAIN_EVERY_S = 30.0
 
@@ -490,6 +496,7 @@ class StepProgress:
         return tuple(int(raw.get(f"produced:{stream}".encode(), 0)) for stream in (self.names.rollouts, self.names.scored))
 
     def poll(self, step: int) -> str | None:
+        """`news` about `step` from the counts in Redis now (None also when Redis does not answer)."""
         if time.monotonic() < self.quiet_until:
             return None
         try:
@@ -497,15 +504,33 @@ class StepProgress:
         except Exception:  # a Redis hiccup: the roles ride it out, and so does this display
             self.quiet_until = time.monotonic() + self.RETRY_AFTER_S
             return None
-        if step != self.step:
-            self.step, self.base = step, (rolled, scored)
-        text = f"{rolled - self.base[0]} groups rolled out" + (f", {scored - self.base[1]} scored" if self.teacher else "")
+        return self.news(step, rolled, scored, time.monotonic())
+
+    def news(self, step: int, rolled: int, scored: int, now: float) -> str | None:
+        """The text for `step` given the run's totals `rolled` and `scored` at monotonic time `now`, or None.
+
+        On a terminal every change is news (the progress bar's live description); otherwise a plain line
+        comes at most every PLAIN_EVERY_S seconds, counted from the last line, a step line included: the
+        step line just said what there was to say, so a new step is not announced with zero counts."""
+        if step != self.step:  # counts start again; a terminal shows the new step at once even if the text repeats
+            self.step, self.base, self.last_print, self.last_text = step, (rolled, scored), now, ""
+        new_rolled, new_scored = rolled - self.base[0], scored - self.base[1]
+        text = f"{new_rolled} group{'' if new_rolled == 1 else 's'} rolled out"
+        text += f", {new_scored} scored" if self.teacher else ""
         text += f" since the last step line ({self.per_step} a step)"
-        now = time.monotonic()
         if text == self.last_text or (not self.terminal and now - self.last_print < self.PLAIN_EVERY_S):
             return None
         self.last_text, self.last_print = text, now
         return text
+
+
+def in_step_line(done: int, total: int, news: str | None) -> str | None:
+    """The line about the step in progress after `done` of `total` steps, or None: no news, or every step
+    done (the trainer is saving: no step is in progress). Steps are numbered from 0, as the step lines
+    and metrics.jsonl number them, so the step in progress is step `done` (< `total`)."""
+    if news is None or done >= total:
+        return None
+    return f"step {done} in progress ({done}/{total} done): {news}"
 
 
 def lock_run_dir(run_dir: Path):
@@ -557,8 +582,9 @@ def credit_check(
     paths: list[Path] = typer.Argument(..., help="vector files (JSON) or folders of them"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="print every field, not only failures"),
 ) -> None:
-    """Replay credit vector files (../shared/refvectors schema, or a run's credit/ dumps) and compare.
+    """Replay credit vector files and compare with their expected values.
 
+    The files are in the schema of ../shared/refvectors (the reference vectors) or a run's credit/ dumps.
     Prints, per file, the max absolute error of every `expected` field, then
     `N passed, M failed`; exits 1 on any failure (a field that differs, or one
     the replay cannot compute), 2 when a path does not exist or holds no files.
@@ -568,7 +594,10 @@ def credit_check(
     try:
         files = vector_files(paths)
     except FileNotFoundError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        # The reference vectors are not in a clone: say where they live instead of only "not found".
+        console.print(f"[red]error:[/red] {escape(str(exc))} (the reference vectors are refvectors/ in the project's "
+                      "shared folder: ../shared beside the repository, or $OPSD_SHARED; a run's own dumps are "
+                      "RUN_DIR/credit/, written by opsd run --dump-credit)")
         raise typer.Exit(2)
     if not files:
         console.print("[red]error:[/red] no .json vector files under the given paths")
@@ -599,7 +628,9 @@ def inspect_cmd(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory (runs/<name>-<timestamp>/)"),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="port on 127.0.0.1 (0: a free one)"),
 ) -> None:
-    """See where the credit went: a local web page over RUN_DIR's metrics and credit dumps.
+    """See where the credit went: a local web page over a run directory.
+
+    The page shows RUN_DIR's metrics and credit dumps.
 
     Serves on 127.0.0.1 only, behind the run's API token (OPSD_API_TOKEN) or a
     fresh one, and prints the URL to open (it carries the token once; the page
@@ -623,7 +654,10 @@ def inspect_cmd(
 
 @app.command("prepare")
 def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False)) -> None:
-    """Convert the model and generate the games into the cache (what `run` does first)."""
+    """Fill the caches (model conversion, games) without training.
+
+    Converts the model and generates the games into the cache, as `opsd run` does first.
+    """
     prepare(load_config(config))
 
 
@@ -639,8 +673,10 @@ def eval_cmd(
     episodes: Optional[int] = typer.Option(None, "--episodes", min=1, max=64, help="override eval.episodes_per_task"),
     max_tasks: Optional[int] = typer.Option(None, "--max-tasks", min=1, help="play only the first N eval tasks"),
 ) -> None:
-    """Validate a policy: the env's eval split at eval.temperature, metric per category with 95% bootstrap
-    intervals; writes eval.json and eval.png."""
+    """Validate a policy on the env's eval split (eval.json, eval.png).
+
+    Plays the eval split at eval.temperature and reports the metric per category with 95% bootstrap intervals.
+    """
     from rich.table import Table
 
     from opsd.envs import local_context

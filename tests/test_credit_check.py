@@ -72,6 +72,16 @@ def test_unknown_method_and_missing_path():
     assert res.exit_code == 2
 
 
+def test_a_missing_path_says_in_one_line_where_the_vectors_are(tmp_path):
+    """A fresh clone has no ../shared: the error names the path and where the reference vectors come from."""
+    res = runner.invoke(app, ["credit", "check", str(tmp_path / "shared" / "refvectors")])
+    assert res.exit_code == 2
+    (line,) = res.output.strip().splitlines()
+    assert line.startswith(f"error: no such file or folder: {tmp_path / 'shared' / 'refvectors'} (")
+    assert "refvectors/ in the project's shared folder: ../shared beside the repository, or $OPSD_SHARED" in line
+    assert "RUN_DIR/credit/, written by opsd run --dump-credit" in line
+
+
 def test_expected_error_case_passes_only_when_the_replay_raises(tmp_path):
     case = _load("alignopsd/case_5.json")
     # A turn without policy tokens: the reference raises ValueError (README, AlignOPSD case 8).

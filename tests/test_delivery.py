@@ -794,7 +794,7 @@ def test_the_cli_reports_progress_inside_a_step(redis_url, redis_client, stream_
     assert plain.poll(1) is None  # a file: not before PLAIN_EVERY_S
     plain.PLAIN_EVERY_S = 0.0
     redis_client.hincrby(names.counts, f"produced:{names.rollouts}", 1)
-    assert plain.poll(1) == "1 groups rolled out, 0 scored since the last step line (2 a step)"
+    assert plain.poll(1) == "1 group rolled out, 0 scored since the last step line (2 a step)"
     assert plain.poll(1) is None  # nothing new
     term = StepProgress(redis_url, cfg, terminal=True)
     assert term.poll(2) == "0 groups rolled out, 0 scored since the last step line (2 a step)"

@@ -334,6 +334,33 @@ def test_cli_eval_on_a_saved_checkpoint(policy_backend, tmp_path):
     assert res.exit_code == 2 and "not a .safetensors" in res.output
 
 
+def test_cli_eval_prints_no_progress_bar_into_a_file(tmp_path):
+    """Output that is not a terminal (here the runner's capture) gets no tqdm bar: transformers drew
+    "Loading weights: 100%|...| 20/20 [...it/s]" with carriage returns into every log (issue 24)."""
+    from transformers.utils import logging as hf_logging
+    from typer.testing import CliRunner
+
+    from opsd.cli import app
+    from opsd.config import ModelSection
+    from opsd.models import ensure_model
+
+    model_dir = ensure_model(ModelSection(name="tiny-random"))
+    config = tmp_path / "eval.yaml"
+    config.write_text(yaml.safe_dump({
+        "env": {"name": "reasoning_gym", "eval_pool": 1, "reasoning_gym": {"datasets": ["basic_arithmetic"], "size": 8}},
+        "rollout": {"max_new_tokens": 4}, "eval": {"bootstrap_samples": 100, "episodes_per_task": 1},
+    }))
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process: another test may have turned the bars off
+    try:
+        res = CliRunner().invoke(app, ["eval", str(config), "--checkpoint", str(model_dir), "--out", str(tmp_path / "out")])
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+    assert res.exit_code == 0, res.output
+    assert "policy loaded" in res.output and "eval.json" in res.output
+    assert "Loading weights" not in res.output and "it/s]" not in res.output and "\r" not in res.output, res.output
+
+
 def test_a_half_written_checkpoint_falls_back_to_the_older_one_or_is_a_usage_error(tmp_path):
     """A truncated model.safetensors (a copy in progress, a full disk) is never loaded: the run's
     complete .checkpoint-old/ is used instead, and without one it is a usage error naming the file."""

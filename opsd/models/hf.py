@@ -30,6 +30,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -334,6 +335,15 @@ def _one_caller(fn):
     return locked
 
 
+def quiet_progress_bars() -> None:
+    """Turn off transformers' (and the hub's) tqdm bars, such as "Loading weights", when stderr is not a
+    terminal: in a log file or a pipe every redraw of a bar is one more line of noise."""
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 class HFBackend:
     """A causal LM served with transformers on one device (the vLLM backend keeps this interface).
 
@@ -353,6 +363,7 @@ class HFBackend:
         self.dtype = cfg.dtype
         self.max_model_len = cfg.max_model_len
         self.path = ensure_model(cfg)
+        quiet_progress_bars()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.path, dtype=torch.float32, local_files_only=True

@@ -1,0 +1,86 @@
+"""What `opsd` prints for people: the step line's columns, the line about the step in progress, `--help`."""
+
+from __future__ import annotations
+
+import typer
+from typer.testing import CliRunner
+
+from opsd.cli import StepProgress, app, format_step, in_step_line
+from opsd.config import RunConfig
+
+DISAGREE = "teacher_verifier/all/pairwise_disagreement"
+
+
+def test_disagree_keeps_its_place_on_a_step_without_a_mixed_group():
+    """A step whose groups each have one reward has no disagreement value: "-" in its column, not a gap."""
+    teacher_step = {"step": 4, "success_rate": 0.0, "teacher_student_gap": -0.5, "loss": 0.01,
+                    "teacher_verifier/all/groups": 0.0}
+    mixed = format_step({**teacher_step, DISAGREE: 0.25, "teacher_verifier/all/groups": 1.0}).split("  ")
+    flat = format_step(teacher_step).split("  ")
+    assert mixed == ["step 4", "success 0.00", "gap -0.500", "disagree 0.25", "loss +0.0100"]
+    assert flat == ["step 4", "success 0.00", "gap -0.500", "disagree -", "loss +0.0100"]
+    assert format_step({**teacher_step, DISAGREE: None}).split("  ") == flat  # a null in metrics.jsonl
+    # Without a teacher there is nothing to disagree with: no column at all, on every step.
+    assert format_step({"step": 4, "success_rate": 0.0, "loss": 0.01}) == "step 4  success 0.00  loss +0.0100"
+
+
+def _progress(terminal: bool) -> StepProgress:
+    # No Redis is reached: `news` takes the counts poll() would read.
+    cfg = RunConfig.model_validate({"run": {"method": "opd"}, "env": {"num_games": 2}})
+    return StepProgress("redis://:pw@127.0.0.1:1/0", cfg, terminal=terminal)
+
+
+def test_a_plain_in_step_line_never_follows_a_step_line_at_once():
+    """To a file: at most one line every PLAIN_EVERY_S (30 s), the clock restarting at each new step, so a
+    step line is not followed by a line announcing the next step with zero counts."""
+    p = _progress(terminal=False)
+    assert p.news(0, 0, 0, now=100.0) is None  # the run's first look
+    assert p.news(0, 1, 0, now=110.0) is None  # too soon
+    assert p.news(0, 2, 1, now=131.0) == "2 groups rolled out, 1 scored since the last step line (2 a step)"
+    assert p.news(0, 2, 1, now=170.0) is None  # nothing new
+    assert p.news(1, 2, 2, now=171.0) is None  # step 0's line was just printed
+    assert p.news(1, 3, 2, now=190.0) is None  # 19 s after it
+    assert p.news(1, 3, 2, now=202.0) == "1 group rolled out, 0 scored since the last step line (2 a step)"
+
+
+def test_on_a_terminal_every_change_and_each_new_step_is_shown():
+    p = _progress(terminal=True)
+    assert p.news(0, 5, 5, now=0.0) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
+    assert p.news(0, 6, 5, now=0.5) == "1 group rolled out, 0 scored since the last step line (2 a step)"
+    assert p.news(0, 6, 5, now=1.0) is None
+    # The next step starts from zero again, shown even though the text is one the bar showed before.
+    assert p.news(1, 6, 5, now=1.5) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
+
+
+def test_the_in_step_line_names_the_step_in_progress_and_none_past_the_last():
+    news = "1 group rolled out, 0 scored since the last step line (2 a step)"
+    # Step lines are "step 0" .. "step 2" for 3 steps: after 2 of them, step 2 is the one in progress.
+    assert in_step_line(0, 3, news) == f"step 0 in progress (0/3 done): {news}"
+    assert in_step_line(2, 3, news) == f"step 2 in progress (2/3 done): {news}"
+    assert in_step_line(3, 3, news) is None  # the last step's line is out: the trainer is saving
+    assert in_step_line(4, 3, news) is None
+    assert in_step_line(1, 3, None) is None
+
+
+def _groups(group, path: tuple[str, ...] = ()):
+    """(words, group) for `group` and every command group under it (typer's own click classes: duck-typed)."""
+    yield path, group
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from _groups(cmd, (*path, name))
+
+
+def test_help_shows_each_commands_description_whole_at_80_columns():
+    """`opsd --help` (and `opsd credit --help`) list each command with its whole first paragraph, one
+    sentence on one line: click cut longer ones to "..." (issue 24)."""
+    seen = []
+    for path, group in _groups(typer.main.get_command(app)):
+        out = CliRunner().invoke(app, [*path, "--help"], terminal_width=80).output
+        listed = out[out.index("Commands:"):].splitlines()[1:]  # one line a command
+        assert len(listed) == len(group.commands) and max(map(len, listed)) <= 80, out
+        for name, cmd in group.commands.items():
+            summary = " ".join(cmd.help.split("\n\n")[0].split())
+            assert summary.endswith(".") and ". " not in summary, f"{name}: not one sentence: {summary!r}"
+            assert [name, summary] in [line.split(None, 1) for line in listed], f"{name}: {summary!r} not whole in\n{out}"
+            seen.append(" ".join((*path, name)))
+    assert sorted(seen) == ["credit", "credit check", "eval", "inspect", "prepare", "run"]
