@@ -28,7 +28,10 @@ hold 17-digit float64 text of the same float32 values and read the same.
 the replay): one entry per row, in the rows' order, with the turn's
 `observation` (the env's reply to it), `thinking`, `action`, decoded `text`,
 `format_valid`, `finish_reason` and `token_ids` (the response's ids: column j
-of the row's [L] arrays is token_ids[j]).
+of the row's [L] arrays is token_ids[j]); a turn-0 row also has `opening` (the
+episode's first user message: the env's opening observation as the student
+read it; "" from rollouts before that field) and `objective` (the task's, from
+the env; often "" when the opening states it).
 """
 
 from __future__ import annotations
@@ -86,16 +89,20 @@ def display_rows(batch: CreditBatch, groups: list[RolloutGroup]) -> list[dict[st
 
     Raises KeyError when a row's (task, rollout) is not in `groups`.
     """
-    trajs = {(grp.group_id, t.rollout_id): t for grp in groups for t in grp.trajectories}
+    trajs = {(grp.group_id, t.rollout_id): (grp, t) for grp in groups for t in grp.trajectories}
     out = []
     for task, rollout, k in zip(batch.task_id, batch.rollout_id, batch.turn_id):
-        traj = trajs[(task, rollout)]
+        grp, traj = trajs[(task, rollout)]
         turn = traj.turns[int(k)]
-        out.append({
+        row = {
             "observation": turn.observation, "thinking": turn.thinking, "action": turn.action, "text": turn.text,
             "format_valid": bool(turn.format_valid), "finish_reason": turn.finish_reason,
             "token_ids": [int(x) for x in traj.token_ids_S[traj.response_slice(int(k))]],
-        })
+        }
+        if int(k) == 0:  # once per episode: what the student read before its first turn
+            row["opening"] = traj.opening
+            row["objective"] = str(grp.task.game.get("objective") or "")
+        out.append(row)
     return out
 
 
