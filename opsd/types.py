@@ -150,6 +150,10 @@ class Trajectory:
     sampling temperature, renormalized to the top-p nucleus when top_p < 1),
     in [0, log V], 0 where loss_mask is 0 (FiRe-OPD's student confusion, spec 3).
     4 bytes per token, like the log-probs.
+
+    `opening` is the episode's first user message as the student read it (the env's opening
+    observation, which states the task, and the admissible commands when listed); "" in messages
+    from before the field.
     """
 
     rollout_id: str
@@ -161,6 +165,7 @@ class Trajectory:
     won: bool
     ending: str
     sampler_entropy_S: np.ndarray | None = None
+    opening: str = ""
 
     def validate(self, vocab_size: int | None = None) -> None:
         name = f"Trajectory {self.rollout_id}"

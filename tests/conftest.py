@@ -114,3 +114,31 @@ def inspect_run_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("inspect") / "run-test"
     write_run(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def quickstart_run_dir(tmp_path_factory) -> Path:
+    """A run directory the pipeline wrote: `opsd run configs/quickstart.yaml --dump-credit` made cheap (the
+    tiny random model, 1 step of 2 games x 2 rollouts x 2 turns; all four services, about 30 s on 2 cores).
+    Its credit/step_00000.json is an AlignOPSD dump as a real run writes it. Read-only for its users."""
+    import json
+    import subprocess
+
+    from opsd.config import RunConfig
+
+    cfg = RunConfig.load(ROOT / "configs" / "quickstart.yaml").model_dump(mode="json")
+    cfg["run"]["steps"] = 1
+    cfg["model"]["name"] = "tiny-random"
+    cfg["env"].update(num_games=2, max_turns=2)
+    cfg["rollout"].update(group_size=2, max_new_tokens=12)
+    cfg["teacher"]["thinking_max_new_tokens"] = 12
+    cfg["trainer"]["threads"] = 1
+    out = tmp_path_factory.mktemp("quickstart")
+    (out / "config.yaml").write_text(json.dumps(cfg))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the run starts its own redis-server
+    proc = subprocess.run([sys.executable, "-m", "opsd.cli", "run", str(out / "config.yaml"), "--output-dir",
+                           str(out / "runs"), "--dump-credit"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = list((out / "runs").iterdir())
+    return run_dir

@@ -84,6 +84,8 @@ def make_trajectory(rollout_id: str, turns: int, rng: np.random.Generator, rewar
         won=won,
         ending="won" if won else "max_turns",
         sampler_entropy_S=entropy,
+        opening="-= Kitchen =-\nYou see a door 🚪 and a coin 🪙. Your task is to take the coin.\n\nAdmissible commands:\n"
+                + "\n".join(ACTIONS),
     )
 
 

@@ -62,7 +62,8 @@ def step_groups(tasks: int = 2, G: int = 3, turns: int = 3, seed: int = 0) -> tu
     for g in range(tasks):
         sg = with_alignopsd_fields(make_scored_group(G=G, turns=turns, seed=seed + g), seed=seed + g)
         # Distinct group ids: the factory's task ids repeat with the seed only.
-        task = replace(sg.rollout.task, group_id=f"g{g:02d}-{sg.rollout.task.group_id}")
+        task = replace(sg.rollout.task, group_id=f"g{g:02d}-{sg.rollout.task.group_id}",
+                       game={**sg.rollout.task.game, "objective": f"Take the coin of game {g}."})
         trajs = [replace(t, rollout_id=f"{task.group_id}-r{i}") for i, t in enumerate(sg.rollout.trajectories)]
         scored.append(replace(sg, rollout=replace(sg.rollout, task=task, trajectories=trajs)))
     return [s.rollout for s in scored], scored

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 from opsd.cli import app
 from opsd.config import RunConfig
 from opsd.credit.replay import check_case, check_file
+from opsd.types import CreditBatch
 from services.trainer.batch import build_credit_batch
-from services.trainer.dump import credit_case
+from services.trainer.dump import write_credit_dump
 from opsd.credit import compute_advantages
 from tests.factories import make_scored_group, shared_dir
 
@@ -102,7 +103,8 @@ def test_tolerance_is_relative_to_magnitude():
     assert not check_case(case).ok
 
 
-def _dump_for(method: str, tmp_path: Path) -> Path:
+def _dump_for(method: str, tmp_path: Path) -> tuple[Path, CreditBatch, np.ndarray]:
+    """A two-group step's dump through the trainer's writer, with the batch and advantages it holds."""
     from dataclasses import replace
 
     scored = []
@@ -117,18 +119,30 @@ def _dump_for(method: str, tmp_path: Path) -> Path:
     cfg = RunConfig.model_validate({"run": {"method": method}})
     batch, _ = build_credit_batch(groups, None if method == "grpo" else scored)
     adv, _ = compute_advantages(method, batch, cfg.credit)
-    path = tmp_path / f"{method}.json"
-    path.write_text(json.dumps(credit_case(cfg, batch, adv, groups, scored)))
-    return path
+    return write_credit_dump(tmp_path / f"{method}.json", cfg, batch, adv, groups, scored), batch, adv
+
+
+def _significant_digits(x: float) -> int:
+    mantissa = repr(abs(x)).split("e")[0].replace(".", "").lstrip("0")
+    return len(mantissa.rstrip("0")) or 1
 
 
 @pytest.mark.parametrize("method", ["grpo", "opd", "grpo_opd", "agentopsd", "gc_opd", "uni_opd", "power_opd", "ex_opd", "fire_opd"])
 def test_a_run_dump_replays_exactly_and_detects_a_change(method, tmp_path):
-    path = _dump_for(method, tmp_path)
+    path, batch, adv = _dump_for(method, tmp_path)
     r = check_file(path)
     assert r.ok, (r.error, [(f.name, f.detail) for f in r.fields if not f.ok])
     case = json.loads(path.read_text())
     assert case["method"] == method and case["config"]["opsd_credit"]["grpo_scope"] == "turn"
+    # Per-token arrays at float32 precision: the trainer's values bit for bit, in at most 9 significant
+    # digits each (float64 text of the same values takes up to 17).
+    for name, want in (("student_log_probs", batch.student_logprobs_ML), ("response_mask", batch.loss_mask_ML),
+                       ("student_entropys", batch.student_entropy_ML)):
+        np.testing.assert_array_equal(np.asarray(case["inputs"][name], np.float32), want)
+    np.testing.assert_array_equal(np.asarray(case["expected"]["advantages"], np.float32), adv.astype(np.float32))
+    values = [x for a in (case["inputs"]["student_log_probs"], case["expected"]["advantages"]) for row in a for x in row]
+    assert max(map(_significant_digits, values)) <= 9 < max(_significant_digits(float(x)) for x in
+                                                            np.asarray(values, np.float32).astype(np.float64))
     # Change one trained token's student log-prob: the replayed advantages must move
     # for every method (each reads the student log-prob or, for grpo, the reward).
     if method == "grpo":

@@ -210,6 +210,26 @@ class ScriptedBackend:
         return out
 
 
+def test_the_opening_is_the_first_prompts_user_message(game):
+    """Trajectory.opening: the text the student read before its first turn, the same for siblings of one game
+    (a tokenizer only: the tiny random model's, which is SmolLM2's)."""
+    from transformers import AutoTokenizer
+
+    from opsd.config import ModelSection
+    from opsd.models.hf import ensure_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_model(ModelSection(name="tiny-random")), local_files_only=True)
+    chat = ChatFormat(tok, "action")
+    fake = ScriptedBackend(tok, tok.eos_token_id, lambda call, row: ("look</action>", "stop", None))
+    group, _ = run_group(make_task(game, 2, 1), fake, chat, ENV, RolloutSection(group_size=2, max_new_tokens=8), 2048, seed=0)
+    with TextWorldEnv(game) as env:
+        first = env.reset()
+    for traj in group.trajectories:
+        assert traj.opening == prompts.first_user_message(first.observation, first.admissible_commands, ENV)
+        assert first.observation.strip() and first.observation in traj.opening
+        assert traj.token_ids_S[: traj.turns[0].response_start].tolist() == initial_prompt_ids(chat, ENV, first)
+
+
 def test_invalid_response_gets_feedback_and_does_not_step(game, backend, chat, monkeypatch):
     steps = []
     real_step = TextWorldEnv.step

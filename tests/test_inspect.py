@@ -73,6 +73,10 @@ def test_every_method_shows_the_dumps_numbers(client, run_dir, step, method):
     group = s["groups"][0]["group"]
     gv = client.get("/api/group", params={"step": step, "group": group}, headers=AUTH).json()
     assert gv["extras_error"] is None
+    (start,) = [m for m in range(len(tasks)) if (tasks[m], rollouts[m]) == (group, gv["trajectories"][0]["rollout"])
+                and "opening" in case["display"][m]]  # the first rollout's turn 0
+    assert gv["opening"] == case["display"][start]["opening"] and "Kitchen" in gv["opening"]
+    assert gv["objective"] == case["display"][start]["objective"] == f"Take the coin of game {int(group[1:3])}."  # g00-...
     for traj in gv["trajectories"]:
         for t in traj["turns"]:
             m = t["row"]
@@ -281,7 +285,7 @@ def test_bad_dumps_and_requests_get_a_clear_4xx(tmp_path):
     old = {k: v for k, v in good.items() if k != "display"}
     (credit / "step_00070.json").write_text(json.dumps(old))
     gv = c.get("/api/group", params={"step": 70, "group": g}, headers=AUTH).json()
-    assert gv["trajectories"][0]["turns"][0]["action"] is None
+    assert gv["trajectories"][0]["turns"][0]["action"] is None and gv["opening"] is None and gv["objective"] is None
     tv = c.get("/api/trajectory", params={"step": 70, "group": g, "rollout": gv["trajectories"][0]["rollout"]}, headers=AUTH).json()
     assert not tv["decoded"] and tv["turns"][0]["tokens"][0]["text"] == "[0]" and tv["turns"][0]["tokens"][0]["id"] is None
 

@@ -251,6 +251,12 @@ def test_decode_rejects_shape_mismatches():
         decode(tamper(rollout_bytes(), negative_dim), RolloutGroup, LIMIT)
 
 
+def test_a_message_from_before_an_optional_field_takes_its_default():
+    data = tamper(rollout_bytes(), lambda env: env["body"]["trajectories"][0].pop("opening"))
+    back = decode(data, RolloutGroup, LIMIT)
+    assert back.trajectories[0].opening == "" and "Kitchen" in back.trajectories[1].opening
+
+
 def test_decode_rejects_missing_and_unknown_fields():
     with pytest.raises(WireError, match=r"RolloutGroup\.task: missing field\(s\) env"):
         decode(tamper(rollout_bytes(), lambda env: env["body"]["task"].pop("env")), RolloutGroup, LIMIT)

@@ -73,6 +73,8 @@ class GroupView(BaseModel):
     step: int
     method: str
     group: str
+    objective: str | None = None  # the task's, from the env ("" when it has none; None: a dump without it)
+    opening: str | None = None  # the student's first user message: the env's opening observation
     offset: int
     extras_error: str | None = None  # why a method's intermediates could not be recomputed
     trajectories: list[TrajectoryTurns]

@@ -136,9 +136,11 @@ def _text(s: Step, m: int, key: str) -> str | None:
 
 
 def group_view(s: Step, group: str, offset: int = 0, limit: int = 50) -> GroupView:
-    """The group page: every trajectory, turns [offset, offset + limit) side by side."""
+    """The group page: the task's objective and opening text (its first rollout's: siblings play the same game),
+    then every trajectory, turns [offset, offset + limit) side by side."""
     offset, limit = _page(offset, limit)
     rollouts = _group(s, group)
+    start = rollouts[min(rollouts)][0]
     ex = method_extras(s)
     gap = row_means(s.teacher_ML - s.student_ML, s.mask_ML) if s.teacher_ML is not None else None
     adv_sum = (s.adv_ML * s.mask_ML).sum(axis=1)
@@ -159,8 +161,8 @@ def group_view(s: Step, group: str, offset: int = 0, limit: int = 50) -> GroupVi
                 span=get("span", m), span_start=get("span_start", m), boundary=get("boundary", m),
                 belief_before=get("belief_before", m), belief_after=get("belief_after", m), residual=get("residual", m)))
         trajs.append(TrajectoryTurns(rollout=rollout, reward=float(s.reward[ms[0]]), total_turns=len(ms), turns=turns))
-    return GroupView(step=s.step, method=s.method, group=group, offset=offset, extras_error=ex.get("error"),
-                     trajectories=trajs)
+    return GroupView(step=s.step, method=s.method, group=group, objective=_text(s, start, "objective"),
+                     opening=_text(s, start, "opening"), offset=offset, extras_error=ex.get("error"), trajectories=trajs)
 
 
 class Decoder:

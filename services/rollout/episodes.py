@@ -88,10 +88,17 @@ class _Episode:
     won: bool = False
     reward: float = 0.0  # the last step's reward (rewards are terminal)
     ending: str = ""  # "" while running
+    opening: str = ""  # the first user message (Trajectory.opening)
 
     @property
     def done(self) -> bool:
         return bool(self.ending)
+
+    def begin(self, chat: ChatFormat, env_cfg: EnvSection, first: EnvStep) -> None:
+        """Start from the env's opening step: its admissible commands and hint, the first prompt's ids, the opening text."""
+        self.admissible, self.hint = first.admissible_commands, _hint(first)
+        self.opening = prompts.first_user_message(first.observation, first.admissible_commands, env_cfg)
+        self.append_prompt(initial_prompt_ids(chat, env_cfg, first))
 
     def append_prompt(self, ids: list[int]) -> None:
         self.ids.extend(int(i) for i in ids)
@@ -110,6 +117,7 @@ class _Episode:
             won=self.won,
             ending=self.ending or "max_turns",
             sampler_entropy_S=np.asarray(self.entropies, dtype=np.float32) if self.has_entropy else None,
+            opening=self.opening,
         )
 
 
@@ -251,9 +259,7 @@ def run_groups(
                     g.stats.env_seconds += time.perf_counter() - t0
                     ep = _Episode(rid, env)
                     g.episodes.append(ep)
-                    ep.admissible = first.admissible_commands
-                    ep.hint = _hint(first)
-                    ep.append_prompt(initial_prompt_ids(chat, env_cfg, first))
+                    ep.begin(chat, env_cfg, first)
             except Exception as err:  # noqa: BLE001 - this group fails alone
                 g.error = err
 

@@ -34,8 +34,7 @@ from opsd.models.engine import Engine, SampleRequest
 from opsd.models.hf import NonFiniteLogitsError
 from opsd.types import RolloutGroup, TaskGroup
 from services.rollout.episodes import (
-    RolloutStats, _checked_task, _Episode, _fits, _hint, _play_turn, _start, checked_adapter, initial_prompt_ids,
-    rollout_ids,
+    RolloutStats, _checked_task, _Episode, _fits, _play_turn, _start, checked_adapter, rollout_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -87,8 +86,7 @@ def play_group(
         stats.env_seconds += time.perf_counter() - t0
         ep = _Episode(rid, env)
         try:
-            ep.admissible, ep.hint = first.admissible_commands, _hint(first)
-            ep.append_prompt(initial_prompt_ids(chat, env_cfg, first))
+            ep.begin(chat, env_cfg, first)
             for turn in range(task.max_turns):
                 if failed.is_set():
                     ep.ending = "error"

@@ -142,6 +142,10 @@ async function groupPage(step, group, offset = 0) {
   const longest = Math.max(...g.trajectories.map(t => t.total_turns));
   fill(view, 
     el("h1", { text: `step ${step} · group ${group} · ${g.method}` }),
+    // The objective only when the opening does not already state it (TextWorld's does).
+    g.objective && !(g.opening || "").includes(g.objective) ? el("p", { id: "objective" }, el("span", { class: "k", text: "objective " }), g.objective) : null,
+    g.opening ? el("details", { id: "opening", open: "" }, el("summary", { text: "opening: what the student read before its first turn" }),
+      el("pre", { class: "obs", text: g.opening })) : null,
     el("p", {}, el("a", { id: "compare-link", href: `${base}/compare`, text: "compare with another method or settings →" })),
     g.extras_error ? el("p", { class: "error", text: `the ${g.method} intermediates could not be recomputed: ${g.extras_error}` }) : null,
     el("div", { class: "grid", id: "trajectories" }, g.trajectories.map(t => el("div", { class: "traj", "data-rollout": t.rollout },
