@@ -355,7 +355,7 @@ def main() -> None:
 
     if args.json:
         u = headline(result["untrained"])
-        rows = [Row("untrained held-out success", u, "rate", note="step 0, shared by every method")]
+        rows = [Row(f"untrained held-out {result['untrained'].get('metric', 'success')}", u, "rate", note="step 0, shared by every method")]
         for method, pts in result["curves"].items():
             if not pts:
                 continue
