@@ -577,6 +577,17 @@ credit_app = typer.Typer(add_completion=False, help="Credit-assignment tools.")
 app.add_typer(credit_app, name="credit")
 
 
+def _shown(text: str, limit: int = 300) -> str:
+    """Text from a file (a vector file's method, case, error; a file name) as one safe terminal line: control
+    characters (ESC, a newline, a bidi override) and lone surrogates as their escapes, at most `limit` characters,
+    rich markup escaped. Printed raw, a file could clear the screen, or stop the report with a traceback
+    (a surrogate cannot be written to stdout)."""
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    if len(flat) > limit or len(text) > limit:
+        flat = flat[:limit] + f"... ({len(text)} characters)"
+    return escape(flat)
+
+
 @credit_app.command("check")
 def credit_check(
     paths: list[Path] = typer.Argument(..., help="vector files (JSON) or folders of them"),
@@ -595,7 +606,7 @@ def credit_check(
         files = vector_files(paths)
     except FileNotFoundError as exc:
         # The reference vectors are not in a clone: say where they live instead of only "not found".
-        console.print(f"[red]error:[/red] {escape(str(exc))} (the reference vectors are refvectors/ in the project's "
+        console.print(f"[red]error:[/red] {_shown(str(exc), 4096)} (the reference vectors are refvectors/ in the project's "
                       "shared folder: ../shared beside the repository, or $OPSD_SHARED; a run's own dumps are "
                       "RUN_DIR/credit/, written by opsd run --dump-credit)")
         raise typer.Exit(2)
@@ -608,14 +619,14 @@ def credit_check(
         status = "[green]PASS[/green]" if r.ok else "[red]FAIL[/red]"
         errs = [x.max_abs_error for x in r.fields if x.max_abs_error is not None]
         worst = f"max|err| {max(errs):.2e}" if errs else "exact"
-        console.print(f"{status} {escape(str(f))}  {escape(r.method)}/{escape(r.case)}  {len(r.fields)} field{'' if len(r.fields) == 1 else 's'}, {worst}")
+        console.print(f"{status} {_shown(str(f), 4096)}  {_shown(r.method)}/{_shown(r.case)}  {len(r.fields)} field{'' if len(r.fields) == 1 else 's'}, {worst}")
         if r.error:
-            console.print(f"    [red]replay failed:[/red] {escape(r.error)}")
+            console.print(f"    [red]replay failed:[/red] {_shown(r.error)}")
         for x in r.fields:
             if verbose or not x.ok:
                 err = "exact" if x.max_abs_error is None else f"{x.max_abs_error:.2e}"
                 mark = "ok " if x.ok else "BAD"
-                console.print(f"    {mark} {escape(x.name)}: {err}" + (f"  {escape(x.detail)}" if x.detail else ""))
+                console.print(f"    {mark} {_shown(x.name)}: {err}" + (f"  {_shown(x.detail)}" if x.detail else ""))
         passed += r.ok
         failed += not r.ok
     console.print(f"{passed} passed, {failed} failed")
