@@ -130,18 +130,42 @@ def complete_lines(path: Path) -> list[str]:
     return text[: text.rfind("\n") + 1].splitlines()
 
 
+def _cell(value: object, fmt: str) -> str:
+    """`value` formatted with `fmt`; "?" for what is not a number (a string, a list, a bool, an int past float
+    range): the step line shows it was odd instead of ending the run that prints it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "?"
+    try:
+        return fmt.format(value)
+    except (OverflowError, ValueError):
+        return "?"
+
+
 def format_step(record: dict) -> str:
-    """One human line for a metrics.jsonl record."""
-    parts = [f"step {record['step']}"]
+    """One human line for a metrics.jsonl record (a missing step or count, or a value that is not a number,
+    shows as "?")."""
+    parts = [f"step {_cell(record.get('step'), '{}')}"]
     for key, label, fmt, dash_with in STEP_COLUMNS:
         if record.get(key) is not None:
-            parts.append(f"{label} {fmt.format(record[key])}")
+            parts.append(f"{label} {_cell(record[key], fmt)}")
         elif dash_with is not None and record.get(dash_with) is not None:
             parts.append(f"{label} -")
         if key == "privileged_signal" and record.get("hint_match_turns") is not None:
             # What the figure rests on: turns that took the hint's action / turns that did not.
-            parts[-1] += f" ({record['hint_match_turns']}/{record['hint_other_turns']})"
+            parts[-1] += f" ({_cell(record['hint_match_turns'], '{}')}/{_cell(record.get('hint_other_turns'), '{}')})"
     return "  ".join(parts)
+
+
+def format_line(line: str) -> str:
+    """format_step of one metrics.jsonl line; a line that is not a JSON object is named as such (a damaged or
+    hand-edited file), never an exception in the loop that supervises the run."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict):
+        return f"(a metrics.jsonl line that is not a JSON object: {_shown(line, 80)})"
+    return format_step(record)
 
 
 def prepare(cfg: RunConfig) -> None:
@@ -427,7 +451,7 @@ def run(
                     seen = len(lines)
                     progress.update(bar, completed=min(seen, cfg.run.steps))
                 for line in lines[seen:]:
-                    progress.console.print(format_step(json.loads(line)))
+                    progress.console.print(format_line(line))
                     progress.update(bar, advance=1, description="training")
                     services.scrape()
                 seen = len(lines)
