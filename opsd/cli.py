@@ -130,18 +130,42 @@ def complete_lines(path: Path) -> list[str]:
     return text[: text.rfind("\n") + 1].splitlines()
 
 
+def _cell(value: object, fmt: str) -> str:
+    """`value` formatted with `fmt`; "?" for what is not a number (a string, a list, a bool, an int past float
+    range): the step line shows it was odd instead of ending the run that prints it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "?"
+    try:
+        return fmt.format(value)
+    except (OverflowError, ValueError):
+        return "?"
+
+
 def format_step(record: dict) -> str:
-    """One human line for a metrics.jsonl record."""
-    parts = [f"step {record['step']}"]
+    """One human line for a metrics.jsonl record (a missing step or count, or a value that is not a number,
+    shows as "?")."""
+    parts = [f"step {_cell(record.get('step'), '{}')}"]
     for key, label, fmt, dash_with in STEP_COLUMNS:
         if record.get(key) is not None:
-            parts.append(f"{label} {fmt.format(record[key])}")
+            parts.append(f"{label} {_cell(record[key], fmt)}")
         elif dash_with is not None and record.get(dash_with) is not None:
             parts.append(f"{label} -")
         if key == "privileged_signal" and record.get("hint_match_turns") is not None:
             # What the figure rests on: turns that took the hint's action / turns that did not.
-            parts[-1] += f" ({record['hint_match_turns']}/{record['hint_other_turns']})"
+            parts[-1] += f" ({_cell(record['hint_match_turns'], '{}')}/{_cell(record.get('hint_other_turns'), '{}')})"
     return "  ".join(parts)
+
+
+def format_line(line: str) -> str:
+    """format_step of one metrics.jsonl line; a line that is not a JSON object is named as such (a damaged or
+    hand-edited file), never an exception in the loop that supervises the run."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict):
+        return f"(a metrics.jsonl line that is not a JSON object: {_shown(line, 80)})"
+    return format_step(record)
 
 
 def prepare(cfg: RunConfig) -> None:
@@ -427,7 +451,7 @@ def run(
                     seen = len(lines)
                     progress.update(bar, completed=min(seen, cfg.run.steps))
                 for line in lines[seen:]:
-                    progress.console.print(format_step(json.loads(line)))
+                    progress.console.print(format_line(line))
                     progress.update(bar, advance=1, description="training")
                     services.scrape()
                 seen = len(lines)
@@ -577,6 +601,17 @@ credit_app = typer.Typer(add_completion=False, help="Credit-assignment tools.")
 app.add_typer(credit_app, name="credit")
 
 
+def _shown(text: str, limit: int = 300) -> str:
+    """Text from a file (a vector file's method, case, error; a file name) as one safe terminal line: control
+    characters (ESC, a newline, a bidi override) and lone surrogates as their escapes, at most `limit` characters,
+    rich markup escaped. Printed raw, a file could clear the screen, or stop the report with a traceback
+    (a surrogate cannot be written to stdout)."""
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    if len(flat) > limit or len(text) > limit:
+        flat = flat[:limit] + f"... ({len(text)} characters)"
+    return escape(flat)
+
+
 @credit_app.command("check")
 def credit_check(
     paths: list[Path] = typer.Argument(..., help="vector files (JSON) or folders of them"),
@@ -595,7 +630,7 @@ def credit_check(
         files = vector_files(paths)
     except FileNotFoundError as exc:
         # The reference vectors are not in a clone: say where they live instead of only "not found".
-        console.print(f"[red]error:[/red] {escape(str(exc))} (the reference vectors are refvectors/ in the project's "
+        console.print(f"[red]error:[/red] {_shown(str(exc), 4096)} (the reference vectors are refvectors/ in the project's "
                       "shared folder: ../shared beside the repository, or $OPSD_SHARED; a run's own dumps are "
                       "RUN_DIR/credit/, written by opsd run --dump-credit)")
         raise typer.Exit(2)
@@ -608,14 +643,14 @@ def credit_check(
         status = "[green]PASS[/green]" if r.ok else "[red]FAIL[/red]"
         errs = [x.max_abs_error for x in r.fields if x.max_abs_error is not None]
         worst = f"max|err| {max(errs):.2e}" if errs else "exact"
-        console.print(f"{status} {escape(str(f))}  {escape(r.method)}/{escape(r.case)}  {len(r.fields)} field{'' if len(r.fields) == 1 else 's'}, {worst}")
+        console.print(f"{status} {_shown(str(f), 4096)}  {_shown(r.method)}/{_shown(r.case)}  {len(r.fields)} field{'' if len(r.fields) == 1 else 's'}, {worst}")
         if r.error:
-            console.print(f"    [red]replay failed:[/red] {escape(r.error)}")
+            console.print(f"    [red]replay failed:[/red] {_shown(r.error)}")
         for x in r.fields:
             if verbose or not x.ok:
                 err = "exact" if x.max_abs_error is None else f"{x.max_abs_error:.2e}"
                 mark = "ok " if x.ok else "BAD"
-                console.print(f"    {mark} {escape(x.name)}: {err}" + (f"  {escape(x.detail)}" if x.detail else ""))
+                console.print(f"    {mark} {_shown(x.name)}: {err}" + (f"  {_shown(x.detail)}" if x.detail else ""))
         passed += r.ok
         failed += not r.ok
     console.print(f"{passed} passed, {failed} failed")

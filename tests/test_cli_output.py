@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from opsd.cli import StepProgress, app, format_step, in_step_line
+from opsd.cli import StepProgress, app, format_line, format_step, in_step_line
 from opsd.config import RunConfig
 
 DISAGREE = "teacher_verifier/all/pairwise_disagreement"
@@ -22,6 +22,20 @@ def test_disagree_keeps_its_place_on_a_step_without_a_mixed_group():
     assert format_step({**teacher_step, DISAGREE: None}).split("  ") == flat  # a null in metrics.jsonl
     # Without a teacher there is nothing to disagree with: no column at all, on every step.
     assert format_step({"step": 4, "success_rate": 0.0, "loss": 0.01}) == "step 4  success 0.00  loss +0.0100"
+
+
+def test_a_record_that_is_not_numbers_is_a_step_line_with_question_marks():
+    """`opsd run` prints each metrics.jsonl line as it supervises the roles: a damaged or hand-edited line
+    (a string or a list for a number, an int past float range, no step, a count missing, not JSON at all) is
+    shown as such, never an exception that ends the run."""
+    assert format_step({"step": 2, "success_rate": "0.5", "loss": [1], "reward_mean": 10**400, "valid": True}) \
+        == "step 2  success ?  reward ?  loss ?"
+    assert format_step({"success_rate": 1.0, "format_valid_rate": False}) == "step ?  success 1.00  valid ?"
+    assert format_step({"step": "[red]3", "privileged_signal": 0.5, "hint_match_turns": 2}) == "step ?  priv +0.500 (2/?)"
+    assert format_line('{"step": 1, "loss": 0.5}\n') == "step 1  loss +0.5000"
+    for line in ("not json", "[1, 2]", "null", "[" * 100_000, '{"step": 1, "loss": 0.'):
+        assert format_line(line).startswith("(a metrics.jsonl line that is not a JSON object: ")
+    assert len(format_line("x" * 10_000)) < 200 and "\x1b" not in format_line("\x1b[2J")
 
 
 def _progress(terminal: bool) -> StepProgress:

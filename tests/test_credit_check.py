@@ -83,6 +83,24 @@ def test_a_missing_path_says_in_one_line_where_the_vectors_are(tmp_path):
     assert "RUN_DIR/credit/, written by opsd run --dump-credit" in line
 
 
+def test_what_a_file_says_is_printed_as_one_safe_bounded_line(tmp_path):
+    """A file's own texts (method, case, the replay's error, a mismatch's values, its name) reach the terminal
+    without control characters (ESC: a cleared screen, a retitled window), without lone surrogates (stdout
+    cannot encode them: a traceback instead of the report) and cut to a bounded line."""
+    evil = _load("gc_opd/case_1.json")
+    evil["method"] = "\x1b[2J\x1b]0;owned\x07" + "m" * 5000
+    evil["case"] = "\ud800\n[red]x"
+    (tmp_path / "a.json").write_text(json.dumps(evil))
+    wrong = _load("gc_opd/case_1.json")
+    wrong["expected"]["gc_opd_residual"] = "r" * 100_000  # a string where a list is: the mismatch quotes both
+    (tmp_path / "b\x1b[31m.json").write_text(json.dumps(wrong))
+    res = runner.invoke(app, ["credit", "check", str(tmp_path)])
+    assert res.exit_code == 1 and res.output.strip().endswith("0 passed, 2 failed"), res.output
+    assert "\x1b" not in res.output and "\\x1b[2J" in res.output and "\\ud800\\n[red]x" in res.output
+    res.output.encode("utf-8")  # strict: no surrogate reached the terminal
+    assert max(map(len, res.output.splitlines())) < 1000
+
+
 def test_expected_error_case_passes_only_when_the_replay_raises(tmp_path):
     case = _load("alignopsd/case_5.json")
     # A turn without policy tokens: the reference raises ValueError (README, AlignOPSD case 8).

@@ -290,6 +290,28 @@ def test_bad_dumps_and_requests_get_a_clear_4xx(tmp_path):
     assert not tv["decoded"] and tv["turns"][0]["tokens"][0]["text"] == "[0]" and tv["turns"][0]["tokens"][0]["id"] is None
 
 
+def test_metrics_lines_json_reads_but_a_response_cannot_hold_are_left_out(tmp_path):
+    """metrics.jsonl lines that parse into what JSON cannot send back (an int past float range, a lone surrogate
+    in a key, nesting past the parser's depth) and a run folder whose name is not UTF-8: the run page still
+    answers 200 with the readable records, never a 500."""
+    write_run(tmp_path / "run")
+    run = Path(os.fsdecode(bytes(tmp_path) + b"/run-\xff"))
+    (tmp_path / "run").rename(run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 1' + "0" * 400 + ', "loss": 1.0}\n')  # a step past float range
+        f.write('{"step": 7, "loss": 1' + "0" * 400 + ', "reward_mean": 0.5}\n')  # a value past it
+        f.write('{"step": NaN, "loss": 2.0}\n')
+        f.write('{"step": 8, "\\ud800odd": 1.0}\n')  # a lone surrogate in a key
+        f.write('{"step": 9, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    r = TestClient(create_app(run, TOKEN), raise_server_exceptions=False).get("/api/run", headers=AUTH)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["name"].startswith("run-\ufffd") and body["bad_metric_lines"] == 1
+    assert [7.0, 0.5] in body["metrics"]["reward_mean"] and [7.0, 1e400] not in body["metrics"]["loss"]
+    assert all(p[0] < 1e300 and p[1] != 2.0 for p in body["metrics"]["loss"])
+    assert [v for k, v in body["metrics"].items() if k.endswith("\ufffdodd")] == [[[8.0, 1.0]]]
+
+
 def test_pagination(client, run_dir):
     s = client.get("/api/step", params={"step": 0, "offset": 1, "limit": 1}, headers=AUTH).json()
     assert s["total_groups"] == 2 and [g["group"] for g in s["groups"]] == [sorted(set(dump(run_dir, 0)["inputs"]["uid"]))[1]]

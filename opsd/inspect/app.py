@@ -135,7 +135,7 @@ def create_app(run_dir: Path, token: str) -> ASGIApp:
     @app.get("/api/run")
     def run_info() -> dict:
         records, bad = data.read_metrics(run_dir)
-        return {"name": run_dir.resolve().name, "steps": data.list_steps(run_dir),
+        return {"name": data.plain_text(run_dir.resolve().name), "steps": data.list_steps(run_dir),
                 "metrics": data.metric_series(records), "metric_lines": len(records), "bad_metric_lines": bad}
 
     @app.get("/api/methods")

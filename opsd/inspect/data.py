@@ -102,7 +102,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
     for line in text[: text.rfind("\n") + 1].splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             bad += 1
             continue
         if isinstance(rec, dict):
@@ -112,16 +112,34 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
     return records, bad
 
 
+def plain_text(s: str) -> str:
+    """`s` as valid UTF-8: a lone surrogate (JSON's "\\ud800", a file name's undecodable byte) becomes U+FFFD.
+    A response holding one cannot be encoded: a 500 instead of the page."""
+    return s.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _finite(v: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else (bools, NaN, +-Infinity, an int past float range)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def metric_series(records: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
-    """{key: [[step, value], ...]} for every numeric key (bools and non-finite values left out)."""
+    """{key: [[step, value], ...]} for every numeric key (bools and non-finite values left out; a record whose
+    step is not a finite number is left out)."""
     series: dict[str, list[list[float]]] = {}
     for i, rec in enumerate(records):
-        step = rec.get("step", i)
-        if not isinstance(step, (int, float)) or isinstance(step, bool):
+        step = _finite(rec.get("step", i))
+        if step is None:
             continue
         for k, v in rec.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                series.setdefault(k, []).append([float(step), float(v)])
+            if k != "step" and (f := _finite(v)) is not None:
+                series.setdefault(plain_text(k), []).append([step, f])
     return series
 
 
