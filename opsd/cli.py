@@ -441,7 +441,7 @@ def run(
         seen = done_before
         inside = StepProgress(redis_url, cfg, console.is_terminal)
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                      TimeElapsedColumn(), console=console) as progress:
+                      TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
             bar = progress.add_task("training", total=cfg.run.steps, completed=min(seen, cfg.run.steps))
             while True:
                 for msg in services.supervise():
@@ -461,7 +461,7 @@ def run(
                 news = in_step_line(seen, cfg.run.steps, inside.poll(seen))
                 if news and console.is_terminal:
                     progress.update(bar, description=news)
-                elif news:  # a file or a pipe: the bar draws once at the end, so a plain line now and then
+                elif news:  # a file or a pipe has no bar (it would draw once, at the end): a plain line now and then
                     progress.console.print(news)
                 time.sleep(1.0)
         answered = services.scrape()

@@ -52,6 +52,9 @@ def test_one_step_through_four_services(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    # Output to a pipe: plain step lines, and no progress bar drawn once at the end into the file.
+    assert "step 0" in proc.stdout and "done in" in proc.stdout, proc.stdout
+    assert not re.search(r"\d+/\d+ steps", proc.stdout), proc.stdout
 
     # The step's AlignOPSD inputs (embeddings, cross-teacher log-probs) replay to the advantages it trained on.
     check = subprocess.run([sys.executable, "-m", "opsd.cli", "credit", "check", str(run_dir / "credit")],

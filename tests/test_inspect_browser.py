@@ -251,6 +251,9 @@ def test_a_real_runs_pages_show_its_dump(real_page, quickstart_run_dir, tmp_path
     assert page.locator("#steps a").count() == 1
     title = page.locator("svg[data-metric='loss'] circle title").text_content()
     assert title.startswith("step 0: ") and float(title.split(": ")[1]) == metrics["loss"]
+    # One step: the x axis starts at step 0 and a flat rate's y axis never goes below 0.
+    y1, y0, x0, _ = page.locator("svg[data-metric='success_rate'] text").all_text_contents()
+    assert x0 == "step 0" and float(y0) == min(0.0, metrics["success_rate"]) and float(y1) > float(y0), (y1, y0, x0)
     page.screenshot(path=str(tmp_path / "run.png"), full_page=True)
 
     click(page, "#steps a[href='#/step/0']")

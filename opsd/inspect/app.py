@@ -124,7 +124,7 @@ def create_app(run_dir: Path, token: str) -> ASGIApp:
     @app.get("/", response_class=HTMLResponse)
     def index() -> Response:
         return Response(_static("index.html"), media_type="text/html",
-                        headers={"Cache-Control": "no-store", "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'"})
+                        headers={"Cache-Control": "no-store", "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:"})
 
     @app.get("/static/{name}")
     def static(name: str) -> Response:

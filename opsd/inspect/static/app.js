@@ -40,8 +40,9 @@ function plot(title, points, w = 300, h = 150) {
   const pad = { l: 44, r: 8, t: 8, b: 20 };
   const xs = points.map(p => p[0]), ys = points.map(p => p[1]);
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  if (x0 === x1) { x0 -= 1; x1 += 1; }
-  if (y0 === y1) { y0 -= 1; y1 += 1; }
+  // One step, or a flat curve: widen towards 0 so a rate never shows a negative axis (steps start at 0).
+  if (x0 === x1) x1 = x0 + 1;
+  if (y0 === y1) [y0, y1] = y0 === 0 ? [0, 1] : [Math.min(0, y0), Math.max(0, y0)];
   const X = x => pad.l + (x - x0) / (x1 - x0) * (w - pad.l - pad.r);
   const Y = y => h - pad.b - (y - y0) / (y1 - y0) * (h - pad.t - pad.b);
   const ns = "http://www.w3.org/2000/svg";
