@@ -395,7 +395,7 @@ def run(
     tmp.replace(resolved)
     done_before = len(complete_lines(run_dir / "metrics.jsonl"))
     verb = f"resuming after {done_before} logged steps" if resume is not None else "->"
-    console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} steps, {cfg.model.backend} backend {verb} {run_dir}")
+    console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} step{'' if cfg.run.steps == 1 else 's'}, {cfg.model.backend} backend {verb} {run_dir}")
 
     if os.environ.get("OPSD_API_TOKEN"):  # a user's own token: refuse a weak one here, not in every role
         from opsd.auth import api_token
@@ -492,6 +492,7 @@ class StepProgress:
     to the next steps). `poll(step)` returns a short text when there is something new to say (`news`)."""
 
     PLAIN_EVERY_S = 30.0
+    HEARTBEAT_S = 60.0  # not a terminal, nothing new: still a line this often, so a long update is not silence
 
     RETRY_AFTER_S = 10.0  # after a failed read: the display waits, the supervisor loop must not
 
@@ -507,6 +508,7 @@ class StepProgress:
         self.step: int | None = None
         self.base = (0, 0)
         self.last_text, self.last_print = "", time.monotonic()
+        self.step_start = self.last_print
 
     def _counts(self) -> tuple[int, int]:
         import redis
@@ -533,19 +535,29 @@ class StepProgress:
     def news(self, step: int, rolled: int, scored: int, now: float) -> str | None:
         """The text for `step` given the run's totals `rolled` and `scored` at monotonic time `now`, or None.
 
-        On a terminal every change is news (the progress bar's live description); otherwise a plain line
-        comes at most every PLAIN_EVERY_S seconds, counted from the last line, a step line included: the
-        step line just said what there was to say, so a new step is not announced with zero counts."""
+        Once the step's groups are all in (scored, or rolled out without a teacher) the text says the
+        trainer is training. On a terminal every change is news (the progress bar's live description);
+        otherwise a plain line, with the seconds since the last step line, comes at most every PLAIN_EVERY_S
+        seconds, counted from the last line, a step line included (the step line just said what there was
+        to say, so a new step is not announced with zero counts), and at least every HEARTBEAT_S."""
         if step != self.step:  # counts start again; a terminal shows the new step at once even if the text repeats
             self.step, self.base, self.last_print, self.last_text = step, (rolled, scored), now, ""
+            self.step_start = now
         new_rolled, new_scored = rolled - self.base[0], scored - self.base[1]
         text = f"{new_rolled} group{'' if new_rolled == 1 else 's'} rolled out"
         text += f", {new_scored} scored" if self.teacher else ""
         text += f" since the last step line ({self.per_step} a step)"
-        if text == self.last_text or (not self.terminal and now - self.last_print < self.PLAIN_EVERY_S):
+        text += "; all in, training" if (new_scored if self.teacher else new_rolled) >= self.per_step else ""
+        if self.terminal:
+            if text == self.last_text:
+                return None
+            self.last_text, self.last_print = text, now
+            return text
+        quiet = now - self.last_print
+        if quiet < self.PLAIN_EVERY_S or (text == self.last_text and quiet < self.HEARTBEAT_S):
             return None
         self.last_text, self.last_print = text, now
-        return text
+        return f"{text}; {now - self.step_start:.0f} s into the step"
 
 
 def in_step_line(done: int, total: int, news: str | None) -> str | None:

@@ -52,6 +52,9 @@ class Encoder:
     def __init__(self, name: str, device: str = "auto"):
         from sentence_transformers import SentenceTransformer
 
+        from opsd.models.hf import quiet_progress_bars
+
+        quiet_progress_bars()  # no "Loading weights" bar drawn into the embedder's log file
         self.device = encoder_device(device)
         self.model = SentenceTransformer(str(encoder_path(name)), device=self.device, local_files_only=True)
         self.model.float()  # float32 weights whatever the checkpoint's dtype: the same vectors on CPU and GPU

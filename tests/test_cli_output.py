@@ -46,15 +46,20 @@ def _progress(terminal: bool) -> StepProgress:
 
 def test_a_plain_in_step_line_never_follows_a_step_line_at_once():
     """To a file: at most one line every PLAIN_EVERY_S (30 s), the clock restarting at each new step, so a
-    step line is not followed by a line announcing the next step with zero counts."""
+    step line is not followed by a line announcing the next step with zero counts; with nothing new, still
+    one line every HEARTBEAT_S (60 s), and the step's groups all in says the trainer is training."""
     p = _progress(terminal=False)
+    counts = " since the last step line (2 a step)"
     assert p.news(0, 0, 0, now=100.0) is None  # the run's first look
     assert p.news(0, 1, 0, now=110.0) is None  # too soon
-    assert p.news(0, 2, 1, now=131.0) == "2 groups rolled out, 1 scored since the last step line (2 a step)"
-    assert p.news(0, 2, 1, now=170.0) is None  # nothing new
-    assert p.news(1, 2, 2, now=171.0) is None  # step 0's line was just printed
-    assert p.news(1, 3, 2, now=190.0) is None  # 19 s after it
-    assert p.news(1, 3, 2, now=202.0) == "1 group rolled out, 0 scored since the last step line (2 a step)"
+    assert p.news(0, 2, 1, now=131.0) == f"2 groups rolled out, 1 scored{counts}; 31 s into the step"
+    assert p.news(0, 2, 1, now=170.0) is None  # nothing new, and under a minute
+    assert p.news(0, 2, 2, now=172.0) == f"2 groups rolled out, 2 scored{counts}; all in, training; 72 s into the step"
+    assert p.news(0, 2, 2, now=231.0) is None  # nothing new
+    assert p.news(0, 2, 2, now=232.0) == f"2 groups rolled out, 2 scored{counts}; all in, training; 132 s into the step"
+    assert p.news(1, 2, 2, now=240.0) is None  # step 0's line was just printed
+    assert p.news(1, 3, 2, now=259.0) is None  # 19 s after it
+    assert p.news(1, 3, 2, now=271.0) == f"1 group rolled out, 0 scored{counts}; 31 s into the step"
 
 
 def test_on_a_terminal_every_change_and_each_new_step_is_shown():
@@ -62,6 +67,7 @@ def test_on_a_terminal_every_change_and_each_new_step_is_shown():
     assert p.news(0, 5, 5, now=0.0) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
     assert p.news(0, 6, 5, now=0.5) == "1 group rolled out, 0 scored since the last step line (2 a step)"
     assert p.news(0, 6, 5, now=1.0) is None
+    assert p.news(0, 7, 7, now=1.2) == "2 groups rolled out, 2 scored since the last step line (2 a step); all in, training"
     # The next step starts from zero again, shown even though the text is one the bar showed before.
     assert p.news(1, 6, 5, now=1.5) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
 

@@ -178,3 +178,18 @@ def test_correspond_response_check_rejects_answers_the_embedder_cannot_give():
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
             CorrespondResponse.model_validate({**base, **change}).check(3)
+
+
+def test_loading_the_encoder_draws_no_progress_bar_into_a_file(capfd):
+    """stderr captured (not a terminal), as the embedder's log file is: transformers' "Loading weights" tqdm
+    bar, on by default in a fresh process, stays off (a newcomer found it in logs/embedder.log, issue 24)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process: another test may have turned the bars off
+    try:
+        Encoder("all-MiniLM-L6-v2")
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s]" not in err, err
