@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -794,12 +795,12 @@ def test_the_cli_reports_progress_inside_a_step(redis_url, redis_client, stream_
     assert plain.poll(1) is None  # a file: not before PLAIN_EVERY_S
     plain.PLAIN_EVERY_S = 0.0
     redis_client.hincrby(names.counts, f"produced:{names.rollouts}", 1)
-    assert plain.poll(1) == "1 group rolled out, 0 scored since the last step line (2 a step)"
-    assert plain.poll(1) is None  # nothing new
+    assert re.fullmatch(r"1 group rolled out, 0 scored since the last step line \(2 a step\); \d+ s into the step", plain.poll(1))
+    assert plain.poll(1) is None  # nothing new (and under HEARTBEAT_S)
     term = StepProgress(redis_url, cfg, terminal=True)
     assert term.poll(2) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
     redis_client.hincrby(names.counts, f"produced:{names.scored}", 2)
-    assert term.poll(2) == "0 groups rolled out, 2 scored since the last step line (2 a step)"
+    assert term.poll(2) == "0 groups rolled out, 2 scored since the last step line (2 a step); all in, training"
     assert term.poll(3).startswith("0 groups rolled out, 0 scored")  # a new step counts from its start
     dead = StepProgress("redis://:pw@127.0.0.1:1/0", cfg, terminal=True)  # nothing listens there
     t0 = time.perf_counter()
