@@ -631,7 +631,8 @@ def credit_check(
 ) -> None:
     """Replay credit vector files and compare with their expected values.
 
-    The files are in the schema of ../shared/refvectors (the reference vectors) or a run's credit/ dumps.
+    The files are in the schema of the authors' reference vectors (refvectors/ in the project's shared
+    folder: ../shared beside the repository, or $OPSD_SHARED) or of a run's credit/ dumps.
     Prints, per file, the max absolute error of every `expected` field, then
     `N passed, M failed`; exits 1 on any failure (a field that differs, or one
     the replay cannot compute), 2 when a path does not exist or holds no files.
