@@ -548,16 +548,15 @@ class StepProgress:
         text += f", {new_scored} scored" if self.teacher else ""
         text += f" since the last step line ({self.per_step} a step)"
         text += "; all in, training" if (new_scored if self.teacher else new_rolled) >= self.per_step else ""
-        if self.terminal:
-            if text == self.last_text:
-                return None
-            self.last_text, self.last_print = text, now
-            return text
         quiet = now - self.last_print
-        if quiet < self.PLAIN_EVERY_S or (text == self.last_text and quiet < self.HEARTBEAT_S):
+        if self.terminal:
+            skip = text == self.last_text
+        else:
+            skip = quiet < self.PLAIN_EVERY_S or (text == self.last_text and quiet < self.HEARTBEAT_S)
+        if skip:
             return None
         self.last_text, self.last_print = text, now
-        return f"{text}; {now - self.step_start:.0f} s into the step"
+        return text if self.terminal else f"{text}; {now - self.step_start:.0f} s into the step"
 
 
 def in_step_line(done: int, total: int, news: str | None) -> str | None:
