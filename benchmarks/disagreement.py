@@ -136,7 +136,7 @@ def main() -> None:
     ctx = local_context(cfg)
     student = load_backend(cfg.model)
     teacher = student if cfg.teacher.source == "self" else load_backend(cfg.teacher_model)
-    chat = ChatFormat.for_env(student.tokenizer, cfg.env)
+    chat = ChatFormat.for_env(student.tokenizer, cfg.env, cfg.model)
     tasks = get_adapter("evidence").make_tasks(cfg.env, ctx, "eval")
     per_bucket = {b: [t for t in tasks if t.category == b][: args.prompts] for b in dict.fromkeys(t.category for t in tasks)}
     result: dict = {"command": command_line(), "machine": machine(), "config": base, "teacher": args.teacher,

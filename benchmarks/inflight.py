@@ -250,7 +250,7 @@ def main() -> int:
 
     cfg = make_config(args)
     backend = load_backend(cfg.model)
-    chat = ChatFormat.for_env(backend.tokenizer, cfg.env)
+    chat = ChatFormat.for_env(backend.tokenizer, cfg.env, cfg.model)
     ctx = EnvContext(cache_dir=Path(tempfile.mkdtemp(prefix="opsd-bench-games-")))
     tasks = make_tasks(cfg, args.groups, ctx)
     print(f"{args.backend}: {args.groups} groups x {args.group_size} episodes, <= {args.turns} turns x {args.new} "

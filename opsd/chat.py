@@ -1,48 +1,120 @@
-"""Chat formatting as token ids (ChatML), response parsing and decoding.
+"""Chat formatting as token ids from the model's own chat template, response parsing and decoding.
 
 Token-in/token-out: a trajectory's ids are built by appending, never by
 re-rendering text, so each turn's prompt ids are a prefix of the next turn's
 (bad-input case 8). The pieces appended here are derived from the tokenizer's
-own chat template, so prompt + sampled response + continuation gives exactly
-the ids of the whole conversation rendered by the template (case 9) whenever
-the response ids are the canonical encoding of their text.
+chat template (any family: ChatML, Llama 3, Mistral, Gemma, Phi), so prompt +
+sampled response + continuation gives exactly the ids of the conversation
+rendered by the template (case 9) whenever the response ids are the canonical
+encoding of their text. Where a template rewrites history, opsd keeps what the
+policy saw and sampled (see `ChatFormat` for the rules).
 
 Text is tokenized segment by segment between the template's special tokens
-(what the tokenizer does to a rendered template anyway), but message contents
-are tokenized with special-token parsing OFF: an observation containing the
-text "<|im_end|>" stays plain text and cannot forge a turn boundary.
+(what the tokenizer does to a rendered template anyway), each segment encoded
+as the tokenizer encodes it after a special token (a SentencePiece tokenizer
+that adds its leading "▁" only at the start of the text adds none there), and
+message contents are tokenized with special-token parsing OFF: an observation
+containing the text "<|im_end|>" stays plain text and cannot forge a turn boundary.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
-PREFILLS = {"action": "<action>", "think": "<think>"}
+# "<think>\n": the newline is part of the prefill so that the BPE merge of ">\n" (Llama 3, Qwen2.5, SmolLM2)
+# falls inside the prompt, not across the prompt/response boundary; thinking models open their reasoning so.
+PREFILLS = {"action": "<action>", "think": "<think>\n"}
 PRIVILEGED_HEADER = "[Privileged Skill Information]\n"
 
 # Private-use characters: never produced by a template, never in real text we render.
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+_WS = " \n"  # wrapped around probe contents to learn which whitespace a template strips
 
 
 class ChatTemplateError(ValueError):
-    """The tokenizer's chat template does not render turns by simple concatenation."""
+    """The tokenizer's chat template cannot be served by appending turns (one line: the reason)."""
+
+
+def _strip_rule(rendered: str, sentinel: str) -> str:
+    """How a template treats whitespace around a content it rendered as `_WS + sentinel + _WS`:
+    "keep", "strip" (Jinja's trim), "lstrip" or "rstrip"."""
+    lead, trail = (_WS + sentinel) in rendered, (sentinel + _WS) in rendered
+    return {(True, True): "keep", (False, False): "strip", (False, True): "lstrip", (True, False): "rstrip"}[lead, trail]
+
+
+def _apply_rule(rule: str, text: str) -> str:
+    return text if rule == "keep" else getattr(text, rule)()
+
+
+def _tail_encoder(tokenizer) -> Any:
+    """For a fast tokenizer whose Metaspace adds the leading "▁" only at the start of the whole text
+    (prepend_scheme "first": Mistral, Llama 2), a copy of its `tokenizers.Tokenizer` with "never" and
+    special-token text encoded as plain text: how a segment that follows a special token is encoded.
+    None for every other tokenizer, whose own call (split_special_tokens=True) already does that."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [x for x in (getattr(backend, "pre_tokenizer", None), getattr(backend, "normalizer", None)) if x]
+    if not any(b'"prepend_scheme":"first"' in x.__getstate__() for x in parts):
+        return None
+    from tokenizers import Tokenizer
+
+    spec = json.loads(backend.to_str())
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("prepend_scheme") == "first":
+                node["prepend_scheme"] = "never"
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(spec.get("pre_tokenizer"))
+    walk(spec.get("normalizer"))
+    copy = Tokenizer.from_str(json.dumps(spec))
+    copy.encode_special_tokens = True
+    return copy
 
 
 class ChatFormat:
-    """Build prompt and continuation ids for one prompt format with one tokenizer.
+    """Build prompt and continuation ids for one prompt format with one tokenizer and its chat template.
 
     prompt_format "action": the assistant turn is prefilled with the env's
     action tag (``<action>``; ``<answer>`` for single-turn answers; nothing
     when the env has several, as Search's ``<search>``/``<answer>``);
-    "think": with ``<think>``. Prefilled tokens are prompt (loss mask 0).
-    A system message is always rendered (SmolLM2's template otherwise inserts
-    its own default system prompt).
+    "think": with ``<think>\\n``. Prefilled tokens are prompt (loss mask 0).
+    `template_kwargs` go to every ``apply_chat_template`` call (e.g.
+    ``{"enable_thinking": False}`` for Qwen3). A system message is always
+    rendered (SmolLM2's template otherwise inserts its own default system prompt).
+
+    Rules where a template is not plain concatenation (the trajectory is what
+    the policy saw and sampled; the next turn's ids are derived from the template):
+
+    - contents: system and user contents get the whitespace treatment the
+      template gives that role (Llama 3 and Gemma ``trim``); sampled responses
+      are kept verbatim, so a response ending in whitespace keeps it where a
+      re-render would trim it;
+    - earlier turns are never re-rendered: Qwen3 drops the thinking of
+      assistant turns before the last user message when it re-renders a
+      conversation, opsd keeps the thinking the policy sampled;
+    - the system prompt stays where the first prompt put it: Mistral moves it
+      into the LAST user turn on every re-render, Gemma 3 puts it in the first
+      user turn; templates that refuse a system role (Gemma 2) get it folded
+      into the first user message as ``system + "\\n\\n" + user`` (Gemma 3's rule);
+    - a template that puts text between the generation prompt and the
+      assistant content (Mistral's " " after ``[/INST]``) gets it before a prefill.
+
+    `system_rule` says which applied ("template", "first_user", "last_user");
+    `strip_rules` the per-role whitespace rules. Raises ChatTemplateError
+    (one line) for a template that cannot be served this way.
     """
 
-    def __init__(self, tokenizer, prompt_format: Literal["action", "think"], action_tags: Sequence[str] = ("action",)):
+    def __init__(self, tokenizer, prompt_format: Literal["action", "think"], action_tags: Sequence[str] = ("action",),
+                 template_kwargs: dict | None = None):
         if prompt_format not in PREFILLS:
             raise ValueError(f"unknown prompt_format {prompt_format!r} (expected one of {sorted(PREFILLS)})")
         self.tokenizer = tokenizer
@@ -50,6 +122,9 @@ class ChatFormat:
         self.action_tags = tuple(action_tags)
         if not self.action_tags or not all(re.fullmatch(r"[a-z_]+", t) for t in self.action_tags):
             raise ValueError(f"action_tags must be lower-case tag names, got {action_tags!r}")
+        self.template_kwargs = dict(template_kwargs or {})
+        if not getattr(tokenizer, "chat_template", None):
+            raise ChatTemplateError("the tokenizer has no chat template (set model.chat_template to a template file)")
         # Special tokens by text, longest first so a regex split prefers the longest match.
         specials = {
             tok.content: int(idx)
@@ -60,49 +135,100 @@ class ChatFormat:
         self._special_re = re.compile(
             "(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")"
         ) if specials else None
+        self._tail = _tail_encoder(tokenizer)
         self._derive_turn_pieces()
+        self._check_segment_encoding()
 
     # -- template probing ----------------------------------------------------
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+            )
+        except Exception as e:  # jinja2's TemplateError or the template's own raise_exception
+            raise ChatTemplateError(f"the chat template failed to render a conversation: {e}") from e
         if not isinstance(text, str):
             raise ChatTemplateError("apply_chat_template(tokenize=False) did not return a string")
         return text
 
+    def _conversation(self, system: str | None, turns: Sequence[tuple[str, str | None]]) -> list[dict]:
+        """Messages for the template: (user, assistant or None) turns after `system`, per `system_rule`
+        (None: no system message, folded into the first user content by the caller)."""
+        msgs: list[dict] = []
+        if system is not None and self.system_rule != "first_user":
+            msgs.append({"role": "system", "content": system})
+        for k, (user, assistant) in enumerate(turns):
+            if k == 0 and system is not None and self.system_rule == "first_user":
+                user = system + "\n\n" + user
+            msgs.append({"role": "user", "content": user})
+            if assistant is not None:
+                msgs.append({"role": "assistant", "content": assistant})
+        return msgs
+
     def _derive_turn_pieces(self) -> None:
         """Find, from the template itself, the text that closes an assistant turn and opens the next.
 
-        Renders probe conversations with sentinel contents and checks that a
-        longer conversation's render extends the shorter one's (otherwise the
-        template rewrites history, e.g. drops old thinking, and appending ids
-        cannot reproduce it: ChatTemplateError).
+        Renders a probe conversation (system, user, assistant, user + generation
+        prompt) with sentinel contents and cuts it at the sentinels.
         """
         s, u, a, o = (_SENTINEL.format(i) for i in range(4))
-        base = [{"role": "system", "content": s}, {"role": "user", "content": u}]
-        with_gen = self._render(base, True)
-        closed = self._render(base + [{"role": "assistant", "content": a}], False)
-        nxt = self._render(
-            base + [{"role": "assistant", "content": a}, {"role": "user", "content": o}], True
-        )
-        if not closed.startswith(with_gen) or not nxt.startswith(closed):
-            raise ChatTemplateError("chat template does not render conversations by appending turns")
-        # closed = with_gen + a + end_of_turn ; nxt = closed + user_turn(o) + assistant header
-        if closed[len(with_gen) :][: len(a)] != a:
-            raise ChatTemplateError("assistant content is not rendered verbatim after the generation prompt")
-        end_text = closed[len(with_gen) + len(a) :]
-        parts = self._split_specials(end_text)
+        self.system_rule = "template"
+        try:
+            text = self._render(self._conversation(s, [(u, a), (o, None)]), True)
+        except ChatTemplateError:
+            text = ""
+        if s not in text:  # the template refuses (Gemma 2) or drops a system role: fold it into the first user turn
+            self.system_rule = "first_user"
+            text = self._render(self._conversation(s, [(u, a), (o, None)]), True)
+            s = ""
+        elif text.index(s) > text.index(a):  # moved to the last user turn (Mistral): cut the turns without it
+            self.system_rule = "last_user"
+            text = self._render([{"role": "user", "content": u}, {"role": "assistant", "content": a},
+                                 {"role": "user", "content": o}], True)
+        for name, sent in (("user", u), ("assistant", a), ("user", o)):
+            if text.count(sent) != 1:
+                raise ChatTemplateError(f"a {name} content must appear once in the rendered conversation")
+        if not text.index(u) < text.index(a) < text.index(o):
+            raise ChatTemplateError("the template does not render turns in conversation order")
+        history_header = text[text.index(u) + len(u) : text.index(a)]  # end of a user turn + assistant header
+        between = text[text.index(a) + len(a) : text.index(o)]  # end of an assistant turn + user header
+        generation_header = text[text.index(o) + len(o) :]  # end of a user turn + the generation prompt
+        parts = self._split_specials(between)
         if not parts or parts[0][0] != "special":
-            raise ChatTemplateError(f"assistant turns must end with a special token, got {end_text!r}")
-        self.end_of_turn_id: int = parts[0][1]  # type: ignore[assignment]  # <|im_end|> for ChatML
-        self._end_of_turn_special = self._special_re.match(end_text).group(0)  # type: ignore[union-attr]
-        self._end_of_turn_text = end_text  # "<|im_end|>\n" for ChatML
-        self._next_turn_text = nxt[len(closed) :]  # "<|im_start|>user\n{o}<|im_end|>\n<|im_start|>assistant\n"
-        if self._next_turn_text.count(o) != 1:
-            raise ChatTemplateError("user content must appear once in the rendered turn")
-        self._next_turn_text = self._next_turn_text.replace(o, _SENTINEL.format(0))
+            raise ChatTemplateError(f"assistant turns must end with a special token, got {between[:40]!r}")
+        self.end_of_turn_id: int = parts[0][1]  # type: ignore[assignment]  # <|im_end|>, <|eot_id|>, <end_of_turn>
+        self._end_of_turn_special = self._special_re.match(between).group(0)  # type: ignore[union-attr]
+        self._next_turn_text = between + _SENTINEL.format(0) + generation_header
+        # Text the template puts between the generation prompt and the content (Mistral: " "): goes before a prefill.
+        self._content_prefix = ""
+        if history_header.startswith(generation_header):
+            self._content_prefix = history_header[len(generation_header) :]
+        if self.prompt_format == "think" and "</think>" in generation_header:
+            raise ChatTemplateError("the generation prompt already closes a think block (enable_thinking off?): "
+                                    "use env.prompt_format: action")
+        # Whitespace: probe the same conversation with padded contents.
+        pad = [_WS + x + _WS if x else x for x in (s, u, a, o)]
+        if self.system_rule == "last_user":
+            padded = self._render([{"role": "user", "content": pad[1]}, {"role": "assistant", "content": pad[2]},
+                                   {"role": "user", "content": pad[3]}], True)
+            system_rule = _strip_rule(self._render(self._conversation(pad[0], [(pad[1], None)]), True), s)
+        else:
+            padded = self._render(self._conversation(pad[0], [(pad[1], pad[2]), (pad[3], None)]), True)
+            system_rule = _strip_rule(padded, s) if s else "keep"
+        self.strip_rules = {"system": system_rule, "user": _strip_rule(padded, o),
+                            "assistant": _strip_rule(padded, a)}
+
+    def _check_segment_encoding(self) -> None:
+        """Encoding a segment on its own must give the ids the tokenizer gives it after a special token."""
+        special = next(iter(self._special_ids), None)
+        if special is None:
+            return
+        for probe in ("Hello world\n", " two  spaces", "\nnew line", "<action>go north</action>"):
+            want = self.tokenizer(special + probe, add_special_tokens=False)["input_ids"]
+            got = [self._special_ids[special], *self._encode_text(probe, at_start=False)]
+            if list(want) != got:
+                raise ChatTemplateError(f"cannot reproduce how the tokenizer encodes text after {special!r}")
 
     def _split_specials(self, text: str) -> list[tuple[str, object]]:
         """Split template text into ("special", id) and ("text", str) parts (sentinels kept in text)."""
@@ -115,12 +241,15 @@ class ChatFormat:
             out.append(("special", self._special_ids[piece]) if k % 2 else ("text", piece))
         return out
 
-    def _encode_template(self, template_text: str, contents: Sequence[str], suffix: str = "") -> list[int]:
+    def _encode_template(self, template_text: str, contents: Sequence[str], suffix: str = "",
+                         at_start: bool = False) -> list[int]:
         """Token ids of template text whose sentinel i stands for contents[i], with `suffix` appended.
 
         Special tokens are recognised only in the template's own text; each
         text segment between them (structure + contents + suffix) is encoded
-        in one piece, as the tokenizer would encode the rendered string.
+        in one piece, as the tokenizer would encode the rendered string;
+        `at_start`: the text opens a sequence (its first segment is encoded as
+        the start of a text), else it follows a special token.
         """
         parts = self._split_specials(template_text)
         if suffix:
@@ -129,67 +258,82 @@ class ChatFormat:
             else:
                 parts.append(("text", suffix))
         ids: list[int] = []
-        for kind, val in parts:
+        for k, (kind, val) in enumerate(parts):
             if kind == "special":
                 ids.append(val)  # type: ignore[arg-type]
                 continue
             text = _SENTINEL_RE.sub(lambda m: contents[int(m.group(1))], val)  # type: ignore[arg-type]
-            ids.extend(self._encode_text(text))
+            ids.extend(self._encode_text(text, at_start=at_start and k == 0))
         return ids
 
-    def _encode_text(self, text: str) -> list[int]:
+    def _encode_text(self, text: str, at_start: bool = True) -> list[int]:
         if not text:
             return []
+        if not at_start and self._tail is not None:
+            return list(self._tail.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     # -- public API ------------------------------------------------------------
 
     @classmethod
-    def for_env(cls, tokenizer, env_cfg) -> "ChatFormat":
-        """The ChatFormat of an EnvSection: its prompt format and its env adapter's ACTION_TAGS."""
+    def for_env(cls, tokenizer, env_cfg, model_cfg=None) -> "ChatFormat":
+        """The ChatFormat of an EnvSection: its prompt format and its env adapter's ACTION_TAGS, with
+        `model_cfg.chat_template_kwargs` (a ModelSection; None = no extra template arguments)."""
         from opsd.envs import get_adapter  # the adapters import this module's users, not the reverse
 
-        return cls(tokenizer, env_cfg.prompt_format, get_adapter(env_cfg.name).ACTION_TAGS)
+        kwargs = getattr(model_cfg, "chat_template_kwargs", None)
+        return cls(tokenizer, env_cfg.prompt_format, get_adapter(env_cfg.name).ACTION_TAGS, kwargs)
 
     @property
     def prefill_text(self) -> str:
-        """The text prefilled at the start of every assistant turn: "<think>" (think format), else
+        """The text prefilled at the start of every assistant turn: "<think>\\n" (think format), else
         the action tag ("<action>", "<answer>"), or "" when the env has several action tags."""
         if self.prompt_format == "think":
             return PREFILLS["think"]
         return f"<{self.action_tags[0]}>" if len(self.action_tags) == 1 else ""
 
+    @property
+    def _prompt_suffix(self) -> str:
+        return self._content_prefix + self.prefill_text if self.prefill_text else ""
+
     def initial_prompt_ids(
         self, system: str, user: str, one_shot: Sequence[tuple[str, str]] = ()
     ) -> list[int]:
         """Ids of the first prompt: system, one-shot (user, assistant) example turns, the user
-        message, the assistant header and the prefill. Returns list[int] (no BOS added:
-        ChatML has none)."""
-        messages: list[dict] = [{"role": "system", "content": _SENTINEL.format(0)}]
-        contents = [system]
+        message, the assistant header and the prefill, as the template renders them (the
+        one-shot replies are rendered by the template itself, e.g. Qwen3 drops their thinking).
+        Returns list[int] (a BOS only where the template writes one)."""
+        rules = self.strip_rules
+        contents = [_apply_rule(rules["system"], system)]
+        turns: list[tuple[str, str | None]] = []
         for ex_user, ex_assistant in one_shot:
-            messages.append({"role": "user", "content": _SENTINEL.format(len(contents))})
-            contents.append(ex_user)
-            messages.append({"role": "assistant", "content": _SENTINEL.format(len(contents))})
-            contents.append(ex_assistant)
-        messages.append({"role": "user", "content": _SENTINEL.format(len(contents))})
-        contents.append(user)
-        return self._encode_template(self._render(messages, True), contents, self.prefill_text)
+            turns.append((_SENTINEL.format(len(contents)), ex_assistant))
+            contents.append(_apply_rule(rules["user"], ex_user))
+        turns.append((_SENTINEL.format(len(contents)), None))
+        contents.append(_apply_rule(rules["user"], user))
+        system_content: str | None = _SENTINEL.format(0)
+        if self.system_rule == "first_user":  # one content: the template trims the folded message as a whole
+            first = user if not one_shot else one_shot[0][0]
+            contents.append(_apply_rule(rules["user"], system + "\n\n" + first))
+            turns[0] = (_SENTINEL.format(len(contents) - 1), turns[0][1])
+            system_content = None
+        return self._encode_template(self._render(self._conversation(system_content, turns), True), contents,
+                                     self._prompt_suffix, at_start=True)
 
     def continuation_ids(self, observation: str, ended_with_eos: bool) -> list[int]:
         """Ids to append after a sampled response so the conversation continues.
 
-        ended_with_eos: the response's last sampled id was the end-of-turn
-        token (finish "stop"); then only the separator after it ("\\n" in
-        ChatML) is added. Otherwise (length-truncated) the turn is closed
-        with "<|im_end|>\\n". Then come the user turn holding `observation`,
-        the assistant header and the prefill. All of it is prompt (loss mask 0).
+        ended_with_eos: the response's last sampled id was a stop id (finish
+        "stop"); then only what the template puts after its end-of-turn token
+        ("\\n" in ChatML, nothing for Llama 3) is added. Otherwise
+        (length-truncated) the turn is closed with the end-of-turn text
+        ("<|im_end|>\\n"). Then come the user turn holding `observation`, the
+        assistant header and the prefill. All of it is prompt (loss mask 0).
         """
-        end = self._end_of_turn_text
+        text = self._next_turn_text
         if ended_with_eos:
-            # The end-of-turn token was sampled: keep only what the template puts after it.
-            end = end[len(self._end_of_turn_special) :]
-        return self._encode_template(end + self._next_turn_text, [observation], self.prefill_text)
+            text = text[len(self._end_of_turn_special) :]
+        return self._encode_template(text, [_apply_rule(self.strip_rules["user"], observation)], self._prompt_suffix)
 
     def privileged_prefix_ids(self, text: str) -> list[int]:
         """Ids of ``"[Privileged Skill Information]\\n" + text + "\\n\\n"`` (spec §0).
@@ -197,7 +341,7 @@ class ChatFormat:
         The teacher's prompt is these ids followed by the unchanged student
         prompt ids (they go before the system turn); the response ids follow verbatim.
         """
-        return self._encode_text(PRIVILEGED_HEADER + text + "\n\n")
+        return self._encode_text(PRIVILEGED_HEADER + text + "\n\n", at_start=True)
 
 
 # ---------------------------------------------------------------------------

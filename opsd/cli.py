@@ -172,9 +172,10 @@ def prepare(cfg: RunConfig) -> None:
     """Build the caches every role needs (model conversion, game files) once, before the roles start."""
     from opsd.envs import EnvContext, get_adapter
     from opsd.models.hf import ensure_model
+    from opsd.models.tokenizer import check_chat_model
 
     t0 = time.perf_counter()
-    ensure_model(cfg.model)
+    check_chat_model(cfg.model, cfg.env, ensure_model(cfg.model))  # tokenizer, chat template, stop ids
     if cfg.needs_teacher and cfg.teacher.source == "model":
         from opsd.models import check_teacher_model
 
@@ -703,9 +704,15 @@ def inspect_cmd(
 def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False)) -> None:
     """Fill the caches (model conversion, games) without training.
 
-    Converts the model and generates the games into the cache, as `opsd run` does first.
+    Converts the model and generates the games into the cache, as `opsd run` does first; refuses a model it
+    cannot serve (tokenizer, chat template, stop ids) with one line.
     """
-    prepare(load_config(config))
+    cfg = load_config(config)
+    try:
+        prepare(cfg)
+    except (ValueError, OSError) as e:  # a model that is not there or cannot be served, a teacher of another tokenizer
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2)
 
 
 @app.command("eval")

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -85,6 +85,13 @@ class ModelSection(_Section):
     # torch threads per role process (0 = torch default). On a few shared cores, 1 per
     # role was 4-5x faster than torch's default (threads spin while others compute).
     threads: int = Field(0, ge=0)
+    # The ids that end a sampled turn. None = the chat template's end-of-turn token plus the eos ids of the
+    # model's generation_config.json (or the tokenizer's eos without one), which must include that token.
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=64)
+    # A Jinja chat template file that replaces the tokenizer's own (e.g. a base model without one).
+    chat_template: str | None = Field(None, min_length=1, max_length=4096)
+    # Extra arguments of every apply_chat_template call, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, bool | int | float | str] = Field(default_factory=dict, max_length=32)
 
 
 ENV_NAMES = ("textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym", "evidence")

@@ -590,6 +590,7 @@ class _Sampler:
     def __init__(self, tokenizer, replies):
         self.tokenizer, self.replies, self.calls = tokenizer, replies, 0
         self.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.stop_token_ids = [self.eos_token_id]
         self.vocab_size, self.policy_version, self.max_model_len = len(tokenizer), 0, 2048
 
     def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seed=None):

@@ -57,8 +57,8 @@ def test_initial_prompt_matches_template(tok, action_fmt, think_fmt):
     # The prefill is prompt: its ids are the tail of the prompt.
     assert ids[-3:] == enc(tok, "<action>") == [44, 4667, 46]
     tids = think_fmt.initial_prompt_ids(SYSTEM, "You are in a hall. Exits: north.", ONE_SHOT)
-    assert tids == enc(tok, rendered + "<think>")
-    assert think_fmt.prefill_text == "<think>"
+    assert tids == enc(tok, rendered + "<think>\n")
+    assert think_fmt.prefill_text == "<think>\n"
 
 
 def test_case9_continuation_equals_full_template(tok, action_fmt):
@@ -357,7 +357,7 @@ def test_env_action_tags_choose_the_prefill_and_the_parsed_tag(tok):
 
     assert ChatFormat.for_env(tok, EnvSection(name="reasoning_gym")).prefill_text == "<answer>"
     assert ChatFormat.for_env(tok, EnvSection(name="search")).prefill_text == ""
-    assert ChatFormat.for_env(tok, EnvSection(name="search", prompt_format="think")).prefill_text == "<think>"
+    assert ChatFormat.for_env(tok, EnvSection(name="search", prompt_format="think")).prefill_text == "<think>\n"
     r = parse_response("<search>who</search>", "action", action_tags=("search", "answer"))
     assert (r.valid, r.tag, r.action) == (True, "search", "who")
     both = parse_response("<search>a</search><answer>b</answer>", "action", action_tags=("search", "answer"))

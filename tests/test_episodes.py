@@ -56,6 +56,7 @@ class Recorder:
     def __init__(self, inner, max_model_len):
         self.inner, self.max_model_len, self.calls = inner, max_model_len, []
         self.tokenizer, self.eos_token_id = inner.tokenizer, inner.eos_token_id
+        self.stop_token_ids = inner.stop_token_ids
         self.vocab_size, self.policy_version = inner.vocab_size, inner.policy_version
 
     def generate(self, prompts_, max_new_tokens, temperature, top_p=1.0, seed=None):
@@ -188,6 +189,7 @@ class ScriptedBackend:
 
     def __init__(self, tokenizer, eos_token_id, reply, raise_rows=None):
         self.tokenizer, self.eos_token_id, self.reply = tokenizer, eos_token_id, reply
+        self.stop_token_ids = [eos_token_id]
         self.vocab_size, self.policy_version, self.max_model_len = len(tokenizer), 0, 2048
         self.calls, self.raise_rows = 0, raise_rows
 
@@ -308,6 +310,7 @@ class IdsBackend:
 
     def __init__(self, tokenizer, eos_token_id, reply):
         self.tokenizer, self.eos_token_id, self.reply = tokenizer, eos_token_id, reply
+        self.stop_token_ids = [eos_token_id]
         self.vocab_size, self.policy_version, self.max_model_len = len(tokenizer), 0, 2048
         self.calls = 0
 

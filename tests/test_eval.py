@@ -149,6 +149,7 @@ class AnswerBackend:
 
     def __init__(self, real, questions: dict[str, str], answer, fail=()):
         self.tokenizer, self.eos_token_id, self.vocab_size = real.tokenizer, real.eos_token_id, real.vocab_size
+        self.stop_token_ids = real.stop_token_ids
         self.policy_version, self.max_model_len = 5, 2048
         self.questions, self.answer, self.fail = questions, answer, set(fail)
         self.temperatures = []

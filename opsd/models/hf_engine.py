@@ -330,7 +330,7 @@ class HFEngine:
                 g.manual_seed(int(r.seed) % 2**64)  # as generate's manual_seed(seed) for any seed it accepts
             gens_rng.append(g)
         r0 = reqs[0]
-        stops = torch.tensor(sorted({b.eos_token_id, *r0.stop_token_ids}), dtype=torch.long)
+        stops = torch.tensor(sorted({*b.stop_token_ids, *r0.stop_token_ids}), dtype=torch.long)
         next_pos = torch.tensor([c + len(x) for c, x in zip(cached, new)], dtype=torch.long).unsqueeze(1).to(dev)
 
         def on_finish(row: int, cache: Any, row_mask: torch.Tensor, bpos: int) -> None:

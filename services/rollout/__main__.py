@@ -47,7 +47,7 @@ def main() -> None:
     proc.serve(port=cfg.rollout.metrics_port)
 
     backend = load_worker_backend(ROLE, cfg)
-    chat = ChatFormat.for_env(backend.tokenizer, cfg.env)
+    chat = ChatFormat.for_env(backend.tokenizer, cfg.env, cfg.model)
     ctx = env_context(cfg, proc.run_dir)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     streams = StreamNames(cfg.redis.stream_prefix)

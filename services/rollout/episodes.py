@@ -246,7 +246,7 @@ def run_groups(
     max_model_len = min(max_model_len, getattr(backend, "max_model_len", max_model_len))
     max_new = rollout_cfg.max_new_tokens
     prefill = chat.prefill_text
-    eos_id = backend.eos_token_id
+    stop_ids = frozenset(backend.stop_token_ids)
 
     groups = [_Group(task, seed, RolloutStats(episodes=task.group_size)) for task, seed in zip(tasks, seeds)]
     try:
@@ -282,7 +282,7 @@ def run_groups(
                 rows = ready[lo : lo + rollout_cfg.batch_size]
                 rows, gens = _generate(backend, rows, max_new, rollout_cfg, _turn_seed(rows[0][0].seed, turn, c))
                 for (g, ep), gen in zip(rows, gens):
-                    _play_turn(ep, gen, turn, g.task, chat, backend, env_cfg, max_new, max_model_len, prefill, eos_id,
+                    _play_turn(ep, gen, turn, g.task, chat, backend, env_cfg, max_new, max_model_len, prefill, stop_ids,
                                g.stats, adapter.ACTION_TAGS)
     finally:
         for g in groups:
@@ -457,7 +457,7 @@ def _play_turn(
     max_new: int,
     max_model_len: int,
     prefill: str,
-    eos_id: int,
+    stop_ids: frozenset[int],
     stats: RolloutStats,
     action_tags: tuple[str, ...] = ("action",),
 ) -> None:
@@ -497,10 +497,10 @@ def _play_turn(
     stats.generated_tokens += len(ids)
     stats.length_finishes += finish == "length"
 
-    # Whether the ids already hold the end-of-turn token decides if the
-    # continuation must close the assistant turn itself: a question about the
-    # ids only. Truncation is `finish`, from the sampler, never this check (case 16).
-    ended_with_eos = bool(ids) and ids[-1] == eos_id
+    # Whether the ids already end with a stop id (the template's end of turn or an eos) decides if
+    # the continuation must close the assistant turn itself: a question about the ids only.
+    # Truncation is `finish`, from the sampler, never this check (case 16).
+    ended_with_eos = bool(ids) and ids[-1] in stop_ids
     body = ids[:-1] if ended_with_eos else ids
     text = prefill + decode(backend.tokenizer, body)
     parsed = parse_response(text, env_cfg.prompt_format, env=task.env, action_tags=action_tags)

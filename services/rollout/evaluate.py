@@ -151,7 +151,7 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
     ctx: the EnvContext (`opsd.envs.local_context(cfg)`).
     checkpoint: what to call the policy in the report (default: the model name).
     max_tasks: play only the first N eval tasks (None: all `cfg.env.eval_pool`).
-    chat: a ChatFormat (default: `ChatFormat.for_env(backend.tokenizer, cfg.env)`).
+    chat: a ChatFormat (default: `ChatFormat.for_env(backend.tokenizer, cfg.env, cfg.model)`).
     on_task: called with each task's result dict as it finishes (progress display).
 
     Returns the report written to eval.json: config name, env, metric(s), checkpoint,
@@ -176,7 +176,7 @@ def evaluate(cfg, backend, ctx, out_dir: Path, *, checkpoint: str | None = None,
     tasks = adapter.make_tasks(cfg.env, ctx, "eval")
     if max_tasks is not None:
         tasks = tasks[:max_tasks]
-    chat = chat or ChatFormat.for_env(backend.tokenizer, cfg.env)
+    chat = chat or ChatFormat.for_env(backend.tokenizer, cfg.env, cfg.model)
     rollout = cfg.rollout.model_copy(update={"temperature": cfg.eval.temperature, "top_p": 1.0})
     version = int(getattr(backend, "policy_version", 0))
 

@@ -108,7 +108,7 @@ def play_group(
                     stats.generate_seconds += time.perf_counter() - t0
                     stats.generate_calls += 1
                 _play_turn(ep, gen, turn, task, chat, backend, env_cfg, rollout_cfg.max_new_tokens, max_model_len,
-                           chat.prefill_text, backend.eos_token_id, stats, adapter.ACTION_TAGS)
+                           chat.prefill_text, frozenset(backend.stop_token_ids), stats, adapter.ACTION_TAGS)
                 if ep.done:
                     break
         except Exception:

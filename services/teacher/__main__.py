@@ -59,7 +59,7 @@ def main() -> None:
         except (ValueError, OSError) as e:
             fatal(ROLE, str(e))
     backend = load_worker_backend(ROLE, cfg, cfg.teacher_model)
-    chat = ChatFormat.for_env(backend.tokenizer, cfg.env)
+    chat = ChatFormat.for_env(backend.tokenizer, cfg.env, cfg.model)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     embedder = None
     if token:

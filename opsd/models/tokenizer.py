@@ -1,0 +1,88 @@
+"""The model's tokenizer as every role loads it: its chat template (or `model.chat_template`'s file) and the
+ids that end a sampled turn (the template's end of turn and the model's eos ids, issue 34)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opsd.config import ModelSection
+
+
+def load_tokenizer(cfg: ModelSection, path: Path):
+    """The tokenizer of the local model directory `path` (a resolved ``cfg.name``), with the chat template
+    of ``cfg.chat_template`` (a Jinja file) in place of its own when set.
+
+    Raises OSError when the tokenizer files or the template file cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        path, local_files_only=True, trust_remote_code=getattr(cfg, "trust_remote_code", False))
+    if cfg.chat_template:
+        tokenizer.chat_template = Path(cfg.chat_template).expanduser().read_text(encoding="utf-8")
+    return tokenizer
+
+
+def generation_eos_ids(path: Path) -> list[int]:
+    """The eos ids of `path`/generation_config.json (an int or a list there); [] without that file or key."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos decides
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[int]]:
+    """(end_of_turn_id, stop_ids): the id the chat template closes an assistant turn with, and every id that
+    ends a sampled turn (sorted ints).
+
+    By default the stop ids are the template's end of turn plus the eos ids of
+    the model's generation_config.json, or the tokenizer's eos when that file
+    names none; when generation_config.json names eos ids they must include the
+    template's end of turn (else the model would run past the end of its
+    turns: Gemma 3's ``<end_of_turn>`` is not its tokenizer's ``<eos>``).
+    ``cfg.stop_token_ids`` replaces the default (the end of turn is then the
+    template's if listed, else the first listed id). Raises ValueError (one
+    line) for an id outside the vocabulary, a disagreement, or a template that
+    cannot be served (ChatTemplateError).
+    """
+    from opsd.chat import ChatFormat
+
+    vocab = len(tokenizer)
+    end = ChatFormat(tokenizer, "action", template_kwargs=cfg.chat_template_kwargs).end_of_turn_id
+    name = tokenizer.convert_ids_to_tokens(end)
+    if cfg.stop_token_ids:
+        bad = [i for i in cfg.stop_token_ids if i >= vocab]
+        if bad:
+            raise ValueError(f"model.stop_token_ids {bad} are outside the tokenizer's {vocab} ids")
+        stops = sorted(set(cfg.stop_token_ids))
+        return (end if end in stops else cfg.stop_token_ids[0]), stops
+    eos = generation_eos_ids(path)
+    if eos and end not in eos:
+        raise ValueError(
+            f"the chat template ends a turn with {name!r} (id {end}) but generation_config.json's eos_token_id is "
+            f"{eos}: the model may not stop at the end of a turn; set model.stop_token_ids (e.g. {sorted({end, *eos})})")
+    if not eos and tokenizer.eos_token_id is not None:
+        eos = [int(tokenizer.eos_token_id)]
+    return end, sorted({end, *eos})
+
+
+def check_chat_model(cfg: ModelSection, env_cfg, path: Path) -> None:
+    """Refuse, before any role starts, a model whose tokenizer, chat template (for `env_cfg`'s prompt format and
+    action tags) or stop ids opsd cannot serve. Loads the tokenizer from the local model directory `path`.
+
+    Raises ValueError with one line: ``model 'NAME': <the first problem>``.
+    """
+    from opsd.chat import ChatFormat
+
+    try:
+        tokenizer = load_tokenizer(cfg, path)
+        ChatFormat.for_env(tokenizer, env_cfg, cfg)
+        turn_stop_ids(cfg, tokenizer, path)
+    except Exception as e:  # a boundary check: whatever transformers or the template raise becomes one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"model {cfg.name!r}: {first}") from e
