@@ -145,37 +145,40 @@ def test_stop_ids_include_the_templates_end_of_turn(variant, tmp_path):
     assert tok.eos_token_id is None or tok.eos_token_id in stops
 
 
-def family_row(key: str) -> str:
-    """One row of the README's table of families: accepted, ids exact per format, end of turn and stop ids."""
+def family_row(variant: str) -> str:
+    """One row of the README's table of families: each prompt format's result, the stop ids, the rules."""
+    key, kwargs = VARIANTS[variant]
     fam = FAMILIES[key]
+    name = fam.display + (f" ({', '.join(f'{k}: {v}' for k, v in kwargs.items())})" if kwargs else "")
     try:
         tok = load_tokenizer(key)
     except FamilyUnavailable as e:
-        return f"| {fam.display} | not tested: {str(e).splitlines()[0]} | | | |"
+        return f"| {name} | not tested: {str(e).splitlines()[0]} | | | |"
     cells = []
     for fmt in ("action", "think"):
         try:
-            chat = ChatFormat(tok, fmt)
-            prompts, replies = build(chat, tok, 2)
-            msgs = _reference_messages(chat, replies, USERS[:3])
-            ref = _enc(tok, tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-                       + (chat._content_prefix + chat.prefill_text if chat.prefill_text else ""))
-            cells.append("exact" if prompts[-1] == ref else "history kept (see rules)")
+            chat = _chat_format(variant, fmt)
         except ValueError as e:
-            cells.append(f"refused: {e}")
-    end, stops = turn_stop_ids(ModelSection(), tok, Path("/nonexistent"))
-    names = ", ".join(f"`{tok.convert_ids_to_tokens(i)}` {i}" for i in stops)
-    rule = ChatFormat(tok, "action")
-    notes = [f"system: {rule.system_rule}", f"contents: {rule.strip_rules['user']}"]
-    return f"| {fam.display} | {cells[0]} | {cells[1]} | {names} | {'; '.join(notes)} |"
+            cells.append(f"refused ({str(e).split(':')[0]})")
+            continue
+        prompts, replies = build(chat, tok, 2)
+        msgs = _reference_messages(chat, replies, USERS[:3])
+        ref = _enc(tok, tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+                   + (chat._content_prefix + chat.prefill_text if chat.prefill_text else ""))
+        cells.append("exact" if prompts[-1] == ref else "exact, earlier thinking kept")
+    _, stops = turn_stop_ids(ModelSection(chat_template_kwargs=kwargs), tok, Path("/nonexistent"))
+    names = ", ".join(f"`{tok.convert_ids_to_tokens(i)}` {i}".replace("|", "\\|") for i in stops)
+    chat = _chat_format(variant, "action")
+    rules = f"system: {chat.system_rule}; contents: {chat.strip_rules['user']}"
+    return f"| {name} | {cells[0]} | {cells[1]} | {names} | {rules} |"
 
 
-TABLE_HEADER = ("| family | action format | think format | stop ids (end of turn + eos) | template rules |\n"
+TABLE_HEADER = ("| family | action format | think format | stop ids (end of turn, eos) | template rules |\n"
                 "|---|---|---|---|---|")
 
 
 def family_table() -> str:
-    return "\n".join([TABLE_HEADER, *(family_row(k) for k in FAMILY_KEYS)])
+    return "\n".join([TABLE_HEADER, *(family_row(v) for v in VARIANTS)])
 
 
 def test_readme_table():

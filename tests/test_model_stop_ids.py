@@ -1,0 +1,87 @@
+"""Stop ids, template overrides and the check before anything starts (issue 34), on real tokenizer files."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import GenerationConfig
+
+from opsd.config import EnvSection, ModelSection
+from opsd.models.hf import ensure_model
+from opsd.models.tokenizer import check_chat_model, load_tokenizer, turn_stop_ids
+from tests.tokenizer_families import family_or_skip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model_dir(tmp_path: Path, eos) -> Path:
+    """A directory holding only a generation_config.json with these eos ids (all turn_stop_ids reads there)."""
+    GenerationConfig(eos_token_id=eos).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_gemma3_stops_at_end_of_turn_and_eos(tmp_path):
+    tok = family_or_skip("gemma3")
+    end, stops = turn_stop_ids(ModelSection(), tok, _model_dir(tmp_path, [1, 106]))
+    assert (end, stops) == (106, [1, 106])  # <end_of_turn>, not only the tokenizer's <eos>
+
+
+def test_a_generation_config_without_the_end_of_turn_is_refused(tmp_path):
+    tok = family_or_skip("gemma3")
+    with pytest.raises(ValueError, match=r"ends a turn with '<end_of_turn>' \(id 106\).*\[1\].*stop_token_ids"):
+        turn_stop_ids(ModelSection(), tok, _model_dir(tmp_path, 1))
+    # The user confirms the ids: accepted as given.
+    end, stops = turn_stop_ids(ModelSection(stop_token_ids=[106, 1]), tok, tmp_path)
+    assert (end, stops) == (106, [1, 106])
+
+
+def test_llama3_stop_ids_from_generation_config(tmp_path):
+    tok = family_or_skip("llama3.1")
+    # Llama-3.1-8B-Instruct's generation_config: <|end_of_text|>, <|eom_id|>, <|eot_id|>.
+    end, stops = turn_stop_ids(ModelSection(), tok, _model_dir(tmp_path, [128001, 128008, 128009]))
+    assert (end, stops) == (128009, [128001, 128008, 128009])
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    tok = family_or_skip("smollm2")
+    with pytest.raises(ValueError, match="outside the tokenizer's 49152 ids"):
+        turn_stop_ids(ModelSection(stop_token_ids=[2, 10**6]), tok, tmp_path)
+
+
+def test_chat_template_file_replaces_the_tokenizers(tmp_path):
+    phi = family_or_skip("phi3.5")
+    template = tmp_path / "phi.jinja"
+    template.write_text(phi.chat_template)
+    src = ensure_model(ModelSection())  # SmolLM2's tokenizer, rendered with Phi-3.5's template
+    cfg = ModelSection(name=str(src), chat_template=str(template))
+    tok = load_tokenizer(cfg, src)
+    assert tok.chat_template == phi.chat_template
+    # <|end|> is not a token of SmolLM2's vocabulary: the template cannot end a turn with a special token.
+    with pytest.raises(ValueError, match=r"^model '.*': assistant turns must end with a special token"):
+        check_chat_model(cfg, EnvSection(), src)
+
+
+def test_prepare_refuses_a_model_it_cannot_serve_in_one_line(tmp_path):
+    """`opsd prepare` on a model whose template has no end-of-turn special token: one line, exit 2."""
+    model = tmp_path / "model"
+    shutil.copytree(ensure_model(ModelSection(name="tiny-random")), model)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}assistant: {% endif %}")
+    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    config["model"] = {"name": str(model), "chat_template": str(bad)}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.run([sys.executable, "-m", "opsd.cli", "prepare", str(path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: model '{model}'"), out
+    assert "assistant turns must end with a special token" in lines[0]
