@@ -496,3 +496,22 @@ def test_run_groups_survives_an_env_that_fails_to_close_or_reports_a_malformed_h
     stepped = [t for t in trajectories if any(rec.format_valid for rec in t.turns)]
     assert stepped and all(t.ending == "error" for t in stepped)
     assert all(rec.hint != list("take coin") for t in trajectories for rec in t.turns)
+
+
+def test_a_reply_ending_at_any_stop_id_is_a_finished_turn(game, backend, chat):
+    """Issue 34: a turn that ends at a stop id other than the template's end of turn (an eos, as Llama 3's
+    <|end_of_text|> beside <|eot_id|>) is finished: the continuation does not close it a second time."""
+    other_stop = 0  # SmolLM2's <|endoftext|>, made a stop id of this backend
+    look = _enc(backend, "look</action>")
+    replies = [(look + [other_stop], "stop"), (look + [backend.eos_token_id], "stop")]
+    fake = IdsBackend(backend.tokenizer, backend.eos_token_id, lambda c, r: replies[c])
+    fake.stop_token_ids = [other_stop, backend.eos_token_id]
+    group, _ = run_group(make_task(game, 1, 2), fake, chat, ENV, RolloutSection(group_size=1, max_new_tokens=8), 2048, seed=0)
+    (traj,) = group.trajectories
+    ids = traj.token_ids_S.tolist()
+    t0, t1 = traj.turns
+    after = ids[t0.response_end : t1.response_start]
+    assert ids[t0.response_end - 1] == other_stop
+    # ChatML's "\n" after the end of turn, then the user turn: no <|im_end|> inserted to close it again.
+    assert after[:2] == _enc(backend, "\n") + [backend.tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    assert t0.format_valid and t0.finish_reason == "stop"
