@@ -83,7 +83,7 @@ from opsd.credit import compute_advantages  # noqa: E402
 from opsd.embedding_api import CorrespondRequest  # noqa: E402
 from opsd.envs import ADAPTERS, ClosingEnv, EnvPrompt, EnvStep, Task  # noqa: E402
 from opsd.models import load_backend  # noqa: E402
-from opsd.models.hf import TINY_RANDOM  # noqa: E402
+from opsd.models.packaged import TINY_RANDOM  # noqa: E402
 from opsd.types import TaskGroup  # noqa: E402
 from opsd.encoder import Encoder  # noqa: E402
 from services.embedder.app import correspond  # noqa: E402

@@ -6,6 +6,7 @@ progress bar with one metrics line per step, and leaves a run directory:
 
     <output_dir>/<name>-<timestamp>/
       config.yaml      the resolved config        metrics.jsonl  one line a step
+      model.json       the models resolved (Hub id, revision, commit, local path)
       metrics.png      the curves                 checkpoint/    weights + tokenizer (resume point)
       logs/            one log per service (+ redis, supervisor)
       scrapes/         each service's last /metrics and /health answer
@@ -168,20 +169,42 @@ def format_line(line: str) -> str:
     return format_step(record)
 
 
-def prepare(cfg: RunConfig) -> None:
-    """Build the caches every role needs (model conversion, game files) once, before the roles start."""
+def prepare(cfg: RunConfig, models: dict | None = None) -> dict:
+    """Build the caches every role needs (model files, game files) once, before the roles start.
+
+    models: the run's resolved models (`resolve_models`), resolved here when None (which pins cfg's Hub
+    revisions to their commits). Returns them. Raises ValueError (ModelUnavailableError: a Hub model that
+    cannot be had; a teacher of another tokenizer) or OSError (a model that is not there), each one line.
+    """
     from opsd.envs import EnvContext, get_adapter
-    from opsd.models.hf import ensure_model
+    from opsd.models.hub import resolve_run
     from opsd.models.tokenizer import check_chat_model
 
     t0 = time.perf_counter()
-    check_chat_model(cfg.model, cfg.env, ensure_model(cfg.model))  # tokenizer, chat template, stop ids
-    if cfg.needs_teacher and cfg.teacher.source == "model":
+    models = models or resolve_run(cfg)
+    for key, m in models.items():
+        if m.commit is not None:
+            console.print(f"[dim]{key} {escape(m.name)} revision {escape(m.revision)}: commit {m.commit} "
+                          f"({escape(str(m.path))})[/dim]")
+    check_chat_model(cfg.model, cfg.env, models["model"].path)  # tokenizer, chat template, stop ids
+    if "teacher_model" in models:
         from opsd.models import check_teacher_model
 
-        check_teacher_model(cfg.model, cfg.teacher_model)  # converts a packaged teacher once, too
+        check_teacher_model(cfg.model, cfg.teacher_model)
     games = get_adapter(cfg.env.name).make_tasks(cfg.env, EnvContext(cache_dir=cfg.cache_root), "train")
     console.print(f"[dim]model and {len(games)} {cfg.env.name} tasks ready in {time.perf_counter() - t0:.1f}s (cache {cfg.cache_root})[/dim]")
+    return models
+
+
+def resolve_models(cfg: RunConfig) -> dict:
+    """`opsd.models.hub.resolve_run(cfg)` (pins cfg's Hub revisions to their commits); a model that cannot be had,
+    or is no model, is one red line and exit 2, before anything starts."""
+    from opsd.models.hub import resolve_run
+
+    try:
+        return resolve_run(cfg)
+    except (ValueError, OSError) as e:
+        _usage_error(str(e))
 
 
 class Services:
@@ -378,6 +401,7 @@ def run(
         if done is not None and (run_dir / "checkpoint" / OPTIMIZER_DROPPED).exists():
             _usage_error(f"{run_dir} finished with trainer.keep_optimizer_state false: its optimizer state was "
                          f"dropped, so it cannot train on; start a new run with model.name: {run_dir / 'checkpoint'}")
+        models = resolve_models(cfg)  # the commits config.yaml pins: the snapshot the run started with
         # The old run's DONE and port files would make this run look finished, or point at dead services.
         (run_dir / "DONE").unlink(missing_ok=True)
         shutil.rmtree(run_dir / "ports", ignore_errors=True)
@@ -385,6 +409,7 @@ def run(
     else:
         cfg = _installed(load_config(config, backend=backend, steps=steps,
                                      output_dir=None if output_dir is None else str(output_dir)))
+        models = resolve_models(cfg)  # before the run directory exists: a model that cannot be had leaves nothing
         run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
         resolved = run_dir / "config.yaml"
         lock = lock_run_dir(run_dir)
@@ -392,8 +417,12 @@ def run(
         cfg.trainer.dump_credit = True
     cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_dir.name}"
     tmp = run_dir / ".config.yaml.tmp"  # replaced in one step: a resumable run never has half a config
-    cfg.dump(tmp)
+    cfg.dump(tmp)  # with each Hub model's revision pinned to its commit: every role loads the same snapshot
     tmp.replace(resolved)
+    from opsd.models.hub import RUN_FILE, write_run_models
+
+    if resume is None or not (run_dir / RUN_FILE).exists():  # a resumed run keeps the revision first asked for
+        write_run_models(run_dir, models)
     done_before = len(complete_lines(run_dir / "metrics.jsonl"))
     verb = f"resuming after {done_before} logged steps" if resume is not None else "->"
     console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} step{'' if cfg.run.steps == 1 else 's'}, {cfg.model.backend} backend {verb} {run_dir}")
@@ -407,7 +436,7 @@ def run(
             console.print(f"[red]error:[/red] {escape(str(e))}")
             raise typer.Exit(2)
     try:
-        prepare(cfg)
+        prepare(cfg, models)
     except (ValueError, OSError) as e:  # a model that is not there, a teacher of another tokenizer
         console.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2)
@@ -702,17 +731,17 @@ def inspect_cmd(
 
 @app.command("prepare")
 def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False)) -> None:
-    """Fill the caches (model conversion, games) without training.
+    """Fill the caches (model files, games) without training.
 
-    Converts the model and generates the games into the cache, as `opsd run` does first; refuses a model it
-    cannot serve (tokenizer, chat template, stop ids) with one line.
+    Converts a packaged model or downloads a Hub model (model.name org/name, at model.revision) into its cache,
+    and generates the games, as `opsd run` does first. A model that cannot be had, or whose tokenizer, chat
+    template or stop ids opsd cannot serve, is one line, exit 2.
     """
     cfg = load_config(config)
     try:
         prepare(cfg)
-    except (ValueError, OSError) as e:  # a model that is not there or cannot be served, a teacher of another tokenizer
-        console.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(2)
+    except (ValueError, OSError) as e:  # a model that cannot be had or is not there, a teacher of another tokenizer
+        _usage_error(str(e))
 
 
 @app.command("eval")
@@ -752,7 +781,8 @@ def eval_cmd(
         except pydantic.ValidationError as e:
             _usage_error(f"--episodes {episodes}: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
     if src.model_dir is not None:
-        cfg.model = cfg.model.model_copy(update={"name": str(src.model_dir)})
+        # A local directory has no Hub revision: the run's pinned one named the base model's snapshot.
+        cfg.model = cfg.model.model_copy(update={"name": str(src.model_dir), "revision": None})
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     if out is not None:
         out_dir = out

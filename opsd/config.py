@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from opsd.types import MAX_GROUP_SIZE, MAX_GROUP_TURNS
 
@@ -70,10 +70,27 @@ class VLLMSection(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
 
 
+def _revision(value: str | None) -> str | None:
+    if value is not None and not (0 < len(value) <= 255 and not any(c.isspace() for c in value)):
+        raise ValueError("a Hub revision is a branch, tag or commit: 1 to 255 characters, no whitespace")
+    return value
+
+
+Revision = Annotated[str | None, AfterValidator(_revision)]
+
+
 class ModelSection(_Section):
-    # a packaged model (opsd.models.hf.PACKAGED_MODELS), "tiny-random" (a tiny random Llama for tests and
-    # simulated compute, opsd.models.hf.TINY_RANDOM) or a local HF dir
+    # a packaged model (opsd.models.packaged.PACKAGED_MODELS), "tiny-random" (a tiny random Llama for tests and
+    # simulated compute, opsd.models.packaged.TINY_RANDOM), a local HF dir, or a Hugging Face Hub id ("org/name",
+    # resolved as from_pretrained resolves it: opsd/models/hub.py). An existing local dir wins over a Hub id.
     name: str = Field("smollm2-135m-instruct", min_length=1, max_length=4096)
+    # A Hub id's branch, tag or commit (None: "main"). `opsd run` pins it to the resolved 40-hex commit in the
+    # run's config.yaml, so every role (and a resume) loads the same snapshot. A packaged model or a local dir
+    # has no revisions: refused with them rather than ignored, so no record shows a pin that was not applied.
+    revision: Revision = None
+    # Run the model repo's own Python code (a custom architecture or tokenizer) when loading it: only for a repo
+    # you trust. An external teacher's own section decides for the teacher; it does not inherit the student's.
+    trust_remote_code: bool = False
     # Rollout and teacher generate/score with this backend: "hf" (transformers, CPU or one GPU) or
     # "vllm" (vLLM engine; `make install-vllm` on CPU). The trainer always uses transformers.
     backend: Literal["hf", "vllm"] = "hf"
@@ -796,12 +813,16 @@ ADDED_FIELDS = (
     ("env", "twx"), ("env", "scienceworld"), ("env", "alfworld"), ("env", "search"), ("env", "webshop"),
     ("env", "reasoning_gym"), ("embedder", "device"), ("env", "evidence"),
 )
+# ModelSection fields added after runs already existed, in `model:` and an external teacher's `teacher.model:`
+# alike: at their defaults they are left out of the hash.
+ADDED_MODEL_FIELDS = ("revision", "trust_remote_code", "stop_token_ids", "chat_template", "chat_template_kwargs")
 # Sections that never change what a run trains (dropped from the hash whole).
 UNHASHED_SECTIONS = ("eval", "simulate")
 
 
 def hashed_config(cfg) -> dict:
-    """The resolved config (a RunConfig) as JSON data, without RESUMABLE_FIELDS, ADDED_FIELDS at their defaults and any section's metrics_port."""
+    """The resolved config (a RunConfig) as JSON data, without RESUMABLE_FIELDS, ADDED_FIELDS and ADDED_MODEL_FIELDS at
+    their defaults and any section's metrics_port."""
     data = cfg.model_dump(mode="json")
     for section in UNHASHED_SECTIONS:
         data.pop(section, None)
@@ -811,6 +832,10 @@ def hashed_config(cfg) -> dict:
     for section, name in ADDED_FIELDS:
         if data[section].get(name) == defaults[section][name]:
             data[section].pop(name, None)
+    for model in (data["model"], data["teacher"].get("model")):
+        for name in ADDED_MODEL_FIELDS:
+            if model is not None and model.get(name) == defaults["model"][name]:
+                model.pop(name, None)
     for section in data.values():
         if isinstance(section, dict):
             section.pop("metrics_port", None)

@@ -260,15 +260,16 @@ def load_worker_backend(role: str, cfg, model=None) -> Any:
     """`opsd.models.load_backend(model or cfg.model)` for rollout and teacher; what cannot start is fatal.
 
     model: a ModelSection (the teacher passes `cfg.teacher_model`). An
-    ImportError (backend vllm without vLLM in this environment) or an OSError
-    (a missing model directory or weight file) exits FATAL_EXIT with the
-    reason's first line: restarting the role cannot fix it.
+    ImportError (backend vllm without vLLM in this environment), an OSError
+    (a missing model directory or weight file) or a ModelUnavailableError (a
+    Hub model that cannot be had) exits FATAL_EXIT with the reason's first
+    line: restarting the role cannot fix it.
     """
-    from opsd.models import load_backend
+    from opsd.models import ModelUnavailableError, load_backend
 
     try:
         return load_backend(model or cfg.model)
-    except (ImportError, OSError) as e:  # OSError: a missing model dir or weight file, a corrupt config
+    except (ImportError, OSError, ModelUnavailableError) as e:  # OSError: a missing model dir or weight file, a corrupt config
         fatal(role, (str(e).strip().splitlines() or [type(e).__name__])[0])
 
 

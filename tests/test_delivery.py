@@ -507,7 +507,8 @@ def test_run_refuses_a_redis_url_overriding_the_socket_timeout(redis_url, tmp_pa
     from opsd.cli import Services
 
     started = []
-    monkeypatch.setattr("opsd.cli.prepare", lambda cfg: None)
+    monkeypatch.setattr("opsd.cli.resolve_models", lambda cfg: {})
+    monkeypatch.setattr("opsd.cli.prepare", lambda cfg, models: None)
     monkeypatch.setattr(Services, "start", lambda self, role: started.append(role))
     monkeypatch.setenv("REDIS_URL", redis_url + ("&" if "?" in redis_url else "?") + "socket_timeout=1")
     config = tmp_path / "c.yaml"
@@ -642,7 +643,8 @@ def test_run_refuses_a_redis_url_without_password_before_starting_roles(tmp_path
     from opsd.cli import Services
 
     started = []
-    monkeypatch.setattr("opsd.cli.prepare", lambda cfg: None)
+    monkeypatch.setattr("opsd.cli.resolve_models", lambda cfg: {})
+    monkeypatch.setattr("opsd.cli.prepare", lambda cfg, models: None)
     monkeypatch.setattr(Services, "start", lambda self, role: started.append(role))
     monkeypatch.delenv("OPSD_REDIS_ALLOW_NO_AUTH", raising=False)
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6399/0")
@@ -741,7 +743,8 @@ def test_run_supervises_and_resumes_with_its_redis_data(tmp_path, monkeypatch):
 
     script = tmp_path / "dummy_role.py"
     script.write_text(_DUMMY_ROLE)
-    monkeypatch.setattr("opsd.cli.prepare", lambda cfg: None)  # no model or games needed
+    monkeypatch.setattr("opsd.cli.resolve_models", lambda cfg: {})  # no model or games needed
+    monkeypatch.setattr("opsd.cli.prepare", lambda cfg, models: None)
     monkeypatch.setattr(Services, "role_command",
                         lambda self, role: [sys.executable, str(script), role, str(self.config_path), str(self.run_dir)])
     monkeypatch.delenv("REDIS_URL", raising=False)

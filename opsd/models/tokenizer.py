@@ -17,7 +17,7 @@ def load_tokenizer(cfg: ModelSection, path: Path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        path, local_files_only=True, trust_remote_code=getattr(cfg, "trust_remote_code", False))
+        path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
         tokenizer.chat_template = Path(cfg.chat_template).expanduser().read_text(encoding="utf-8")
     return tokenizer

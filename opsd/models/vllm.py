@@ -64,7 +64,6 @@ import weakref
 from pathlib import Path
 from typing import Any, Awaitable, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # nothing leaves the machine
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -162,7 +161,7 @@ class VLLMBackend:
         self.max_model_len = cfg.max_model_len
         self.path = ensure_model(cfg)
         self.tokenizer = load_tokenizer(cfg, self.path)
-        hf_config = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(self.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
         self.vocab_size: int = int(hf_config.vocab_size)
         self.max_positions: int = int(getattr(hf_config, "max_position_embeddings", 0) or cfg.max_model_len)
         self.eos_token_id, self.stop_token_ids = turn_stop_ids(cfg, self.tokenizer, self.path)
@@ -193,6 +192,7 @@ class VLLMBackend:
         # longer than the sampling budget `max_model_len` (which `fits` enforces for generation).
         args = AsyncEngineArgs(
             model=str(self.path),
+            trust_remote_code=cfg.trust_remote_code,
             dtype=cfg.dtype,
             max_model_len=self.max_positions,
             enable_prefix_caching=True,

@@ -36,7 +36,7 @@ from opsd import metrics
 from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
-from opsd.models import load_backend
+from opsd.models import ModelUnavailableError, load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
@@ -51,7 +51,7 @@ from services.trainer.controller import (
 from services.trainer.distributed import init_from_env, parallelize, share_checkpoint
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.ema import PolicyEMA
-from services.trainer.report import append_metrics, plot_metrics, read_metrics, summarize, write_records
+from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
 from services.trainer.update import follow
 
@@ -119,7 +119,10 @@ def train() -> None:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
 
-    backend = load_backend(cfg.model, backend="hf")  # the trainer needs the transformers model
+    try:
+        backend = load_backend(cfg.model, backend="hf")  # the trainer needs the transformers model
+    except ModelUnavailableError as e:  # a Hub model this machine cannot have: a restart cannot help
+        fatal(ROLE, str(e))
     model = backend.model
     if cfg.trainer.lora is not None:  # in place: only the adapters train; save_weights then publishes them alone
         from opsd.lora import apply_lora
@@ -151,6 +154,7 @@ def train() -> None:
     if par.mirror is not None:  # FSDP2 sharded `model`: publish the full copy `par.gather` keeps current
         backend.model = par.mirror
     records = read_metrics(ckpt) if ckpt is not None else []
+    models = model_records(run_dir, cfg)  # step 0's record (metrics.jsonl's first line) names the models
     write_records(run_dir / "metrics.jsonl", records)  # records of steps after the checkpoint: those steps run again
     if state.step < cfg.run.steps:
         (run_dir / "DONE").unlink(missing_ok=True)
@@ -205,7 +209,8 @@ def train() -> None:
         result = learn(cfg, par.module, optimizer, groups, scored, base_model, dump, world)
         if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): credit + update take trainer_s in all
             proc.stop.wait(max(0.0, cfg.simulate.trainer_s - (time.perf_counter() - t_compute)))
-        record = {"step": step, "policy_version": version + 1, **summarize(groups, scored, cfg.credit.diagnostic_prompt_buckets)}
+        record = {"step": step, "policy_version": version + 1, **(models if step == 0 else {}),
+                  **summarize(groups, scored, cfg.credit.diagnostic_prompt_buckets)}
         step, version = step + 1, version + 1
         state.step, state.policy_version, state.applied, state.counts = step, version, collector.applied, dict(collector.counts)
         record.update({k: float(v) for k, v in result.credit_metrics.items()})

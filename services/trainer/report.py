@@ -11,7 +11,9 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
+from opsd.config import RunConfig
 from opsd.credit.diagnostics import teacher_verifier_metrics, trajectory_scores
+from opsd.models.hub import COMMIT, read_run_models, resolve_model
 from opsd.types import RolloutGroup, ScoredGroup
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,25 @@ def summarize(
         out["matched_turn_rate"] = float(np.mean([bool(s) for sg in scored for s in sg.selected_sources_M])) if turns else 0.0
         out.update(privileged_signal(scored))
         out.update(teacher_verifier(scored, prompt_buckets or []))
+    return out
+
+
+def model_records(run_dir: Path, cfg: RunConfig) -> dict[str, dict]:
+    """What metrics.jsonl's first line records about the models: "model" and, when an external teacher scores,
+    "teacher_model", each {"name", "revision", "commit", "path"} (opsd.models.hub.ResolvedModel.record).
+
+    Those `opsd run` resolved for the run (<run_dir>/model.json: the revision as asked, not the commit the run's
+    config.yaml pins); without that file (roles started one by one: compose, k8s) the trainer's own resolution
+    of its policy, and the teacher's config (its path null: the trainer does not hold the teacher's files).
+    """
+    recorded = read_run_models(run_dir)
+    if recorded is not None:
+        return recorded
+    out = {"model": resolve_model(cfg.model).record()}
+    if cfg.needs_teacher and cfg.teacher.source == "model":
+        t = cfg.teacher.model
+        pinned = t.revision if t.revision is not None and COMMIT.fullmatch(t.revision) else None
+        out["teacher_model"] = {"name": t.name, "revision": t.revision, "commit": pinned, "path": None}
     return out
 
 
