@@ -33,6 +33,15 @@ PRIVILEGED_HEADER = "[Privileged Skill Information]\n"
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 _WS = " \n"  # wrapped around probe contents to learn which whitespace a template strips
+# What a tokenizer's added token with rstrip/lstrip swallows after/before itself: Rust's char::is_whitespace
+# (Unicode White_Space), not Python's str.strip() set (which also strips U+001C..U+001F).
+_TOKEN_WS = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + (
+    "\u2028\u2029\u202f\u205f\u3000")
+# Ordinary contents (mixed case, markup, digits, longer than a sentinel) for the check that the template
+# renders contents as given.
+_CHECK_SYSTEM = "Rules: Reply With One Command & Nothing Else (v2)."
+_CHECK_USERS = ("You See a <b>Door</b> & 2 Keys; Exits: North.", "It Opens. 'A Hall' Lies Beyond & Nothing Else.")
+_CHECK_REPLY = "<action>Open Door</action>"
 
 
 class ChatTemplateError(ValueError):
@@ -109,8 +118,13 @@ class ChatFormat:
       assistant content (Mistral's " " after ``[/INST]``) gets it before a prefill.
 
     `system_rule` says which applied ("template", "first_user", "last_user");
-    `strip_rules` the per-role whitespace rules. Raises ChatTemplateError
-    (one line) for a template that cannot be served this way.
+    `strip_rules` the per-role whitespace rules. Special tokens the tokenizer
+    marks rstrip/lstrip drop the whitespace after/before them, as when it
+    encodes a rendered conversation. Raises ChatTemplateError (one line) for a
+    template that cannot be served this way: one that changes contents (checked
+    on a conversation with ordinary contents, as text and as the tokenizer's
+    ids), repeats an earlier message in later turns, renders no generation
+    prompt, or whose text the tokenizer encodes differently around its special tokens.
     """
 
     def __init__(self, tokenizer, prompt_format: Literal["action", "think"], action_tags: Sequence[str] = ("action",),
@@ -132,12 +146,17 @@ class ChatFormat:
             if getattr(tok, "special", False)
         }
         self._special_ids = specials
+        # Added tokens that swallow the whitespace after (rstrip) / before (lstrip) them when the tokenizer
+        # encodes a rendered conversation (Hugging Face's Phi-3.5 role markers): segments are cut the same way.
+        self._rstrip_ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "rstrip", False)}
+        self._lstrip_ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "lstrip", False)}
         self._special_re = re.compile(
             "(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")"
         ) if specials else None
         self._tail = _tail_encoder(tokenizer)
         self._derive_turn_pieces()
         self._check_segment_encoding()
+        self._check_contents()
 
     # -- template probing ----------------------------------------------------
 
@@ -198,12 +217,20 @@ class ChatFormat:
         if not parts or parts[0][0] != "special":
             raise ChatTemplateError(f"assistant turns must end with a special token, got {between[:40]!r}")
         self.end_of_turn_id: int = parts[0][1]  # type: ignore[assignment]  # <|im_end|>, <|eot_id|>, <end_of_turn>
-        self._end_of_turn_special = self._special_re.match(between).group(0)  # type: ignore[union-attr]
         self._next_turn_text = between + _SENTINEL.format(0) + generation_header
+        self._template_specials = [v for k, v in self._split_specials(text) if k == "special"]
         # Text the template puts between the generation prompt and the content (Mistral: " "): goes before a prefill.
         self._content_prefix = ""
         if history_header.startswith(generation_header):
             self._content_prefix = history_header[len(generation_header) :]
+        if _SENTINEL_RE.search(between + generation_header + self._content_prefix):  # filled with the observation
+            raise ChatTemplateError("the template repeats an earlier message (e.g. the system prompt) in later "
+                                    "turns: a continuation cannot be appended")
+        if self._content_prefix and self._special_re is not None and self._special_re.search(self._content_prefix):
+            # It would be encoded as plain text: the template ignores add_generation_prompt, or writes its
+            # assistant header only before an assistant content.
+            raise ChatTemplateError(f"the generation prompt lacks the assistant header {self._content_prefix!r} "
+                                    "the template writes before an assistant content (add_generation_prompt ignored?)")
         if self.prompt_format == "think" and "</think>" in generation_header:
             raise ChatTemplateError("the generation prompt already closes a think block (enable_thinking off?): "
                                     "use env.prompt_format: action")
@@ -220,15 +247,35 @@ class ChatFormat:
                             "assistant": _strip_rule(padded, a)}
 
     def _check_segment_encoding(self) -> None:
-        """Encoding a segment on its own must give the ids the tokenizer gives it after a special token."""
-        special = next(iter(self._special_ids), None)
-        if special is None:
-            return
-        for probe in ("Hello world\n", " two  spaces", "\nnew line", "<action>go north</action>"):
-            want = self.tokenizer(special + probe, add_special_tokens=False)["input_ids"]
-            got = [self._special_ids[special], *self._encode_text(probe, at_start=False)]
-            if list(want) != got:
-                raise ChatTemplateError(f"cannot reproduce how the tokenizer encodes text after {special!r}")
+        """Encoding a segment on its own must give the ids the tokenizer gives it after (and before) each special
+        token the template writes."""
+        names = {v: k for k, v in self._special_ids.items()}
+        for special in dict.fromkeys(names[i] for i in self._template_specials):
+            for probe in ("Hello world\n", " two  spaces", "\nnew line", "<action>go north</action>"):
+                for text in (special + probe, probe + special):
+                    want = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                    if list(want) != self._encode_template(text, (), at_start=True):
+                        raise ChatTemplateError(f"cannot reproduce how the tokenizer encodes text around {special!r}")
+
+    def _check_contents(self) -> None:
+        """The template must render message contents as given: the first prompt of a conversation with ordinary
+        contents (a one-shot turn, then a user turn) built from the probed pieces must be the template's own
+        rendering of it, as text and as the tokenizer's ids. Raises ChatTemplateError where not (a template
+        that lower-cases, escapes or otherwise rewrites contents)."""
+        u0, u1 = _CHECK_USERS
+        first_user = self.system_rule == "first_user"  # the system prompt is part of the first user content
+        contents = [_CHECK_SYSTEM + "\n\n" + u0, u1] if first_user else [_CHECK_SYSTEM, u0, u1]
+        sent = [_SENTINEL.format(i) for i in range(len(contents))]
+        rendered = self._render(self._conversation(None if first_user else sent[0],
+                                                   [(sent[-2], _CHECK_REPLY), (sent[-1], None)]), True)
+        ours = _SENTINEL_RE.sub(lambda m: contents[int(m.group(1))], rendered)
+        want = self._render(self._conversation(_CHECK_SYSTEM, [(u0, _CHECK_REPLY), (u1, None)]), True)
+        if ours != want:
+            raise ChatTemplateError("the chat template changes message contents (e.g. lower-cases or escapes them): "
+                                    "opsd cannot place them")
+        ids = self.initial_prompt_ids(_CHECK_SYSTEM, u1, [(u0, _CHECK_REPLY)])
+        if ids != list(self.tokenizer(want + self._prompt_suffix, add_special_tokens=False)["input_ids"]):
+            raise ChatTemplateError("cannot reproduce how the tokenizer encodes a rendered conversation")
 
     def _split_specials(self, text: str) -> list[tuple[str, object]]:
         """Split template text into ("special", id) and ("text", str) parts (sentinels kept in text)."""
@@ -263,6 +310,10 @@ class ChatFormat:
                 ids.append(val)  # type: ignore[arg-type]
                 continue
             text = _SENTINEL_RE.sub(lambda m: contents[int(m.group(1))], val)  # type: ignore[arg-type]
+            if k > 0 and parts[k - 1][0] == "special" and parts[k - 1][1] in self._rstrip_ids:  # swallowed by it
+                text = text.lstrip(_TOKEN_WS)
+            if k + 1 < len(parts) and parts[k + 1][0] == "special" and parts[k + 1][1] in self._lstrip_ids:
+                text = text.rstrip(_TOKEN_WS)
             ids.extend(self._encode_text(text, at_start=at_start and k == 0))
         return ids
 
@@ -330,10 +381,10 @@ class ChatFormat:
         ("<|im_end|>\\n"). Then come the user turn holding `observation`, the
         assistant header and the prefill. All of it is prompt (loss mask 0).
         """
-        text = self._next_turn_text
-        if ended_with_eos:
-            text = text[len(self._end_of_turn_special) :]
-        return self._encode_template(text, [_apply_rule(self.strip_rules["user"], observation)], self._prompt_suffix)
+        # Encoded from the end-of-turn token on (its rstrip, if any, applies to what follows); sampled, it is dropped.
+        ids = self._encode_template(self._next_turn_text, [_apply_rule(self.strip_rules["user"], observation)],
+                                    self._prompt_suffix)
+        return ids[1:] if ended_with_eos else ids
 
     def privileged_prefix_ids(self, text: str) -> list[int]:
         """Ids of ``"[Privileged Skill Information]\\n" + text + "\\n\\n"`` (spec §0).

@@ -79,6 +79,12 @@ def _revision(value: str | None) -> str | None:
 Revision = Annotated[str | None, AfterValidator(_revision)]
 
 
+_APPLY_CHAT_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ModelSection(_Section):
     # a packaged model (opsd.models.packaged.PACKAGED_MODELS), "tiny-random" (a tiny random Llama for tests and
     # simulated compute, opsd.models.packaged.TINY_RANDOM), a local HF dir, or a Hugging Face Hub id ("org/name",
@@ -109,6 +115,16 @@ class ModelSection(_Section):
     chat_template: str | None = Field(None, min_length=1, max_length=4096)
     # Extra arguments of every apply_chat_template call, e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict[str, bool | int | float | str] = Field(default_factory=dict, max_length=32)
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_template_variables(self) -> "ModelSection":
+        # apply_chat_template's own arguments: opsd sets them (tokenize, add_generation_prompt) or they are no
+        # template variable; passed on they fail as "got multiple values" or change what is rendered.
+        own = sorted(set(self.chat_template_kwargs) & _APPLY_CHAT_TEMPLATE_ARGS)
+        if own:
+            raise ValueError(f"model.chat_template_kwargs {own} are arguments of apply_chat_template, not template "
+                             "variables (the template file is model.chat_template)")
+        return self
 
 
 ENV_NAMES = ("textworld", "twx", "scienceworld", "alfworld", "search", "webshop", "reasoning_gym", "evidence")

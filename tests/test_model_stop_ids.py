@@ -85,3 +85,46 @@ def test_prepare_refuses_a_model_it_cannot_serve_in_one_line(tmp_path):
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: model '{model}'"), out
     assert "assistant turns must end with a special token" in lines[0]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "cannot be read as JSON"),
+    ("", "cannot be read as JSON"),  # an empty file
+    ("[1, 2]", "is not a JSON object"),
+    ('{"eos_token_id": "2"}', "must be a token id or a list of them"),
+    ('{"eos_token_id": [[2, 1]]}', "must be a token id or a list of them"),
+    ('{"eos_token_id": true}', "must be a token id or a list of them"),  # was id 1
+    ('{"eos_token_id": 2.7}', "must be a token id or a list of them"),  # was id 2
+    ('{"eos_token_id": [2, -1]}', r"eos_token_id \[-1\] are outside the tokenizer's 49152 ids"),  # was a stop id
+    ('{"eos_token_id": [2, 99999999]}', r"eos_token_id \[99999999\] are outside"),
+])
+def test_a_bad_generation_config_is_refused_in_one_line(tmp_path, text, match):
+    """A malformed generation_config.json was skipped as if absent (its eos ids lost); odd eos values became ids."""
+    tok = family_or_skip("smollm2")
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        turn_stop_ids(ModelSection(), tok, tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": null}')  # null: the tokenizer's eos
+    assert turn_stop_ids(ModelSection(), tok, tmp_path) == (2, [2])
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"\xff\xfe{{ messages }}", r"model.chat_template '.*bad.jinja' is not a UTF-8 text file"),
+    (b"", r"model.chat_template '.*bad.jinja' is empty"),  # was "the tokenizer has no chat template"
+    (b" \n", r"model.chat_template '.*bad.jinja' is empty"),
+])
+def test_an_unusable_chat_template_file_is_named(tmp_path, data, match):
+    template = tmp_path / "bad.jinja"
+    template.write_bytes(data)
+    src = ensure_model(ModelSection())
+    cfg = ModelSection(name=str(src), chat_template=str(template))
+    with pytest.raises(ValueError, match="^model '.*': " + match):
+        check_chat_model(cfg, EnvSection(), src)
+
+
+@pytest.mark.parametrize("key", ["tokenize", "add_generation_prompt", "chat_template", "messages"])
+def test_chat_template_kwargs_cannot_be_apply_chat_template_arguments(key):
+    with pytest.raises(ValueError, match=rf"chat_template_kwargs \['{key}'\] are arguments of apply_chat_template"):
+        ModelSection(chat_template_kwargs={key: "x"})
+    kwargs = {"enable_thinking": False}  # a template variable (Qwen3's)
+    assert ModelSection(chat_template_kwargs=kwargs).chat_template_kwargs == kwargs

@@ -3,6 +3,7 @@ ids that end a sampled turn (the template's end of turn and the model's eos ids,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from opsd.config import ModelSection
@@ -12,28 +13,49 @@ def load_tokenizer(cfg: ModelSection, path: Path):
     """The tokenizer of the local model directory `path` (a resolved ``cfg.name``), with the chat template
     of ``cfg.chat_template`` (a Jinja file) in place of its own when set.
 
-    Raises OSError when the tokenizer files or the template file cannot be read.
+    Raises OSError when the tokenizer files or the template file cannot be read, ValueError (one line) for a
+    template file that is not UTF-8 text or is empty.
     """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
         path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
-        tokenizer.chat_template = Path(cfg.chat_template).expanduser().read_text(encoding="utf-8")
+        file = Path(cfg.chat_template).expanduser()
+        try:
+            template = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:  # its own message names neither the file nor the setting
+            raise ValueError(f"model.chat_template {str(file)!r} is not a UTF-8 text file ({e.reason} at byte "
+                             f"{e.start})") from e
+        if not template.strip():  # else refused later as "the tokenizer has no chat template"
+            raise ValueError(f"model.chat_template {str(file)!r} is empty")
+        tokenizer.chat_template = template
     return tokenizer
 
 
 def generation_eos_ids(path: Path) -> list[int]:
-    """The eos ids of `path`/generation_config.json (an int or a list there); [] without that file or key."""
-    from transformers import GenerationConfig
+    """The eos ids of `path`/generation_config.json (an int or a list of ints there); [] without that file, key
+    or with null there.
 
-    try:
-        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's eos decides
+    Raises ValueError (one line) for a file that is not a JSON object or an eos_token_id of another type: read
+    by GenerationConfig, a malformed file was skipped as if absent, and 2.7 or true became id 2 or 1.
+    """
+    file = Path(path) / "generation_config.json"
+    if not file.exists():  # the tokenizer's eos decides
         return []
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # a directory, unreadable, not UTF-8, not JSON
+        raise ValueError(f"{file} cannot be read as JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    eos = config.get("eos_token_id")
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[int]]:
@@ -47,8 +69,9 @@ def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[i
     turns: Gemma 3's ``<end_of_turn>`` is not its tokenizer's ``<eos>``).
     ``cfg.stop_token_ids`` replaces the default (the end of turn is then the
     template's if listed, else the first listed id). Raises ValueError (one
-    line) for an id outside the vocabulary, a disagreement, or a template that
-    cannot be served (ChatTemplateError).
+    line) for an id outside the vocabulary (model.stop_token_ids or
+    generation_config.json's), a disagreement, a generation_config.json that
+    cannot be read, or a template that cannot be served (ChatTemplateError).
     """
     from opsd.chat import ChatFormat
 
@@ -62,6 +85,9 @@ def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[i
         stops = sorted(set(cfg.stop_token_ids))
         return (end if end in stops else cfg.stop_token_ids[0]), stops
     eos = generation_eos_ids(path)
+    bad = [i for i in eos if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"generation_config.json's eos_token_id {bad} are outside the tokenizer's {vocab} ids")
     if eos and end not in eos:
         raise ValueError(
             f"the chat template ends a turn with {name!r} (id {end}) but generation_config.json's eos_token_id is "
