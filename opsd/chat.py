@@ -215,7 +215,9 @@ class ChatFormat:
         generation_header = text[text.index(o) + len(o) :]  # end of a user turn + the generation prompt
         parts = self._split_specials(between)
         if not parts or parts[0][0] != "special":
-            raise ChatTemplateError(f"assistant turns must end with a special token, got {between[:40]!r}")
+            raise ChatTemplateError(
+                f"assistant turns must end with a special token of this tokenizer, got {between[:60]!r} (a template "
+                "of another model family? its turn markers must be special tokens of this tokenizer)")
         self.end_of_turn_id: int = parts[0][1]  # type: ignore[assignment]  # <|im_end|>, <|eot_id|>, <end_of_turn>
         self._next_turn_text = between + _SENTINEL.format(0) + generation_header
         self._template_specials = [v for k, v in self._split_specials(text) if k == "special"]

@@ -159,7 +159,7 @@ def family_row(variant: str) -> str:
         try:
             chat = _chat_format(variant, fmt)
         except ValueError as e:
-            cells.append(f"refused ({str(e).split(':')[0]})")
+            cells.append("refused: " + str(e).split(" (")[0].removeprefix("the "))
             continue
         prompts, replies = build(chat, tok, 2)
         msgs = _reference_messages(chat, replies, USERS[:3])
@@ -173,7 +173,7 @@ def family_row(variant: str) -> str:
     return f"| {name} | {cells[0]} | {cells[1]} | {names} | {rules} |"
 
 
-TABLE_HEADER = ("| family | action format | think format | stop ids (end of turn, eos) | template rules |\n"
+TABLE_HEADER = ("| family | action format | think format | stop ids | template rules |\n"
                 "|---|---|---|---|---|")
 
 

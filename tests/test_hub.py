@@ -29,6 +29,7 @@ MAIN = hashlib.sha1(b"main").hexdigest()  # refs/main
 OLD = hashlib.sha1(b"v1.0").hexdigest()  # refs/v1.0, a tag
 SHADOWED = "opsd-test/shadowed"  # in the cache and also a local directory of that name
 NO_WEIGHTS = "opsd-test/no-weights"
+DANGLING = "opsd-test/dangling"  # its model.safetensors links to a blob that is gone
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,8 @@ def hf_home(tmp_path_factory) -> Path:
     cache_model(home, ID, src, OLD, refs=("v1.0",))
     cache_model(home, SHADOWED, src, MAIN, refs=("main",))
     cache_model(home, NO_WEIGHTS, src, MAIN, refs=("main",), files=("config.json", "tokenizer.json", "tokenizer_config.json"))
+    snapshot = cache_model(home, DANGLING, src, MAIN, refs=("main",))
+    (snapshot / "model.safetensors").resolve().unlink()
     return home
 
 
@@ -94,7 +97,7 @@ def one_line_refusal(result: dict, name: str, revision: str, why: str, kind: str
     message = result["message"]
     assert "\n" not in message, message
     assert f"'{name}' revision '{revision}'" in message and why in message, message
-    assert message.endswith(f"hf download {name} --revision {revision}`"), message
+    assert f"hf download {name} --revision {revision}` (or run `opsd prepare CONFIG` online" in message, message
     return message
 
 
@@ -125,17 +128,19 @@ def test_a_hub_id_resolves_from_the_cache_offline(hf_home, tmp_path):
 def test_what_cannot_be_had_offline_is_one_line_naming_id_revision_and_fetch_command(hf_home):
     _, results = resolve_all([
         {"name": ID, "revision": "v9"}, {"name": ID, "revision": "0" * 40}, {"name": "opsd-test/absent"},
-        {"name": NO_WEIGHTS}, {"name": "opsd-test/absent", "what": "teacher.model"},
+        {"name": NO_WEIGHTS}, {"name": "opsd-test/absent", "what": "teacher.model"}, {"name": DANGLING},
     ], hub_env(hf_home))
-    missing_rev, missing_commit, missing_repo, no_weights, teacher = results
+    missing_rev, missing_commit, missing_repo, no_weights, teacher, dangling = results
     cache = f"({hf_home / 'hub'})"
     why = f"HF_HUB_OFFLINE is set and the revision is not in the Hugging Face cache {cache}"
     message = one_line_refusal(missing_rev, ID, "v9", why + " (it holds main, v1.0)")
-    assert message.endswith("fetch it with `HF_HUB_OFFLINE=0 hf download opsd-test/tiny-random --revision v9`")
+    assert "fetch it with `HF_HUB_OFFLINE=0 hf download opsd-test/tiny-random --revision v9` (or run `opsd prepare" in message
     one_line_refusal(missing_commit, ID, "0" * 40, why)
     one_line_refusal(missing_repo, "opsd-test/absent", "main", why)
     message = one_line_refusal(no_weights, NO_WEIGHTS, "main", "has no weights (*.safetensors, pytorch_model*.bin)")
     assert "fetch it with `HF_HUB_OFFLINE=0 hf download" in message, message
+    # A snapshot link whose blob is gone is refused here, not when a role loads the weights.
+    one_line_refusal(dangling, DANGLING, "main", "links model.safetensors to a missing file")
     # The teacher's section names itself.
     assert teacher["message"].startswith("teacher.model 'opsd-test/absent' revision 'main' is not available"), teacher
 
@@ -145,7 +150,10 @@ class StandinHub(BaseHTTPRequestHandler):
     of any repository (404 RevisionNotFound); anything else 501 (a server error huggingface_hub does not retry
     with backoff, unlike 500: the test takes a second, not half a minute)."""
 
+    requests: list[str] = []  # every path asked for, in order
+
     def do_GET(self) -> None:
+        self.requests.append(self.path)
         if "/opsd-test/missing" in self.path:
             status, code = 404, "RepoNotFound"
         elif "/opsd-test/gated" in self.path:
@@ -191,6 +199,16 @@ def test_the_hubs_refusals_map_to_one_line_and_a_down_hub_falls_back_to_the_cach
     one_line_refusal(missing_repo, "opsd-test/missing", "main", "the Hub has no such repository")
     one_line_refusal(gated, "opsd-test/gated", "main", "gated: accept its terms on its Hub page, then set HF_TOKEN")
     one_line_refusal(down, "opsd-test/down", "main", "no answer from the Hub (HfHubHTTPError: Server error '501 Not Implemented'")
+
+
+def test_a_pinned_commit_in_the_cache_asks_the_hub_nothing(hf_home, standin_hub):
+    """Every role of a run loads its pinned commit: with the snapshot complete in the cache, no role waits on a
+    Hub call (online, where a main or a tag is still asked for, as from_pretrained asks)."""
+    StandinHub.requests.clear()
+    _, (pinned,) = resolve_all([{"name": ID, "revision": MAIN}], hub_env(hf_home, offline=False, HF_ENDPOINT=standin_hub))
+    assert pinned["ok"]["commit"] == MAIN and StandinHub.requests == []
+    _, (tag,) = resolve_all([{"name": ID, "revision": "v1.0"}], hub_env(hf_home, offline=False, HF_ENDPOINT=standin_hub))
+    assert tag["ok"]["commit"] == OLD and StandinHub.requests  # asked (501), then served from the cache
 
 
 def test_only_what_a_model_needs_is_fetched():
@@ -273,7 +291,7 @@ def test_prepare_and_run_refuse_a_model_that_cannot_be_had_in_one_line(hf_home, 
         out = (proc.stdout + proc.stderr).strip()
         assert proc.returncode == 2 and len(out.splitlines()) == 1, out
         assert out.startswith("error: model 'opsd-test/absent' revision 'v2' is not available: ")
-        assert "Traceback" not in out and out.endswith("hf download opsd-test/absent --revision v2`"), out
+        assert "Traceback" not in out and "hf download opsd-test/absent --revision v2` (or run `opsd prepare CONFIG` online" in out, out
         if where == "hub unreachable":
             assert "no answer from the Hub (ConnectError" in out, out
     assert not (tmp_path / "runs").exists()  # refused before a run directory was made, let alone a role started

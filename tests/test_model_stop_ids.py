@@ -128,3 +128,34 @@ def test_chat_template_kwargs_cannot_be_apply_chat_template_arguments(key):
         ModelSection(chat_template_kwargs={key: "x"})
     kwargs = {"enable_thinking": False}  # a template variable (Qwen3's)
     assert ModelSection(chat_template_kwargs=kwargs).chat_template_kwargs == kwargs
+
+
+@pytest.mark.parametrize("setting, match", [
+    ("{{ 'missing' }}", r"model.chat_template is the path of a Jinja file; this looks like the template itself"),
+    ("missing.jinja", r"model.chat_template '.*missing.jinja' cannot be read: No such file or directory"),
+    (".", r"model.chat_template '.' cannot be read: Is a directory"),
+])
+def test_a_chat_template_setting_that_is_no_readable_file_is_named(tmp_path, monkeypatch, setting, match):
+    monkeypatch.chdir(tmp_path)
+    src = ensure_model(ModelSection())
+    with pytest.raises(ValueError, match="^model '.*': " + match):
+        check_chat_model(ModelSection(name=str(src), chat_template=setting), EnvSection(), src)
+
+
+def test_stop_token_ids_must_hold_the_templates_end_of_turn(tmp_path):
+    tok = family_or_skip("smollm2")
+    with pytest.raises(ValueError, match=r"stop_token_ids \[0\] lack the chat template's end of turn '<\|im_end\|>' "
+                                         r"\(id 2\): add it"):
+        turn_stop_ids(ModelSection(stop_token_ids=[0]), tok, tmp_path)
+    assert turn_stop_ids(ModelSection(stop_token_ids=[0, 2]), tok, tmp_path) == (2, [0, 2])
+
+
+def test_a_relative_chat_template_path_is_made_absolute_for_every_role(tmp_path, monkeypatch):
+    from opsd.config import RunConfig
+    from opsd.models.hub import resolve_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "own.jinja").write_text("x")
+    cfg = RunConfig.model_validate({"model": {"name": "tiny-random", "chat_template": "own.jinja"}})
+    resolve_run(cfg)
+    assert cfg.model.chat_template == str(tmp_path / "own.jinja")

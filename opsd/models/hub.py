@@ -117,6 +117,13 @@ def _from_hub(cfg: ModelSection, what: str) -> ResolvedModel:
     from huggingface_hub.errors import XetDownloadError
 
     revision = cfg.revision or "main"
+    if COMMIT.fullmatch(revision):  # a commit never changes: a complete snapshot in the cache needs no Hub call
+        try:  # (every role of a run loads its pinned commit: no role waits on an unreachable Hub)
+            path = Path(snapshot_download(cfg.name, revision=revision, local_files_only=True))
+        except (OSError, ValueError):
+            path = None
+        if path is not None and (path / "config.json").is_file() and _weights(path):
+            return ResolvedModel(cfg.name, revision, path.name, path)
     try:
         path = Path(snapshot_download(cfg.name, revision=revision, allow_patterns=MODEL_FILES + SAFETENSORS,
                                       ignore_patterns=SKIPPED))
@@ -127,9 +134,19 @@ def _from_hub(cfg: ModelSection, what: str) -> ResolvedModel:
         raise _unavailable(cfg, what, e) from e
     if not (path / "config.json").is_file():
         raise _refusal(cfg, what, f"the snapshot {path} has no config.json (not a transformers model?)")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+    files = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    if not files:
         raise _refusal(cfg, what, f"the snapshot {path} has no weights (*.safetensors, pytorch_model*.bin)")
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:  # a snapshot link whose blob is gone (an interrupted download, a pruned cache)
+        raise _refusal(cfg, what, f"the snapshot {path} links {', '.join(sorted(missing))} to a missing file")
     return ResolvedModel(cfg.name, revision, path.name, path)
+
+
+def _weights(path: Path) -> bool:
+    """True when every weights file of the snapshot `path` is readable (a link to its blob, not a dangling one)."""
+    files = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    return bool(files) and all(p.is_file() for p in files)
 
 
 def _refusal(cfg: ModelSection, what: str, why: str) -> ModelUnavailableError:
@@ -139,7 +156,8 @@ def _refusal(cfg: ModelSection, what: str, why: str) -> ModelUnavailableError:
 
     revision = cfg.revision or "main"
     fetch = f"{'HF_HUB_OFFLINE=0 ' if constants.is_offline_mode() else ''}hf download {cfg.name} --revision {revision}"
-    return ModelUnavailableError(f"{what} {cfg.name!r} revision {revision!r} is not available: {why}; fetch it with `{fetch}`")
+    return ModelUnavailableError(f"{what} {cfg.name!r} revision {revision!r} is not available: {why}; fetch it with "
+                                 f"`{fetch}` (or run `opsd prepare CONFIG` online: it fetches only the files opsd loads)")
 
 
 def _first_line(e: BaseException) -> str:
@@ -193,8 +211,8 @@ def resolve_run(cfg: RunConfig) -> dict[str, ResolvedModel]:
     """Resolve a run's models once: {"model": ..., "teacher_model": ...}, the latter only when an external teacher
     scores (teacher.source model and a method with a teacher).
 
-    Pins each Hub model's revision in `cfg` (in place) to its resolved commit, so the config dumped afterwards
-    makes every role load the same snapshot. Raises as `resolve_model` (the teacher's messages say teacher.model).
+    Pins each Hub model's revision in `cfg` (in place) to its resolved commit, and makes a relative
+    ``chat_template`` path absolute, so the config dumped afterwards makes every role load the same files. Raises as `resolve_model` (the teacher's messages say teacher.model).
     """
     out = {"model": resolve_model(cfg.model)}
     if cfg.needs_teacher and cfg.teacher.source == "model":
@@ -203,6 +221,9 @@ def resolve_run(cfg: RunConfig) -> dict[str, ResolvedModel]:
         cfg.model = cfg.model.model_copy(update={"revision": out["model"].commit})
     if "teacher_model" in out and out["teacher_model"].commit is not None:
         cfg.teacher.model = cfg.teacher.model.model_copy(update={"revision": out["teacher_model"].commit})
+    for section in (cfg.model, cfg.teacher.model):  # a relative template path means the same file for every role
+        if section is not None and section.chat_template and "{" not in section.chat_template:
+            section.chat_template = str(Path(section.chat_template).expanduser().absolute())
     return out
 
 

@@ -13,17 +13,22 @@ def load_tokenizer(cfg: ModelSection, path: Path):
     """The tokenizer of the local model directory `path` (a resolved ``cfg.name``), with the chat template
     of ``cfg.chat_template`` (a Jinja file) in place of its own when set.
 
-    Raises OSError when the tokenizer files or the template file cannot be read, ValueError (one line) for a
-    template file that is not UTF-8 text or is empty.
+    Raises OSError when the tokenizer files cannot be read, ValueError (one line, naming model.chat_template)
+    for a template file that cannot be read, is not UTF-8 text or is empty, or a template given inline.
     """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
         path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
+        if "{{" in cfg.chat_template or "{%" in cfg.chat_template:
+            raise ValueError("model.chat_template is the path of a Jinja file; this looks like the template itself: "
+                             "write it to a file and give its path")
         file = Path(cfg.chat_template).expanduser()
         try:
             template = file.read_text(encoding="utf-8")
+        except OSError as e:  # missing, a directory, unreadable: name the setting, not only the errno
+            raise ValueError(f"model.chat_template {str(file)!r} cannot be read: {e.strerror or e}") from e
         except UnicodeDecodeError as e:  # its own message names neither the file nor the setting
             raise ValueError(f"model.chat_template {str(file)!r} is not a UTF-8 text file ({e.reason} at byte "
                              f"{e.start})") from e
@@ -67,8 +72,7 @@ def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[i
     names none; when generation_config.json names eos ids they must include the
     template's end of turn (else the model would run past the end of its
     turns: Gemma 3's ``<end_of_turn>`` is not its tokenizer's ``<eos>``).
-    ``cfg.stop_token_ids`` replaces the default (the end of turn is then the
-    template's if listed, else the first listed id). Raises ValueError (one
+    ``cfg.stop_token_ids`` replaces the default and must hold the template's end of turn. Raises ValueError (one
     line) for an id outside the vocabulary (model.stop_token_ids or
     generation_config.json's), a disagreement, a generation_config.json that
     cannot be read, or a template that cannot be served (ChatTemplateError).
@@ -83,7 +87,10 @@ def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[i
         if bad:
             raise ValueError(f"model.stop_token_ids {bad} are outside the tokenizer's {vocab} ids")
         stops = sorted(set(cfg.stop_token_ids))
-        return (end if end in stops else cfg.stop_token_ids[0]), stops
+        if end not in stops:  # the model would write past the end of its turn into the next one
+            raise ValueError(f"model.stop_token_ids {cfg.stop_token_ids} lack the chat template's end of turn {name!r} "
+                             f"(id {end}): add it")
+        return end, stops
     eos = generation_eos_ids(path)
     bad = [i for i in eos if not 0 <= i < vocab]
     if bad:
