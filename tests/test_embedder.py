@@ -69,7 +69,7 @@ def test_correspond_matches_siblings_only(client):
         assert all(turns[s]["rollout_id"] != turns[t]["rollout_id"] for s in src)
         if src:
             assert abs(sum(out["source_weights"][t]) - 1.0) < 1e-5
-            assert 0.0 < out["alpha"][t] <= 0.8
+            assert 0.0 < out["alpha"][t] <= 0.8 + 1e-6  # the cap, sent as a float32 (0.800000011920929)
     # "take the key" (teacher, r00 t0) vs "take key" (student, r01 t0) is the best match for target 2.
     assert out["selected_sources"][2][0] == 0
 

@@ -72,7 +72,8 @@ def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[i
     names none; when generation_config.json names eos ids they must include the
     template's end of turn (else the model would run past the end of its
     turns: Gemma 3's ``<end_of_turn>`` is not its tokenizer's ``<eos>``).
-    ``cfg.stop_token_ids`` replaces the default and must hold the template's end of turn. Raises ValueError (one
+    ``cfg.stop_token_ids`` replaces the default and must hold the template's end of turn. A tokenizer
+    without a chat template (a benchmark's stand-in; `check_chat_model` refuses it for a run) ends turns at its eos. Raises ValueError (one
     line) for an id outside the vocabulary (model.stop_token_ids or
     generation_config.json's), a disagreement, a generation_config.json that
     cannot be read, or a template that cannot be served (ChatTemplateError).
@@ -80,7 +81,12 @@ def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[i
     from opsd.chat import ChatFormat
 
     vocab = len(tokenizer)
-    end = ChatFormat(tokenizer, "action", template_kwargs=cfg.chat_template_kwargs).end_of_turn_id
+    if getattr(tokenizer, "chat_template", None):
+        end = ChatFormat(tokenizer, "action", template_kwargs=cfg.chat_template_kwargs).end_of_turn_id
+    elif tokenizer.eos_token_id is not None:  # no template (a benchmark's stand-in): nothing to chat, eos ends
+        end = int(tokenizer.eos_token_id)
+    else:
+        raise ValueError("the tokenizer has neither a chat template nor an eos token: set model.chat_template")
     name = tokenizer.convert_ids_to_tokens(end)
     if cfg.stop_token_ids:
         bad = [i for i in cfg.stop_token_ids if i >= vocab]
