@@ -181,12 +181,13 @@ def prepare(cfg: RunConfig, models: dict | None = None) -> dict:
     from opsd.models.tokenizer import check_chat_model
 
     t0 = time.perf_counter()
-    models = models or resolve_run(cfg)
+    if models is None:  # `opsd run` resolved and checked them before its run directory existed (resolve_models)
+        models = resolve_run(cfg)
+        check_chat_model(cfg.model, cfg.env, models["model"].path)  # tokenizer, chat template, stop ids
     for key, m in models.items():
         if m.commit is not None:
             console.print(f"[dim]{key} {escape(m.name)} revision {escape(m.revision)}: commit {m.commit} "
                           f"({escape(str(m.path))})[/dim]")
-    check_chat_model(cfg.model, cfg.env, models["model"].path)  # tokenizer, chat template, stop ids
     if "teacher_model" in models:
         from opsd.models import check_teacher_model
 
@@ -197,12 +198,16 @@ def prepare(cfg: RunConfig, models: dict | None = None) -> dict:
 
 
 def resolve_models(cfg: RunConfig) -> dict:
-    """`opsd.models.hub.resolve_run(cfg)` (pins cfg's Hub revisions to their commits); a model that cannot be had,
-    or is no model, is one red line and exit 2, before anything starts."""
+    """`opsd.models.hub.resolve_run(cfg)` (pins cfg's Hub revisions to their commits) and `check_chat_model`; a
+    model that cannot be had, is no model, or whose tokenizer, chat template or stop ids opsd cannot serve, is one
+    red line and exit 2, before anything starts (no run directory is left)."""
     from opsd.models.hub import resolve_run
+    from opsd.models.tokenizer import check_chat_model
 
     try:
-        return resolve_run(cfg)
+        models = resolve_run(cfg)
+        check_chat_model(cfg.model, cfg.env, models["model"].path)
+        return models
     except (ValueError, OSError) as e:
         _usage_error(str(e))
 

@@ -66,8 +66,10 @@ def test_chat_template_file_replaces_the_tokenizers(tmp_path):
         check_chat_model(cfg, EnvSection(), src)
 
 
-def test_prepare_refuses_a_model_it_cannot_serve_in_one_line(tmp_path):
-    """`opsd prepare` on a model whose template has no end-of-turn special token: one line, exit 2."""
+@pytest.mark.parametrize("command", ["prepare", "run"])
+def test_prepare_and_run_refuse_a_model_they_cannot_serve_in_one_line(tmp_path, command):
+    """`opsd prepare` / `opsd run` on a model whose template has no end-of-turn special token: one line, exit 2,
+    and `opsd run` leaves no run directory."""
     model = tmp_path / "model"
     shutil.copytree(ensure_model(ModelSection(name="tiny-random")), model)
     bad = tmp_path / "bad.jinja"
@@ -77,14 +79,17 @@ def test_prepare_refuses_a_model_it_cannot_serve_in_one_line(tmp_path):
     config["model"] = {"name": str(model), "chat_template": str(bad)}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "opsd.cli", "prepare", str(path)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    runs = tmp_path / "runs"
+    extra = ["--output-dir", str(runs)] if command == "run" else []
+    proc = subprocess.run([sys.executable, "-m", "opsd.cli", command, str(path), *extra], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
     out = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 2, out
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: model '{model}'"), out
     assert "assistant turns must end with a special token" in lines[0]
+    assert not runs.exists() or not any(runs.iterdir())
 
 
 @pytest.mark.parametrize("text, match", [
