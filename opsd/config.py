@@ -102,7 +102,13 @@ class ModelSection(_Section):
     backend: Literal["hf", "vllm"] = "hf"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # transformers backend and trainer; auto = cuda when available
     vllm: VLLMSection = VLLMSection()
-    dtype: Literal["float32", "bfloat16"] = "float32"  # sampler, teacher and trainer compute log-probs in it
+    # The forward passes' precision, shared by sampler, teacher and trainer (their log-probs must agree).
+    # "bfloat16": bf16 weights on workers (rollout, teacher; half the memory: a 7B model ~15 GB, not ~30) and the
+    # weights files published in bf16; fp32 master weights + AdamW state + bf16 compute in the trainer (autocast in
+    # one process, FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) across GPUs); checkpoints keep
+    # the fp32 master weights, so a resume is exact. "float32": fp32 everywhere (the CPU default: bf16 matmuls on a
+    # CPU are correct but slow). An external teacher's section decides its own weights' dtype.
+    dtype: Literal["float32", "bfloat16"] = "float32"
     cache_dir: str | None = None  # default: $OPSD_CACHE or ~/.cache/opsd
     max_model_len: int = Field(2048, ge=64, le=1 << 20)
     # torch threads per role process (0 = torch default). On a few shared cores, 1 per
@@ -582,6 +588,10 @@ class TrainerSection(_Section):
     data_parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
     # `opsd run` starts the trainer as `torchrun --nproc-per-node N` when N > 1 (one rank per GPU).
     nproc_per_node: int = Field(1, ge=1, le=64)
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them (transformers'
+    # non-reentrant gradient checkpointing): less activation memory for about one more forward pass of compute.
+    # Changes memory and time, not what is trained.
+    gradient_checkpointing: bool = False
 
 
 class EvalSection(_Section):
@@ -821,6 +831,7 @@ RESUMABLE_FIELDS = (
     ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
     ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"), ("trainer", "snapshot_every"),
     ("trainer", "keep_optimizer_state"), ("credit", "diagnostic_prompt_buckets"),  # what is reported, not what is trained
+    ("trainer", "gradient_checkpointing"),  # memory, not what is trained
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.

@@ -8,11 +8,12 @@ the default install does not need vLLM.
 from __future__ import annotations
 
 from opsd.config import ModelSection
-from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, token_logprobs
+from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, served_dtype, token_logprobs
 from opsd.models.hub import ModelUnavailableError, ResolvedModel, resolve_model
 
 __all__ = ["Generation", "HFBackend", "ModelUnavailableError", "NonFiniteLogitsError", "ResolvedModel", "check_teacher_model",
-           "ensure_model", "load_backend", "load_engine", "resolve_device", "resolve_model", "token_logprobs"]
+           "ensure_model", "load_backend", "load_engine", "resolve_device", "resolve_model", "served_dtype",
+           "token_logprobs"]
 
 
 def resolve_device(cfg: ModelSection) -> str:
@@ -24,16 +25,18 @@ def resolve_device(cfg: ModelSection) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_backend(cfg: ModelSection, device: str | None = None, backend: str | None = None):
+def load_backend(cfg: ModelSection, device: str | None = None, backend: str | None = None, weights_dtype=None):
     """Build the backend named by `backend` (default ``cfg.backend``) on `device` (default `resolve_device`).
 
-    The trainer passes backend="hf": it needs the transformers model. Raises
+    The trainer passes backend="hf": it needs the transformers model, and weights_dtype=torch.float32: its
+    master weights (`HFBackend`; None = the served dtype, bf16 with ``cfg.dtype: bfloat16``). vLLM holds
+    the weights in its own ``cfg.dtype`` and takes no weights_dtype. Raises
     ValueError for an unknown backend name; ImportError (naming the install
     target) for "vllm" without vLLM installed.
     """
     name = backend or cfg.backend
     if name == "hf":
-        return HFBackend(cfg, device=device or resolve_device(cfg))
+        return HFBackend(cfg, device=device or resolve_device(cfg), weights_dtype=weights_dtype)
     if name == "vllm":
         from opsd.models.vllm import VLLMBackend
 

@@ -5,8 +5,10 @@ Token ids in, token ids out: nothing here decodes and re-encodes text.
 Log-prob convention (shared by sampler, teacher and trainer; bad-input cases 6-7):
 the log-prob of token y after logits z at temperature T is
 ``log_softmax(z.float() / T)[y]`` computed by :func:`token_logprobs`, with the
-forward pass run under :func:`autocast` for the configured dtype (fp32 weights
-always; ``dtype="bfloat16"`` means bf16 autocast). Top-p truncation changes
+forward pass run under :func:`autocast` for the configured dtype. With
+``dtype="bfloat16"`` a sampler or teacher holds its weights in bf16 (half the
+memory) and the trainer keeps fp32 master weights, computing under bf16
+autocast (`HFBackend`'s ``weights_dtype``). Top-p truncation changes
 which tokens can be sampled but NOT the reported log-prob, so the sampler's
 log-probs equal :meth:`HFBackend.score` at the same temperature: within
 3e-5 nats in float32, but only to ~0.03 nats on average (0.1-0.2 at worst)
@@ -80,7 +82,7 @@ def ensure_model(cfg: ModelSection) -> Path:
 def autocast(dtype: Literal["float32", "bfloat16"], device: str | torch.device = "cpu"):
     """Context manager for forward passes: bf16 autocast for "bfloat16", nothing for "float32".
 
-    Weights stay fp32 either way. Sampler, teacher and trainer must all use it
+    Weights may be fp32 (the trainer's master copy) or bf16 (a sampler's or teacher's). Sampler, teacher and trainer must all use it
     (a dtype mismatch moves the PPO ratio away from 1).
     """
     if dtype == "float32":
@@ -219,17 +221,26 @@ def quiet_progress_bars() -> None:
         hf_logging.disable_progress_bar()
 
 
+def served_dtype(cfg: ModelSection) -> torch.dtype:
+    """The dtype rollout and teacher hold weights in, and the trainer publishes them in: ``cfg.dtype`` as a torch dtype."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
 class HFBackend:
     """A causal LM served with transformers on one device (the vLLM backend keeps this interface).
 
-    Attributes: tokenizer, model (fp32, eval mode), policy_version (int, 0 at
+    Attributes: tokenizer, model (eval mode, weights in `weights_dtype`), policy_version (int, 0 at
     load), eos_token_id (the chat template's end-of-turn id, ``<|im_end|>`` in ChatML), stop_token_ids
     (every id that ends a sampled turn: `opsd.models.tokenizer.turn_stop_ids`), vocab_size,
     max_model_len (prompt + new tokens limit for `generate`), dtype ("float32"
-    or "bfloat16": autocast convention of every forward pass).
+    or "bfloat16": autocast convention of every forward pass), weights_dtype (torch dtype the weights are held in).
+
+    weights_dtype: None = the served dtype, `served_dtype(cfg)` (bf16 weights on rollout and teacher with
+    ``model.dtype: bfloat16``); the trainer passes torch.float32 for its master weights (bf16 compute
+    comes from autocast then). Raises ValueError for a weights_dtype that is not a floating dtype.
     """
 
-    def __init__(self, cfg: ModelSection, device: str = "cpu"):
+    def __init__(self, cfg: ModelSection, device: str = "cpu", weights_dtype: torch.dtype | None = None):
         from transformers import AutoModelForCausalLM
 
         from opsd.models.tokenizer import load_tokenizer, turn_stop_ids
@@ -239,12 +250,15 @@ class HFBackend:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = cfg.dtype
+        self.weights_dtype = served_dtype(cfg) if weights_dtype is None else weights_dtype
+        if not self.weights_dtype.is_floating_point:
+            raise ValueError(f"weights_dtype must be a floating dtype, got {self.weights_dtype}")
         self.max_model_len = cfg.max_model_len
         self.path = ensure_model(cfg)
         quiet_progress_bars()
         self.tokenizer = load_tokenizer(cfg, self.path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code
+            self.path, dtype=self.weights_dtype, local_files_only=True, trust_remote_code=cfg.trust_remote_code
         ).to(self.device)
         self.model.eval()
         self.lock = threading.RLock()  # generate/score/branch/load_weights and HFEngine's waves take turns
@@ -867,7 +881,7 @@ class HFBackend:
             p.copy_(merge_one(w0.to(p.device), adapter.tensors[m + ".lora_A.weight"], adapter.tensors[m + ".lora_B.weight"],
                               adapter.scale))
 
-    def save_weights(self, path: Path) -> None:
+    def save_weights(self, path: Path, dtype: torch.dtype | None = None) -> None:
         """Write the policy at `path` atomically (tmp file + rename): a reader sees the old or the complete new file.
 
         A model prepared by `opsd.lora.apply_lora` (trainer.lora set) writes
@@ -877,6 +891,8 @@ class HFBackend:
         once and `load_weights` restores the tie. Either way the metadata also
         records the tensors' content digest (`opsd.weights.DIGEST_KEY`), which
         workers compare to reload a version rewritten with other weights.
+        dtype: the floating tensors' dtype in the file (the SERVED dtype: the trainer holds fp32 master weights
+        and publishes bf16 ones with ``model.dtype: bfloat16``); None = as held. Adapters are written as held.
         Raises OSError on write failure.
         """
         from safetensors.torch import save_model
@@ -887,6 +903,9 @@ class HFBackend:
         path = Path(path)
         if lora.is_lora_model(self.model):
             lora.save_adapter(self.model, path, self.policy_version)
+            return
+        if dtype is not None:
+            save_cast(self.model, path, dtype, {"format": "pt", "policy_version": str(self.policy_version)})
             return
         meta = {"format": "pt", "policy_version": str(self.policy_version),
                 DIGEST_KEY: tensor_digest(self.model.state_dict())}
@@ -905,6 +924,33 @@ class HFBackend:
         self.tokenizer.save_pretrained(tmp)
         shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
+
+
+def save_cast(model: torch.nn.Module, path: Path, dtype: torch.dtype, metadata: dict[str, str]) -> None:
+    """Write `model`'s state dict at `path` atomically with its floating tensors cast to `dtype`, plus `metadata`
+    and the content digest (`opsd.weights.DIGEST_KEY`) of what is written.
+
+    A tensor sharing storage with an earlier name (sorted; a tied head) is stored once, as `save_model` and
+    `opsd.weights.tensor_digest` count it; `load_state_strict` restores the tie. Holds one cast copy of the
+    weights in host memory while writing. Raises OSError on write failure.
+    """
+    from safetensors.torch import save_file
+
+    from opsd.lora import atomic_write
+    from opsd.weights import DIGEST_KEY, tensor_digest
+
+    own = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name in sorted(own):
+        t = own[name].detach()
+        key = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = (t.to(dtype) if t.is_floating_point() else t).to("cpu").contiguous()
+    meta = {**metadata, DIGEST_KEY: tensor_digest(out)}
+    atomic_write(Path(path), lambda tmp: save_file(out, tmp, metadata=meta))
 
 
 def load_state_strict(model: torch.nn.Module, loaded: dict[str, torch.Tensor], source: str) -> None:

@@ -36,7 +36,7 @@ from opsd import metrics
 from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
-from opsd.models import ModelUnavailableError, load_backend
+from opsd.models import ModelUnavailableError, load_backend, served_dtype
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
@@ -53,7 +53,7 @@ from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
-from services.trainer.update import follow
+from services.trainer.update import enable_gradient_checkpointing, follow
 
 ROLE = "trainer"
 RECLAIM_AT_START = 4096  # entries claimed at once from the dead trainer consumers
@@ -71,8 +71,8 @@ def publish(backend, run_dir, client, prefix: str, version: int, keep: int, back
     """
     backend.policy_version = version
     if ema is not None:
-        ema.save(ema_path(run_dir, version), version)
-    backend.save_weights(weights_path(run_dir, version))
+        ema.save(ema_path(run_dir, version), version, dtype=served_dtype(backend.cfg))
+    backend.save_weights(weights_path(run_dir, version), dtype=served_dtype(backend.cfg))
     keep_snapshot(run_dir, version, snapshot_every)
     prune_versions(run_dir, version, keep)
     backoff.retry(lambda: client.set(f"{prefix}:policy_version", version))
@@ -120,7 +120,8 @@ def train() -> None:
         torch.set_num_threads(cfg.trainer.threads)
 
     try:
-        backend = load_backend(cfg.model, backend="hf")  # the trainer needs the transformers model
+        # The transformers model, fp32 master weights (bf16 compute under autocast / FSDP2's policy with model.dtype bf16)
+        backend = load_backend(cfg.model, backend="hf", weights_dtype=torch.float32)
     except ModelUnavailableError as e:  # a Hub model this machine cannot have: a restart cannot help
         fatal(ROLE, str(e))
     model = backend.model
@@ -128,6 +129,8 @@ def train() -> None:
         from opsd.lora import apply_lora
 
         apply_lora(model, cfg.trainer.lora)
+    if cfg.trainer.gradient_checkpointing:  # before any wrapping: FSDP2/DDP then see the checkpointed layers
+        enable_gradient_checkpointing(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     # ExOPD extrapolates from the initial policy: keep a frozen copy of it (before a resume loads newer weights).
@@ -147,7 +150,7 @@ def train() -> None:
             ema.load(ckpt / EMA_CHECKPOINT_FILE)
         elif ckpt is not None:
             log.warning("%s holds no %s: the teacher's average restarts from the resumed policy", ckpt, EMA_CHECKPOINT_FILE)
-    par = parallelize(world, model, optimizer, cfg.trainer.data_parallel)
+    par = parallelize(world, model, optimizer, cfg.trainer.data_parallel, cfg.model.dtype)
     if not main:
         follow(par, cfg)
         return

@@ -288,7 +288,7 @@ def pick_strategy(world: World, strategy: Strategy = "auto") -> Literal["fsdp2",
     return "fsdp2" if world.device.type == "cuda" and hasattr(fsdp, "fully_shard") else "ddp"  # fully_shard: torch >= 2.6
 
 
-def wrap_model(model: torch.nn.Module, world: World, strategy: Literal["fsdp2", "ddp"]) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, world: World, strategy: Literal["fsdp2", "ddp"], dtype: str = "float32") -> torch.nn.Module:
     """`model` moved to world.device and wrapped for data parallelism, gradients summed over ranks.
 
     "ddp": a DistributedDataParallel around `model` (same parameters, replicated;
@@ -296,6 +296,9 @@ def wrap_model(model: torch.nn.Module, world: World, strategy: Literal["fsdp2", 
     block named in the model's `_no_split_modules` (transformers' decoder layers)
     and on the root, IN PLACE: `model`'s parameters become DTensor shards, so an
     optimizer built on the old ones must be re-pointed (`parallelize` does it).
+    dtype (model.dtype) "bfloat16" under FSDP2: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the
+    fp32 shards stay the master weights the optimizer steps while forward and backward run on bf16 copies
+    (DDP keeps fp32 parameters: bf16 comes from `opsd.models.hf.autocast`, as in one process).
     A collective: every rank must call it.
     """
     model.to(world.device)
@@ -304,14 +307,16 @@ def wrap_model(model: torch.nn.Module, world: World, strategy: Literal["fsdp2", 
         ddp.register_comm_hook(None, _sum_hook)
         return ddp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(world.device.type, (world.size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bfloat16" \
+        else MixedPrecisionPolicy()
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for sub in list(model.modules())[1:]:
         if type(sub).__name__ in blocks:
-            fully_shard(sub, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(sub, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for sub in model.modules():
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)  # sum, not mean (module docstring)
@@ -388,14 +393,16 @@ class Parallel:
             send(self.world, Message("stop"))
 
 
-def parallelize(world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy = "auto") -> Parallel:
+def parallelize(world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy = "auto",
+                dtype: str = "float32") -> Parallel:
     """Wrap `model` (weights and `optimizer` state already loaded, e.g. from a checkpoint) for `world`.
 
     Single process: nothing changes. DDP: `model` moves to world.device (with
     the optimizer's state) and gets a DDP wrapper. FSDP2: rank 0 first keeps a
     CPU copy (`Parallel.mirror`, one more copy of the weights in host memory),
     then `model` is sharded in place and `optimizer` re-pointed at the shards,
-    its state (if any) sharded the same way. A collective.
+    its state (if any) sharded the same way; dtype (model.dtype) picks FSDP2's mixed precision (`wrap_model`).
+    A collective.
     """
     if not world.distributed:
         return Parallel(world, model, optimizer, None)
@@ -413,7 +420,7 @@ def parallelize(world: World, model: torch.nn.Module, optimizer: torch.optim.Opt
     names = {id(p): n for n, p in model.named_parameters()}
     fqns = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
-    par.module = wrap_model(model, world, kind)
+    par.module = wrap_model(model, world, kind, dtype)
     shards = dict(model.named_parameters())
     for g, group_fqns in zip(optimizer.param_groups, fqns):
         g["params"] = [shards[n] for n in group_fqns]

@@ -38,18 +38,24 @@ class PolicyEMA:
         for e, p in zip(ours, theirs):
             e.mul_(self.decay).add_(p.detach().to(device="cpu", dtype=torch.float32), alpha=1.0 - self.decay)
 
-    def save(self, path: Path, version: int) -> None:
+    def save(self, path: Path, version: int, dtype: torch.dtype | None = None) -> None:
         """Write the average as a policy-format safetensors file at `path`, atomically (a reader sees the old or
         the complete new file); metadata policy_version = `version` and the content digest
         (`opsd.weights.DIGEST_KEY`: a teacher reloads an average republished with other values).
-        Raises OSError on write failure."""
+        dtype: the published file's floating dtype (the teacher's served dtype); None = float32 (the
+        checkpoint's copy, so a resumed run continues the same average). Raises OSError on write failure."""
         from safetensors.torch import save_model
 
         from opsd.lora import atomic_write
         from opsd.weights import DIGEST_KEY, tensor_digest
 
-        meta = {"format": "pt", "policy_version": str(version), "ema_decay": repr(self.decay),
-                DIGEST_KEY: tensor_digest(self.model.state_dict())}
+        meta = {"format": "pt", "policy_version": str(version), "ema_decay": repr(self.decay)}
+        if dtype is not None and dtype != torch.float32:
+            from opsd.models.hf import save_cast
+
+            save_cast(self.model, path, dtype, meta)
+            return
+        meta[DIGEST_KEY] = tensor_digest(self.model.state_dict())
         atomic_write(Path(path), lambda tmp: save_model(self.model, tmp, metadata=meta))
 
     def load(self, path: Path) -> None:

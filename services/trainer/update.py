@@ -221,7 +221,7 @@ def _loss_position_logprobs(
     """
     keep = b["keep"]
     with autocast(dtype, device):
-        logits = model(input_ids=b["ids"], attention_mask=b["attn"], logits_to_keep=keep).logits  # [B, K, V]
+        logits = model(input_ids=b["ids"], attention_mask=b["attn"], logits_to_keep=keep, use_cache=False).logits  # [B, K, V]
     logits = logits.float()
     lp_BK = token_logprobs(logits, b["ids"][:, keep + 1], temperature)
     ent_BK = entropy_from_logits(logits, temperature)
@@ -252,6 +252,20 @@ def sequence_logprobs(
             arr[1:] = lp[r, : len(s.token_ids_S) - 1].cpu().numpy()
             out.append(arr)
     return out
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """trainer.gradient_checkpointing: `model` (a transformers causal LM, LoRA adapters applied or not; not yet
+    wrapped by DDP/FSDP2) recomputes each decoder layer's activations in the backward pass, in place.
+
+    Non-reentrant checkpointing (torch.utils.checkpoint use_reentrant=False), active in train mode only (the
+    training forward passes use_cache=False). transformers also makes the embeddings' output require grad
+    (`enable_input_require_grads`), which LoRA's frozen embeddings need for a gradient to reach the checkpointed
+    layers' adapters. Raises ValueError for a model without transformers' gradient checkpointing support.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"trainer.gradient_checkpointing: {type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
