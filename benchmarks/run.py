@@ -15,7 +15,7 @@ failure (its row says NO).
 
 The learning benchmark (about 3 hours) runs only with `--learning` (or `--only
 learning`, which implies it). `--only` takes file stems (transport, overlap,
-backends, embedder, credit, scaling, inflight, learning) or the table's names
+backends, embedder, credit, scaling, inflight, inspect_page, precision, memory, learning) or the table's names
 ("teacher scoring (backends)", short "teacher"). Teacher
 scoring runs the transformers backend; `--backends hf vllm` adds vLLM, run
 with `.venv-vllm/bin/python` when that venv exists (`make install-vllm`).
@@ -70,6 +70,8 @@ SCRIPTS = [
     Script("scaling", "benchmarks/scaling.py"),
     Script("in flight (hf)", "benchmarks/inflight.py", ["--backend", "hf"]),
     Script("inspect", "benchmarks/inspect_page.py"),
+    Script("precision", "benchmarks/precision.py"),
+    Script("memory", "benchmarks/memory.py"),
     Script("learning", "benchmarks/learning.py", default=False),
 ]
 # `--only` names: file stems, the table's names, and "teacher" (the table's teacher-scoring row is backends.py).

@@ -19,6 +19,11 @@ Stages, each under its own time budget (`--budget-scale` stretches them all):
    (`save_weights`) and loaded by the server (`load_weights`) -> seconds; the
    served log-probs must change, and are compared with the trainer's own.
 6. train step: one `ppo_update` (AdamW) on the generated sequences -> seconds.
+   Then a larger model as the trainer holds it with ``model.dtype: bfloat16``: a randomly initialised
+   Qwen2.5-0.5B-shaped model (--gc-shape; `tiny` with --quick) in fp32 master weights, one AdamW step under bf16
+   autocast on `gc_batch` x `gc_seq` random ids, without and then with gradient checkpointing
+   (trainer.gradient_checkpointing) -> seconds each, and on CUDA torch.cuda.max_memory_allocated of each
+   (the model, gradients, AdamW state and activations; peak stats reset after the model is built).
 7. rollout: many episodes in flight against one group at a time, on SYNTHETIC
    episodes (the lent machine has no environment): `groups` x `group_size`
    episodes of `turns` turns, `rollout_new_tokens` new ids a turn at T = 1; a
@@ -107,16 +112,16 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 
 PRESETS = {
     "gpu": {"batch": 64, "prompt_len": 512, "new_tokens": 256, "score_batch": 16, "micro_batch": 8,
             "groups": 32, "group_size": 4, "turns": 3, "rollout_new_tokens": 32, "obs_len": 32,
-            "engine_batch": 128, "kv_cache_mb": 8192},
+            "engine_batch": 128, "kv_cache_mb": 8192, "gc_shape": "qwen2.5-0.5b", "gc_batch": 8, "gc_seq": 1024},
     "quick": {"batch": 4, "prompt_len": 32, "new_tokens": 16, "score_batch": 4, "micro_batch": 2,
               "groups": 4, "group_size": 2, "turns": 2, "rollout_new_tokens": 4, "obs_len": 8,
-              "engine_batch": 8, "kv_cache_mb": 256},
+              "engine_batch": 8, "kv_cache_mb": 256, "gc_shape": "tiny", "gc_batch": 2, "gc_seq": 64},
 }
 # Seconds per stage before it counts as hung (x --budget-scale). They are hang detectors, not a plan: their
 # sum is over the shell wrapper's `timeout 450`, which bounds the whole run (the default GPU run is expected
 # to take about half of it, rollout ~1-2 minutes of that).
 BUDGET_S = {"model": 120, "load": 180, "warmup": 90, "generate": 150, "score": 60, "weight_sync": 90, "train_step": 90,
-            "rollout": 240}
+            "train_step_gc": 120, "rollout": 240}
 RANDOM_MODEL_SEED = 0
 
 
@@ -399,7 +404,7 @@ def rollout(args: argparse.Namespace, server, m: dict, dev: str) -> None:
 def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
     """The stages; fills report["metrics"] as they finish (a failure leaves the earlier ones in place)."""
     from opsd.config import ModelSection, TrainerSection, VLLMSection
-    from opsd.models import load_backend
+    from opsd.models import load_backend, served_dtype
     from opsd.models.hf import HFBackend
     from services.trainer.update import Sequence, ppo_update
 
@@ -431,7 +436,7 @@ def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
         server = load_backend(cfg, device=dev, backend=args.backend)
         m["server_load_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        trainer = HFBackend(cfg, device=dev)  # what services/trainer builds: the transformers model
+        trainer = HFBackend(cfg, device=dev, weights_dtype=torch.float32)  # what services/trainer builds: fp32 master
         sync(dev)
         m["trainer_load_s"] = time.perf_counter() - t0
 
@@ -474,7 +479,7 @@ def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
         perturb_(trainer.model)
         path = workdir / "policy.safetensors"
         t0 = time.perf_counter()
-        trainer.save_weights(path)
+        trainer.save_weights(path, dtype=served_dtype(cfg))  # the served dtype, as the trainer publishes
         m["weight_save_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         server.load_weights(path, 1)
@@ -511,13 +516,50 @@ def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
     if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]) and out["skipped_steps"] == 0):
         raise RuntimeError(f"the PPO step was not finite: {out}")
 
+    peak = torch.cuda.max_memory_allocated() if dev.startswith("cuda") else 0
+    with stage("train_step_gc", budget["train_step_gc"], secs):
+        train_step_gc(args, m, dev)
     with stage("rollout", budget["rollout"], secs):
         rollout(args, server, m, dev)
-    if dev.startswith("cuda"):
-        m["cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    if dev.startswith("cuda"):  # train_step_gc reset the peak stats: the largest of before and after it
+        m["cuda_max_allocated_gb"] = max(peak / 1e9, torch.cuda.max_memory_allocated() / 1e9,
+                                         m.get("train_gc_max_allocated_gb", 0), m.get("train_nogc_max_allocated_gb", 0))
     close = getattr(server, "close", None)
     if close is not None:
         close()
+
+
+def train_step_gc(args: argparse.Namespace, m: dict, dev: str) -> None:
+    """Stage 6's second part (module docstring): one bf16-autocast AdamW step of a random `args.gc_shape` model
+    in fp32 master weights, without ("nogc") and with ("gc") gradient checkpointing. Raises RuntimeError for a
+    non-finite step."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.memory import qwen_config, train_step
+    from services.trainer.update import enable_gradient_checkpointing
+
+    for key in ("nogc", "gc"):
+        torch.manual_seed(args.seed)
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(qwen_config(args.gc_shape)).to(torch.float32)
+        if key == "gc":
+            enable_gradient_checkpointing(model)
+        if dev.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        out = train_step(model, args.gc_batch, args.gc_seq, dtype="bfloat16", seed=args.seed)
+        if not (math.isfinite(out["loss"]) and out["skipped_steps"] == 0):
+            raise RuntimeError(f"the bf16 step ({key}) was not finite: {out}")
+        m[f"train_{key}_step_s"], m[f"train_{key}_loss"] = out["seconds"], out["loss"]
+        m["train_gc_params"] = float(sum(p.numel() for p in model.parameters()))
+        if dev.startswith("cuda"):
+            m[f"train_{key}_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        del model, out
+        gc.collect()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    m["train_gc_loss_diff"] = abs(m["train_gc_loss"] - m["train_nogc_loss"])
 
 
 TABLE = [  # (label, metric key, format)
@@ -548,6 +590,13 @@ TABLE = [  # (label, metric key, format)
     ("served vs trainer (max nats)", "served_vs_trainer_max_abs", "{:.2e}"),
     ("train step (s)", "train_step_s", "{:.2f}"),
     ("train loss tokens", "train_loss_tokens", "{:,.0f}"),
+    ("bf16 step model params", "train_gc_params", "{:,.0f}"),
+    ("bf16 step, no checkpointing (s)", "train_nogc_step_s", "{:.2f}"),
+    ("bf16 step, no checkpointing (GB)", "train_nogc_max_allocated_gb", "{:.2f}"),
+    ("bf16 step, checkpointing (s)", "train_gc_step_s", "{:.2f}"),
+    ("bf16 step, checkpointing (GB)", "train_gc_max_allocated_gb", "{:.2f}"),
+    ("bf16 step loss, |gc - no gc|", "train_gc_loss_diff", "{:.2e}"),
+    ("CUDA max allocated, whole check (GB)", "cuda_max_allocated_gb", "{:.2f}"),
     ("total wall time (s)", "total_s", "{:.1f}"),
 ]
 
@@ -583,8 +632,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         ("turns", "rollout: turns per episode"), ("rollout_new_tokens", "rollout: max new ids a turn"),
                         ("obs_len", "rollout: observation ids appended after a turn"),
                         ("engine_batch", "rollout: rows per engine wave, and per model.generate in (c)"),
-                        ("kv_cache_mb", "rollout: the HFEngine's store for the episodes' KV")]:
+                        ("kv_cache_mb", "rollout: the HFEngine's store for the episodes' KV"),
+                        ("gc_batch", "bf16 step: sequences"), ("gc_seq", "bf16 step: ids per sequence")]:
         ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None, help=help_)
+    ap.add_argument("--gc-shape", dest="gc_shape", choices=["qwen2.5-0.5b", "tiny"], default=None,
+                    help="bf16 step: the random model's shape (benchmarks/memory.py SHAPES)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every stage's time budget")
     ap.add_argument("--json", type=Path, default=None, help="JSON output (default: $OUT/gpu_check.json if $OUT is set)")
@@ -593,7 +645,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     for key in ("batch", "prompt_len", "new_tokens", "score_batch", "micro_batch", "groups", "group_size", "turns",
-                "rollout_new_tokens", "engine_batch"):
+                "rollout_new_tokens", "engine_batch", "gc_batch", "gc_seq"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
     for key in ("obs_len", "kv_cache_mb"):

@@ -25,6 +25,7 @@ POSITIVE = [  # every stage's headline numbers: seconds, throughputs, counts
     *[f"rollout_{way}_{what}" for way in ("lockstep", "inflight", "alone")
       for what in ("s", "tokens", "tokens_per_s", "episodes_per_s")],
     "rollout_inflight_vs_lockstep", "rollout_inflight_vs_alone",
+    "train_nogc_step_s", "train_gc_step_s", "train_gc_params",  # the bf16 step of a random Qwen2-shaped model
 ]
 # The rollout stage's sizes, below --quick's 4 x 2 x 2 x 8 (the CPU here is small and often busy).
 GROUPS, GROUP_SIZE, TURNS, NEW, OBS = 3, 2, 2, 4, 4
@@ -56,8 +57,14 @@ def test_gpu_check_cpu_quick_random_model(tmp_path):
     assert m["served_vs_trainer_max_abs"] < 1e-4
     assert m["weight_sync_s"] == m["weight_save_s"] + m["weight_load_s"]
     check_rollout(m)
+    # --quick's bf16 step: the tiny Qwen2 shape (vocab 1024, hidden 64, 2 layers, tied), fp32 master weights;
+    # checkpointing recomputes the same forward, so the loss is the same to bf16 rounding.
+    # Per layer: q (+bias), k and v (32 wide: 2 kv heads of 16, +bias), o, the 3 MLP matrices, 2 norms.
+    layer = 64 * 64 + 64 + 2 * (32 * 64 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert m["train_gc_params"] == 1024 * 64 + 2 * layer + 64  # the head tied to the embedding: counted once
+    assert m["train_gc_loss_diff"] < 1e-3 and math.isfinite(m["train_gc_loss"])
     assert set(report["stage_seconds"]) == {"model", "load", "warmup", "generate", "score", "weight_sync", "train_step",
-                                            "rollout"}
+                                            "train_step_gc", "rollout"}
     assert "| generate (new tokens/s)" in proc.stdout and "OK" in proc.stdout
 
 

@@ -139,3 +139,26 @@ def test_gradient_checkpointing_does_not_change_the_run_identity():
     assert config_hash(hashed_config(on)) == config_hash(hashed_config(RunConfig()))
     assert config_hash(hashed_config(RunConfig.model_validate({"model": {"dtype": "bfloat16"}}))) != \
         config_hash(hashed_config(RunConfig()))
+
+
+def test_precision_benchmark_quick(tmp_path):
+    from tests.test_benchmarks import check_report, run_benchmark
+
+    rows = check_report(run_benchmark("precision.py", tmp_path / "p.json", "--quick"), "precision")
+    kl = {name.split(": ", 1)[1]: r["value"] for name, r in rows.items() if name.startswith("mismatch_kl")}
+    assert set(kl) == {"fp32", "bf16 weights", "bf16 autocast (old mode)", "bf16 weights, trainer on bf16 copies"}
+    assert kl["fp32"] < 1e-8  # the same fp32 model, KV-cache decoding vs a full forward: rounding only
+    assert all(v > 100 * kl["fp32"] for k, v in kl.items() if k != "fp32")  # bf16 computes differently
+    assert rows["mean |trainer - sampler| log-prob: fp32"]["value"] < 1e-4
+
+
+def test_memory_benchmark_quick(tmp_path):
+    from tests.test_benchmarks import check_report, run_benchmark
+
+    rows = check_report(run_benchmark("memory.py", tmp_path / "m.json", "--quick"), "memory")
+    params = 139840  # the tiny Qwen2 shape (tests/test_gpu_check.py counts it)
+    assert rows["server: computed params x 2 bytes"]["value"] == pytest.approx(params * 2 / 2**30)
+    assert rows["trainer: computed params x 16 bytes"]["value"] == pytest.approx(params * 16 / 2**30)
+    assert "torch.bfloat16" in rows["server: peak RSS"]["note"] and "torch.float32" in rows["trainer: peak RSS"]["note"]
+    for name in ("server", "trainer", "trainer-gc"):
+        assert rows[f"{name}: peak RSS"]["value"] > rows[f"{name}: peak RSS - RSS after imports"]["value"] > 0
