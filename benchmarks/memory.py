@@ -123,7 +123,9 @@ def _rss_now() -> int:
 
 
 def measure(name: str, directory: Path, batch: int, seq: int) -> dict:
-    """Run one measurement in this process; returns {"base_rss", "peak_rss" (bytes), "params", "seconds"}."""
+    """Run one measurement in this process; returns {"base_rss", "peak_rss", "end_rss" (bytes), "params",
+    "weights_dtype", "seconds"}. The peak includes the load's transients (safetensors maps the file: its pages
+    count while mapped); end_rss is what the process holds once the work is done."""
     import torch
 
     from opsd.config import ModelSection
@@ -144,7 +146,8 @@ def measure(name: str, directory: Path, batch: int, seq: int) -> dict:
         train_step(backend.model, batch, seq)
     params = sum(p.numel() for p in backend.model.parameters())  # tied weights once
     dtypes = sorted({str(p.dtype) for p in backend.model.parameters()})
-    return {"base_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "params": params,
+    return {"base_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "end_rss": _rss_now(), "params": params,
             "weights_dtype": dtypes, "seconds": time.perf_counter() - t0}
 
 
@@ -182,10 +185,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 Row(f"{name}: peak RSS", r["peak_rss"] / GIB, "GiB", note=f"{what}; {work}; {r['seconds']:.0f} s"),
                 Row(f"{name}: peak RSS - RSS after imports", (r["peak_rss"] - r["base_rss"]) / GIB, "GiB",
                     note=f"after imports {r['base_rss'] / GIB:.2f} GiB"),
+                Row(f"{name}: RSS at the end - RSS after imports", (r["end_rss"] - r["base_rss"]) / GIB, "GiB",
+                    note="held once the work is done (no load transients)"),
                 Row(f"{name}: computed params x {per} bytes", r["params"] * per / GIB, "GiB",
                     note="weights" if per == 2 else "fp32 weights + gradients + AdamW moments"),
             ]
-            print_rows(rows[-3:])
+            print_rows(rows[-4:])
     if args.json:
         write_json(args.json, "memory", command_line(), rows)
     return rows

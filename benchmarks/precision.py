@@ -14,7 +14,10 @@ temperature 1 to chat prompts; the trainer recomputes the log-probs of the same 
   and computes under bf16 autocast (`model.dtype: bfloat16` in one trainer process).
 - bf16 autocast (old mode): fp32 weights and bf16 autocast in both (before workers held bf16 weights).
 - bf16 weights, trainer on bf16 copies: the trainer's forward on bf16 copies of every weight (what FSDP2's
-  MixedPrecisionPolicy(param_dtype=bf16) computes): isolates what rounding the weights costs.
+  MixedPrecisionPolicy(param_dtype=bf16) computes).
+- bf16 linears, fp32 embeddings and norms: the sampler's linear layers in bf16, its embedding and RMSNorm
+  weights upcast to fp32 (bf16-rounded values), so its residual stream stays fp32 under autocast as the
+  trainer's does; the trainer as in "bf16 weights".
 
 `--quick`: 4 sequences x 16 tokens (a smoke test). `--json OUT`: the rows as a benchmark JSON
 (benchmarks/common.py), for `make bench`'s table.
@@ -95,6 +98,14 @@ def mismatch(model: torch.nn.Module, seqs: list[Sequence], dtype: str) -> tuple[
     return kl, float(((old - sampler).abs() * mask).sum()) / n, int(n)
 
 
+def fp32_embeddings_and_norms(backend):
+    """`backend` (bf16 weights) with its embedding and norm modules' weights upcast to fp32, in place; returns it."""
+    for module in backend.model.modules():
+        if isinstance(module, torch.nn.Embedding) or "norm" in type(module).__name__.lower():
+            module.float()
+    return backend
+
+
 def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of `model` with every weight rounded to bf16 (FSDP2's param_dtype=bf16 forward)."""
     return copy.deepcopy(model).to(torch.bfloat16)
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         ("bf16 weights", bf16_server, master.model, "bfloat16"),
         ("bf16 autocast (old mode)", old_server, master.model, "bfloat16"),
         ("bf16 weights, trainer on bf16 copies", bf16_server, bf16_copy(master.model), "bfloat16"),
+        ("bf16 linears, fp32 embeddings and norms", fp32_embeddings_and_norms(load_backend(bf16)), master.model, "bfloat16"),
     ]
     rows: list[Row] = []
     samples: dict[int, list[Sequence]] = {}
