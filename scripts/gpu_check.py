@@ -74,6 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's o
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.memory import SPECIAL_TOKENS  # noqa: E402  (the stand-in tokenizer's ids 0, 1, 2 as in SmolLM2)
+
 # SmolLM2-135M-Instruct's architecture, as ~/.cache/opsd/models/smollm2-135m-instruct/config.json
 # holds it after conversion (transformers 5.19). `--model random` builds this with random weights.
 SMOLLM2_135M_CONFIG = {
@@ -101,7 +103,6 @@ SMOLLM2_135M_CONFIG = {
     "use_cache": True,
     "vocab_size": 49152,
 }
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 
 # Sizes: GPU defaults finish in ~2-4 minutes on one H200 (hf; estimated, not yet run there); --quick is for a CPU.
 # Rollout on the GPU: 32 groups x 4 episodes x 3 turns, but 32 new ids a turn rather than 64: lockstep (a) is
@@ -175,30 +176,15 @@ def sync(device: str) -> None:
 def build_random_model(directory: Path) -> Path:
     """Write a randomly initialized SmolLM2-135M (fp32 safetensors, config, stand-in tokenizer) into `directory`.
 
-    The tokenizer maps "<|endoftext|>", "<|im_start|>", "<|im_end|>" to ids 0-2
-    and "t<i>" to id i for every other id below the vocab size, so any model id
-    is a token (vLLM checks prompt ids against the tokenizer). Nothing is read
-    from the network. Returns `directory`.
+    The tokenizer (`benchmarks.memory.write_random_model`) maps "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+    to ids 0-2 and "t<i>" to id i for every other id below the vocab size, so any model id is a token (vLLM
+    checks prompt ids against the tokenizer). Nothing is read from the network. Returns `directory`.
     """
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(**SMOLLM2_135M_CONFIG)
-    torch.manual_seed(RANDOM_MODEL_SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(directory)
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), config.vocab_size)})
-    core = Tokenizer(WordLevel(vocab, unk_token="<|endoftext|>"))
-    core.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="<|endoftext|>", bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-    )
-    tokenizer.save_pretrained(directory)
-    return directory
+    from benchmarks.memory import write_random_model
+
+    return write_random_model(directory, LlamaConfig(**SMOLLM2_135M_CONFIG), torch.float32, RANDOM_MODEL_SEED)
 
 
 def perturb_(model: torch.nn.Module, seed: int = 1) -> None:
