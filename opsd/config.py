@@ -618,6 +618,21 @@ class SimulateSection(_Section):
     trainer_s: float = Field(0.0, ge=0, le=3600)
 
 
+class WeightsSection(_Section):
+    """How rollout and teacher get the weights the trainer publishes (opsd/weights.py). Changes only how bytes
+    travel, never what is trained (not part of the config hash).
+
+    transport "file": from <run_dir>/weights/, which they must share with the trainer (one machine, or a
+    shared volume). "http": from the trainer's HTTP API (GET /weights/<file>, services/trainer/weights_api.py,
+    bearer token OPSD_API_TOKEN), so they need no weights volume. url: the trainer's base URL (e.g.
+    http://trainer:8000); None = read from the trainer's port file in the run dir (`opsd run` on one box). The
+    environment variable OPSD_WEIGHTS_URL, when set, wins over it (compose, k8s).
+    """
+
+    transport: Literal["file", "http"] = "file"
+    url: str | None = Field(None, pattern=r"^https?://[^\s/]+")
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     redis: RedisSection = RedisSection()
@@ -630,6 +645,7 @@ class RunConfig(_Section):
     trainer: TrainerSection = TrainerSection()
     eval: EvalSection = EvalSection()
     simulate: SimulateSection = SimulateSection()
+    weights: WeightsSection = WeightsSection()
 
     def teacher_version(self, policy_version: int) -> int:
         """The policy version the teacher scores a group of `policy_version` with (teacher.version); 0 for an
@@ -833,7 +849,7 @@ ADDED_FIELDS = (
 # alike: at their defaults they are left out of the hash.
 ADDED_MODEL_FIELDS = ("revision", "trust_remote_code", "stop_token_ids", "chat_template", "chat_template_kwargs")
 # Sections that never change what a run trains (dropped from the hash whole).
-UNHASHED_SECTIONS = ("eval", "simulate")
+UNHASHED_SECTIONS = ("eval", "simulate", "weights")
 
 
 def hashed_config(cfg) -> dict:

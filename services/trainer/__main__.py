@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from opsd import metrics
+from opsd.auth import api_token
 from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
@@ -54,6 +55,7 @@ from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
 from services.trainer.update import follow
+from services.trainer.weights_api import weights_app
 
 ROLE = "trainer"
 RECLAIM_AT_START = 4096  # entries claimed at once from the dead trainer consumers
@@ -112,7 +114,13 @@ def train() -> None:
     if main:
         # Locked before serving: a refused second trainer must not overwrite the running one's port file.
         lock = lock_trainer(run_dir)  # held until train() returns (or the process dies)
-        proc.serve(port=cfg.trainer.metrics_port)
+        app = None
+        if cfg.weights.transport == "http":  # rollout and teacher fetch the published files from this app
+            try:
+                app = weights_app(run_dir, api_token())
+            except RuntimeError as e:
+                fatal(ROLE, str(e))
+        proc.serve(app, port=cfg.trainer.metrics_port)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
