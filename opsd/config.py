@@ -626,7 +626,8 @@ class WeightsSection(_Section):
     shared volume). "http": from the trainer's HTTP API (GET /weights/<file>, services/trainer/weights_api.py,
     bearer token OPSD_API_TOKEN), so they need no weights volume. url: the trainer's base URL (e.g.
     http://trainer:8000); None = read from the trainer's port file in the run dir (`opsd run` on one box). The
-    environment variable OPSD_WEIGHTS_URL, when set, wins over it (compose, k8s).
+    environment variables OPSD_WEIGHTS_TRANSPORT and OPSD_WEIGHTS_URL, when set, win over them (compose and k8s
+    set them beside the volumes they mount: docker-compose.http.yml, k8s/components/weights-http).
     """
 
     transport: Literal["file", "http"] = "file"

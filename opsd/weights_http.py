@@ -27,6 +27,7 @@ from opsd.weights import FileSource, ema_path, weights_path
 
 log = logging.getLogger(__name__)
 URL_ENV = "OPSD_WEIGHTS_URL"  # the trainer's base URL (compose, k8s): wins over weights.url
+TRANSPORT_ENV = "OPSD_WEIGHTS_TRANSPORT"  # file | http (compose, k8s: with the volumes they mount): wins over weights.transport
 DIGEST_HEADER = "X-Opsd-Digest"
 CHUNK_BYTES = 1 << 20
 RETRIES = 5  # reconnects of one transfer (and of a request) before giving up
@@ -258,11 +259,22 @@ def weights_url(cfg, run_dir: Path) -> str | None:
         return None
 
 
+def weights_transport(cfg) -> str:
+    """"file" or "http": OPSD_WEIGHTS_TRANSPORT when set (a deployment that mounts no weights volume on the
+    workers says so beside its volumes, whatever config file it runs), else weights.transport of `cfg` (a
+    RunConfig). Raises ValueError naming the variable for another value."""
+    value = os.environ.get(TRANSPORT_ENV, "").strip() or cfg.weights.transport
+    if value not in ("file", "http"):
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: expected file or http")
+    return value
+
+
 def weight_source(cfg, run_dir: Path, ema: bool = False) -> FileSource | HttpSource:
-    """Where rollout and teacher take published versions from, per weights.transport (a RunConfig): the run
-    dir's files, or the trainer over HTTP. ema: the moving-average files (teacher.version ema:D).
-    Raises RuntimeError (`api_token`) for http without a usable OPSD_API_TOKEN: at start, not at the first load."""
-    if cfg.weights.transport == "http":
+    """Where rollout and teacher take published versions from, per `weights_transport(cfg)` (cfg: a RunConfig):
+    the run dir's files, or the trainer over HTTP. ema: the moving-average files (teacher.version ema:D).
+    Raises ValueError for a bad OPSD_WEIGHTS_TRANSPORT, RuntimeError (`api_token`) for http without a usable
+    OPSD_API_TOKEN: at start, not at the first load."""
+    if weights_transport(cfg) == "http":
         api_token()
         return HttpSource(lambda: weights_url(cfg, run_dir), ema)
     return FileSource(run_dir, ema_path if ema else weights_path)

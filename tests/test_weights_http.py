@@ -20,7 +20,7 @@ from opsd.service import bind_socket, serve_in_thread, write_port
 from opsd.weights import (FileSource, StalePolicyError, VersionGate, ema_path, ensure_version, published_digest,
                           weights_path)
 from opsd.weights_http import (HttpSource, TokenRefusedError, WeightsTransferError, open_url, weight_source,
-                               weights_url)
+                               weights_transport, weights_url)
 from services.trainer.weights_api import weights_app
 
 TOKEN = "w" * 32
@@ -30,6 +30,7 @@ TOKEN = "w" * 32
 def token_env(monkeypatch):
     monkeypatch.setenv("OPSD_API_TOKEN", TOKEN)
     monkeypatch.delenv("OPSD_WEIGHTS_URL", raising=False)
+    monkeypatch.delenv("OPSD_WEIGHTS_TRANSPORT", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +343,15 @@ def test_weights_config_picks_the_source_and_never_changes_the_run_hash(tmp_path
     assert weights_url(local, tmp_path) is None  # the trainer has not written its port file yet
     write_port(tmp_path, "trainer", "0.0.0.0", 8123)
     assert weight_source(local, tmp_path).ref(1) == "http://127.0.0.1:8123/weights/policy-v00001.safetensors"
+    # A deployment's OPSD_WEIGHTS_TRANSPORT wins over the config, both ways (docker-compose.http.yml).
+    monkeypatch.setenv("OPSD_WEIGHTS_TRANSPORT", "http")
+    assert weights_transport(cfg) == "http" and isinstance(weight_source(cfg, tmp_path), HttpSource)
+    monkeypatch.setenv("OPSD_WEIGHTS_TRANSPORT", "file")
+    assert weights_transport(http) == "file" and isinstance(weight_source(http, tmp_path), FileSource)
+    monkeypatch.setenv("OPSD_WEIGHTS_TRANSPORT", "nfs")
+    with pytest.raises(ValueError, match="OPSD_WEIGHTS_TRANSPORT='nfs'"):
+        weight_source(cfg, tmp_path)
+    monkeypatch.delenv("OPSD_WEIGHTS_TRANSPORT")
     monkeypatch.delenv("OPSD_API_TOKEN")
     with pytest.raises(RuntimeError, match="OPSD_API_TOKEN"):
         weight_source(local, tmp_path)

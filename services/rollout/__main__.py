@@ -69,7 +69,7 @@ def main() -> None:
     in_flight = cfg.groups_in_flight("rollout")
     try:  # weights.transport: the run dir's files, or the trainer over HTTP
         source = weight_source(cfg, proc.run_dir)
-    except RuntimeError as e:  # http without OPSD_API_TOKEN
+    except (RuntimeError, ValueError) as e:  # http without OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
         fatal(ROLE, str(e))
     engine = gate = None
     if in_flight > 1:

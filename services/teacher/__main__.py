@@ -93,7 +93,7 @@ def main() -> None:
     # weights.transport: the run dir's files, or the trainer over HTTP; ema:D scores with the trainer's average.
     try:
         source = weight_source(cfg, proc.run_dir, ema=cfg.teacher_ema is not None)
-    except RuntimeError as e:  # http without OPSD_API_TOKEN
+    except (RuntimeError, ValueError) as e:  # http without OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
         fatal(ROLE, str(e))
     gate = VersionGate(backend, source, version_switched) if in_flight > 1 else None
     if in_flight > 1:

@@ -43,6 +43,7 @@ from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
+from opsd.weights_http import weights_transport
 from services.trainer.checkpoint import (
     CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint, save_checkpoint,
 )
@@ -115,11 +116,11 @@ def train() -> None:
         # Locked before serving: a refused second trainer must not overwrite the running one's port file.
         lock = lock_trainer(run_dir)  # held until train() returns (or the process dies)
         app = None
-        if cfg.weights.transport == "http":  # rollout and teacher fetch the published files from this app
-            try:
+        try:
+            if weights_transport(cfg) == "http":  # rollout and teacher fetch the published files from this app
                 app = weights_app(run_dir, api_token())
-            except RuntimeError as e:
-                fatal(ROLE, str(e))
+        except (RuntimeError, ValueError) as e:  # no OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
+            fatal(ROLE, str(e))
         proc.serve(app, port=cfg.trainer.metrics_port)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
