@@ -17,6 +17,12 @@ published file records a content digest in its safetensors metadata
 renamed into place together and can never disagree. `ensure_version` records
 the digest of what it loaded as `backend.policy_digest` and reloads a version
 it holds when its file now records another digest.
+
+Workers find versions through a source: `FileSource` (the run dir's files,
+on one machine or a shared volume) or, with weights.transport http,
+`opsd.weights_http.HttpSource` (the trainer serves the same files over its
+HTTP API: services/trainer/weights_api.py); `opsd.weights_http.weight_source`
+builds the one a config asks for.
 """
 
 from __future__ import annotations
