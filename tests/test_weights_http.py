@@ -265,7 +265,7 @@ class UrlLoadingBackend:
 
         assert isinstance(ref, str) and ref.startswith("http://")
         with open_url(ref) as stream:
-            load_state_strict(self.backend.model, load(stream.read()), ref)
+            load_state_strict(self.backend.model, load(bytes(stream.read())), ref)
         self.policy_version = version
         self.loads.append(version)
 
