@@ -485,7 +485,7 @@ def test_checkpointer_writes_in_the_background_what_the_step_had(tmp_path, monke
     model = tiny_llama(num_hidden_layers=1)
     opt = torch.optim.AdamW(model.parameters())
     _adam_step(model, opt)
-    monkeypatch.setenv(WRITE_DELAY_ENV, "0.5")
+    monkeypatch.setenv(WRITE_DELAY_ENV, "1.0")
     writer = Checkpointer(tmp_path, hashed_config(cfg), keep=1)
     state, records = _state(cfg, 1), [{"step": 0}]
     torch_rng = torch.get_rng_state()
@@ -497,7 +497,10 @@ def test_checkpointer_writes_in_the_background_what_the_step_had(tmp_path, monke
     state.step = 2
     records.append({"step": 1})
     torch.rand(3)
-    assert (tmp_path / ".checkpoint-tmp").is_dir() and not (tmp_path / "checkpoint").exists()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / ".checkpoint-tmp" / "model.safetensors").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not writer.done() and not (tmp_path / "checkpoint").exists()  # mid-write (the hook's sleep)
     assert writer.wait() == 2 and writer.done() and writer.wait() is None
     path = tmp_path / "checkpoint"
     assert json.loads((path / "trainer_state.json").read_text())["applied"] == ["s00000-tw-0001@v0"]
