@@ -36,8 +36,8 @@ import torch
 from opsd import metrics
 from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
-from opsd.footprint import checkpoint_interval
 from opsd.envs import EnvContext, get_adapter
+from opsd.footprint import checkpoint_interval
 from opsd.models import ModelUnavailableError, load_backend
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
