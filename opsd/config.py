@@ -564,7 +564,12 @@ class TrainerSection(_Section):
     # term is weighted by min(exp(clip(old - sampler, -20, 20)), tis_cap).
     truncated_is: bool = False
     tis_cap: float = Field(5.0, gt=0)
-    checkpoint_every: int = Field(1, ge=1)  # steps between checkpoints (resume point; the last step always saves)
+    # Steps between checkpoints (the resume point; the last step always saves). "auto": every step below 1e9
+    # parameters, every 10 steps from 1e9 (opsd.footprint.checkpoint_interval: a 7B fp32 + AdamW checkpoint
+    # is ~85 GB, written in the background while the next step's groups are awaited).
+    checkpoint_every: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # Complete checkpoints kept: the newest in <run_dir>/checkpoint/, older ones as checkpoint-<step:05d>/.
+    keep_checkpoints: int = Field(1, ge=1)
     # A finished run's checkpoint/ keeps the optimizer state (AdamW: twice the model, 1.1 GB for SmolLM2 fp32)
     # so it can be resumed with more run.steps; false drops it once the run is DONE (the policy stays, for
     # `opsd eval` and as a teacher or a new run's model) and such a run can no longer be resumed.
@@ -838,6 +843,7 @@ RESUMABLE_FIELDS = (
     ("redis", "max_stream_lag"), ("teacher", "embedder_timeout_s"), ("teacher", "embedder_deadline_s"),
     ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"), ("trainer", "snapshot_every"),
     ("trainer", "keep_optimizer_state"), ("credit", "diagnostic_prompt_buckets"),  # what is reported, not what is trained
+    ("trainer", "checkpoint_every"), ("trainer", "keep_checkpoints"),  # resume points, not what is trained
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.
