@@ -276,7 +276,7 @@ def merge_one(base_W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
 
 
 def merged_weights(base_state: dict[str, torch.Tensor], adapter_path: Path) -> dict[str, torch.Tensor]:
-    """The full merged weights of an adapter file, for a backend that loads plain weights (vLLM).
+    """The merged weights of an adapter file as a dict (the reference for the streamed merge of opsd.models.vllm_worker).
 
     base_state: the ORIGINAL base weights (version 0), HF parameter names
     (e.g. "model.layers.0.self_attn.q_proj.weight" -> [out, in]); it must

@@ -236,3 +236,45 @@ def test_measure_write_and_read_seconds(name, tmp_path):
     print(f"\n{name}: write old {t1 - t0:.3f} s, new {t2 - t1:.3f} s, new bf16 {t5 - t4:.3f} s; "
           f"read old (load_file, no checks) {t3 - t2:.3f} s, new (finite + digest) {t4 - t3:.3f} s, bf16 {t6 - t5:.3f} s")
     assert load_file(str(old)).keys() == _read_all(new)[1].keys()
+
+
+def test_engine_weights_full_file_and_adapter(tiny, tmp_path):
+    """What a vLLM worker streams into its engine (checked on CPU, no vLLM): a full file's tensors with the tied
+    head under the embedding's name; an adapter as every initial weight, the targeted ones merged."""
+    import copy
+
+    from opsd.config import LoRASection
+    from opsd.lora import apply_lora, merged_weights, save_adapter
+    from opsd.models.vllm_worker import engine_weights
+
+    model_dir = str(tiny.path)
+    initial = load_file(str(tiny.path / "model.safetensors"))
+    full = tmp_path / "full.safetensors"
+    tiny.save_weights(full)
+    with open_weights(full) as s:
+        got = dict(engine_weights(s, str(full), model_dir))
+    assert got.keys() == initial.keys() and "lm_head.weight" not in got
+    assert all(torch.equal(got[k], initial[k]) for k in initial)
+
+    trainer = copy.deepcopy(tiny.model)
+    apply_lora(trainer, LoRASection(r=4, alpha=8.0))
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    adapter = tmp_path / "adapter.safetensors"
+    save_adapter(trainer, adapter, 2)
+    with open_weights(adapter) as s:
+        got = dict(engine_weights(s, str(adapter), model_dir))
+    merged = merged_weights(initial, adapter)
+    assert got.keys() == initial.keys() and merged
+    assert all(torch.equal(got[k], merged.get(k, initial[k])) for k in initial)
+
+    state = load_file(str(full))  # refused before any tensor: a missing weight, a wrong dtype
+    state.pop("model.norm.weight")
+    save_file(state, str(tmp_path / "bad.safetensors"))
+    with open_weights(tmp_path / "bad.safetensors") as s, pytest.raises(KeyError, match="missing"):
+        engine_weights(s, "bad", model_dir)
+    write_weights(tiny.model.state_dict(), tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
+    with open_weights(tmp_path / "bf16.safetensors") as s, pytest.raises(ValueError, match="dtype"):
+        engine_weights(s, "bf16", model_dir)
