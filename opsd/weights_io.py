@@ -170,13 +170,16 @@ def write_weights(tensors: Mapping[str, torch.Tensor], path, metadata: dict[str,
 
 
 def open_weights(ref: str | os.PathLike) -> BinaryIO:
-    """Open a weights file for reading: a local path (str or PathLike) -> a buffered binary file.
+    """Open a weights file for reading as a binary stream read front to back.
 
-    An http:// or https:// ref is a file served by another process (opsd.weights_http, not available yet).
-    Raises FileNotFoundError for a missing path, WeightsError for a URL.
+    ref: a local path (str or PathLike) -> a buffered file; an http:// or
+    https:// URL -> the trainer's served file (`opsd.weights_http.open_url`,
+    which says what it raises). Raises FileNotFoundError for a missing path.
     """
     if isinstance(ref, str) and ref.startswith(("http://", "https://")):
-        raise WeightsError(f"{ref}: reading weights over HTTP is not available here")
+        from opsd.weights_http import open_url
+
+        return open_url(ref)
     return open(ref, "rb", buffering=_CHUNK)
 
 
