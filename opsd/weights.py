@@ -135,9 +135,17 @@ def tensor_digest(tensors) -> str:
                 continue
             seen.add(key)
         data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
-        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0{data.nbytes}\0".encode())
+        h.update(digest_frame(name, t.dtype, t.shape, data.nbytes))
         h.update(data)
     return h.hexdigest()
+
+
+def digest_frame(name: str, dtype, shape, nbytes: int) -> bytes:
+    """What `tensor_digest` hashes before a tensor's raw bytes: name, torch dtype, shape and byte count.
+
+    dtype: a torch.dtype; shape: a sequence of ints. Shared with opsd.weights_io, which hashes while it streams.
+    """
+    return f"{name}\0{dtype}\0{list(shape)}\0{nbytes}\0".encode()
 
 
 def published_digest(path: Path) -> str | None:
