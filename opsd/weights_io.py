@@ -195,6 +195,17 @@ def _read_exactly(stream: BinaryIO, n: int, what: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def _fill(stream: BinaryIO, view: memoryview) -> int:
+    """Read up to len(view) bytes into `view`; returns how many (0 at the end). Straight into the tensor's buffer
+    where the stream has readinto (files, `opsd.weights_http.UrlStream`): no copy of the bytes on the way."""
+    readinto = getattr(stream, "readinto", None)
+    if readinto is not None:
+        return readinto(view) or 0
+    part = stream.read(len(view))
+    view[: len(part)] = part
+    return len(part)
+
+
 def read_header(stream: BinaryIO, source: str = "weights") -> Header:
     """Read and validate a safetensors header from `stream` (positioned at the file start; read() calls only).
 
@@ -258,13 +269,12 @@ def iter_tensors(stream: BinaryIO, header: Header, source: str = "weights") -> I
             if h is not None:
                 h.update(digest_frame(e.name, dtype, e.shape, nbytes))
             while done < nbytes:
-                part = stream.read(min(nbytes - done, _CHUNK))
-                if not part:
+                k = _fill(stream, view[done:done + min(nbytes - done, _CHUNK)])
+                if not k:
                     raise WeightsError(f"{source}: truncated: tensor {e.name!r} ends {nbytes - done} bytes early")
-                view[done:done + len(part)] = part
                 if h is not None:  # hash this chunk while the next one is read
-                    hashed = pool.submit(h.update, view[done:done + len(part)])
-                done += len(part)
+                    hashed = pool.submit(h.update, view[done:done + k])
+                done += k
             t = torch.frombuffer(buf, dtype=dtype).reshape(e.shape) if nbytes else torch.empty(e.shape, dtype=dtype)
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise WeightsError(f"{source}: tensor {e.name!r} holds non-finite values (NaN or inf)")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from opsd.config import ModelSection, RunConfig, config_hash, hashed_config
-from opsd.models.hf import HFBackend, load_state_strict
+from opsd.models.hf import HFBackend
 from opsd.service import bind_socket, serve_in_thread, write_port
 from opsd.weights import (FileSource, StalePolicyError, VersionGate, ema_path, ensure_version, published_digest,
                           weights_path)
@@ -254,19 +254,18 @@ def test_retries_are_bounded_and_the_token_is_required(served, trainer, monkeypa
 
 
 class UrlLoadingBackend:
-    """An HFBackend whose load_weights reads the ref over HTTP (open_url) into the model (load_state_strict),
-    as the backends will through opsd.weights_io.open_weights."""
+    """A real HFBackend (its load_weights opens the URL through opsd.weights_io.open_weights), counting loads."""
 
     def __init__(self, backend: HFBackend):
-        self.backend, self.policy_version, self.loads = backend, 0, []
+        self.backend, self.loads = backend, []
+
+    @property
+    def policy_version(self) -> int:
+        return self.backend.policy_version
 
     def load_weights(self, ref, version: int) -> None:
-        from safetensors.torch import load
-
         assert isinstance(ref, str) and ref.startswith("http://")
-        with open_url(ref) as stream:
-            load_state_strict(self.backend.model, load(bytes(stream.read())), ref)
-        self.policy_version = version
+        self.backend.load_weights(ref, version)
         self.loads.append(version)
 
 

@@ -167,8 +167,8 @@ def test_bad_header_bytes():
         read_header(io.BytesIO(struct.pack("<Q", 4) + b"{{{{"))
 
 
-class _Trickle(io.RawIOBase):
-    """A socket-like stream: read(n) returns at most 7 bytes (no seek, no readinto use)."""
+class _Trickle:
+    """A socket-like stream with read(n) alone, returning at most 7 bytes (no seek, no readinto)."""
 
     def __init__(self, data: bytes):
         self.data, self.at = data, 0
