@@ -314,6 +314,24 @@ class Services:
                 p.wait()
 
 
+def check_disk(cfg: RunConfig, models: dict, where: Path, held: int = 0) -> None:
+    """Print the run's disk peak and its terms (opsd.footprint.run_disk_peak, from the resolved policy's
+    config.json) in one line; a peak above the free space at `where` (its nearest existing parent) plus `held`
+    (bytes a resumed run's directory holds already) is a usage error, exit 2, before anything starts."""
+    from opsd import footprint
+
+    try:
+        terms = footprint.run_disk_peak(cfg, models["model"].path)
+    except (KeyError, ValueError, OSError) as e:  # an architecture transformers cannot build: no estimate
+        console.print(f"disk peak: not estimated ({escape(str(e).splitlines()[0] if str(e) else repr(e))})")
+        return
+    free = footprint.free_bytes(where)
+    console.print(f"disk peak {footprint.describe(terms)}; {free / footprint.GB:.1f} GB free at {escape(str(where))}")
+    problem = footprint.disk_problem(terms["total"], free + held, where)
+    if problem:
+        _usage_error(problem)
+
+
 def new_run_dir(output_dir: Path, name: str) -> Path:
     """Create `<output_dir>/<name>-<timestamp>[-N]/logs` (a suffix when two runs start in the same second)."""
     stamp = f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -407,6 +425,7 @@ def run(
             _usage_error(f"{run_dir} finished with trainer.keep_optimizer_state false: its optimizer state was "
                          f"dropped, so it cannot train on; start a new run with model.name: {run_dir / 'checkpoint'}")
         models = resolve_models(cfg)  # the commits config.yaml pins: the snapshot the run started with
+        check_disk(cfg, models, run_dir, held=sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file()))
         # The old run's DONE and port files would make this run look finished, or point at dead services.
         (run_dir / "DONE").unlink(missing_ok=True)
         shutil.rmtree(run_dir / "ports", ignore_errors=True)
@@ -415,6 +434,7 @@ def run(
         cfg = _installed(load_config(config, backend=backend, steps=steps,
                                      output_dir=None if output_dir is None else str(output_dir)))
         models = resolve_models(cfg)  # before the run directory exists: a model that cannot be had leaves nothing
+        check_disk(cfg, models, Path(cfg.run.output_dir))
         run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
         resolved = run_dir / "config.yaml"
         lock = lock_run_dir(run_dir)

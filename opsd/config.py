@@ -570,7 +570,12 @@ class TrainerSection(_Section):
     # term is weighted by min(exp(clip(old - sampler, -20, 20)), tis_cap).
     truncated_is: bool = False
     tis_cap: float = Field(5.0, gt=0)
-    checkpoint_every: int = Field(1, ge=1)  # steps between checkpoints (resume point; the last step always saves)
+    # Steps between checkpoints (the resume point; the last step always saves). "auto": every step below 1e9
+    # parameters, every 10 steps from 1e9 (opsd.footprint.checkpoint_interval: a 7B fp32 + AdamW checkpoint
+    # is ~85 GB, written in the background while the next step's groups are awaited).
+    checkpoint_every: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # Complete checkpoints kept: the newest in <run_dir>/checkpoint/, older ones as checkpoint-<step:05d>/.
+    keep_checkpoints: int = Field(1, ge=1)
     # A finished run's checkpoint/ keeps the optimizer state (AdamW: twice the model, 1.1 GB for SmolLM2 fp32)
     # so it can be resumed with more run.steps; false drops it once the run is DONE (the policy stays, for
     # `opsd eval` and as a teacher or a new run's model) and such a run can no longer be resumed.
@@ -628,6 +633,22 @@ class SimulateSection(_Section):
     trainer_s: float = Field(0.0, ge=0, le=3600)
 
 
+class WeightsSection(_Section):
+    """How rollout and teacher get the weights the trainer publishes (opsd/weights.py). Changes only how bytes
+    travel, never what is trained (not part of the config hash).
+
+    transport "file": from <run_dir>/weights/, which they must share with the trainer (one machine, or a
+    shared volume). "http": from the trainer's HTTP API (GET /weights/<file>, services/trainer/weights_api.py,
+    bearer token OPSD_API_TOKEN), so they need no weights volume. url: the trainer's base URL (e.g.
+    http://trainer:8000); None = read from the trainer's port file in the run dir (`opsd run` on one box). The
+    environment variables OPSD_WEIGHTS_TRANSPORT and OPSD_WEIGHTS_URL, when set, win over them (compose and k8s
+    set them beside the volumes they mount: docker-compose.http.yml, k8s/components/weights-http).
+    """
+
+    transport: Literal["file", "http"] = "file"
+    url: str | None = Field(None, pattern=r"^https?://[^\s/]+")
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     redis: RedisSection = RedisSection()
@@ -640,6 +661,7 @@ class RunConfig(_Section):
     trainer: TrainerSection = TrainerSection()
     eval: EvalSection = EvalSection()
     simulate: SimulateSection = SimulateSection()
+    weights: WeightsSection = WeightsSection()
 
     def teacher_version(self, policy_version: int) -> int:
         """The policy version the teacher scores a group of `policy_version` with (teacher.version); 0 for an
@@ -832,6 +854,7 @@ RESUMABLE_FIELDS = (
     ("trainer", "dump_credit"), ("trainer", "data_parallel"), ("trainer", "nproc_per_node"), ("trainer", "snapshot_every"),
     ("trainer", "keep_optimizer_state"), ("credit", "diagnostic_prompt_buckets"),  # what is reported, not what is trained
     ("trainer", "gradient_checkpointing"),  # memory, not what is trained
+    ("trainer", "checkpoint_every"), ("trainer", "keep_checkpoints"),  # resume points, not what is trained
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.
@@ -844,7 +867,7 @@ ADDED_FIELDS = (
 # alike: at their defaults they are left out of the hash.
 ADDED_MODEL_FIELDS = ("revision", "trust_remote_code", "stop_token_ids", "chat_template", "chat_template_kwargs")
 # Sections that never change what a run trains (dropped from the hash whole).
-UNHASHED_SECTIONS = ("eval", "simulate")
+UNHASHED_SECTIONS = ("eval", "simulate", "weights")
 
 
 def hashed_config(cfg) -> dict:

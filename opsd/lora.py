@@ -19,11 +19,8 @@ peft is imported only by `apply_lora` (the trainer): workers merge without it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,85 +144,56 @@ def adapter_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
 def save_adapter(model: torch.nn.Module, path: Path, policy_version: int) -> None:
     """Write the adapter of `model` (see `adapter_state_dict`) as an opsd-lora file at `path`, atomically.
 
-    Written to a temp file in the same directory, then renamed: a reader sees
-    the old file or the complete new one. The metadata records the tensors'
-    content digest (`opsd.weights.DIGEST_KEY`). Raises ValueError (no
-    adapters) or OSError (write failure; no temp file is left).
+    Written by `opsd.weights_io.write_weights` (temp file + rename: a reader
+    sees the old file or the complete new one; the metadata records the
+    tensors' content digest, `opsd.weights.DIGEST_KEY`). Raises ValueError
+    (no adapters) or OSError (write failure; no temp file is left).
     """
-    from safetensors.torch import save_file
-
-    from opsd.weights import DIGEST_KEY, tensor_digest
+    from opsd.weights_io import write_weights
 
     tensors, rank, alpha, targets = adapter_state_dict(model)
     meta = {"format": FORMAT, "rank": str(rank), "alpha": repr(alpha), "target_modules": json.dumps(targets),
-            "policy_version": str(int(policy_version)), DIGEST_KEY: tensor_digest(tensors)}
-    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=meta))
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path: str) on a temp file next to `path`, make it world-readable, rename it to `path`.
-
-    Creates the parent directory. On any error the temp file is removed and the error re-raised.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp made it owner-only; readers may be other processes/users
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+            "policy_version": str(int(policy_version))}
+    write_weights(tensors, Path(path), meta)
 
 
 # ---------------------------------------------------------------------------
 # Reading and merging (workers; no peft)
 
 
-def file_metadata(path: Path) -> dict[str, str]:
-    """The safetensors metadata of `path` (header only; {} when none).
+def read_adapter(ref) -> Adapter:
+    """Read and check the opsd-lora file `ref` (a path or `opsd.weights_io.open_weights` ref) on its own.
 
-    Raises FileNotFoundError for a missing file (ensure_version relies on it),
-    AdapterError for a file that is no readable safetensors file.
+    See `adapter_from_stream` for what is checked. Raises FileNotFoundError
+    (missing file) or AdapterError naming the file and problem.
     """
-    from safetensors import safe_open
+    from opsd.weights_io import WeightsError, open_weights, read_header
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return dict(f.metadata() or {})
-    except FileNotFoundError:
-        raise  # deleted after the check above: the caller treats it as a missing version
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise AdapterError(f"{path}: unreadable safetensors file: {e}") from e
+    with open_weights(ref) as stream:
+        try:
+            header = read_header(stream, str(ref))
+        except WeightsError as e:
+            raise AdapterError(f"{ref}: unreadable safetensors file: {e}") from e
+        return adapter_from_stream(stream, header, str(ref))
 
 
-def is_adapter_file(path: Path) -> bool:
-    """True when `path`'s metadata says format "opsd-lora". Raises as `file_metadata`."""
-    return file_metadata(path).get("format") == FORMAT
-
-
-def read_adapter(path: Path) -> Adapter:
-    """Read and check an opsd-lora file on its own (see `check_against` for the model side).
+def adapter_from_stream(stream, header, source: str) -> Adapter:
+    """The adapter whose header `read_header` just read from `stream`; reads its tensors (`iter_tensors`).
 
     Checked: metadata (format, rank >= 1, finite alpha > 0, target_modules a
-    non-empty list of plain names, policy_version >= 0); tensor names (only
-    "<module>.lora_A.weight" / "<module>.lora_B.weight", both for every
-    module, the module's last name in target_modules); floating dtypes,
-    shapes A [rank, in], B [out, rank]; finite values. Raises
-    FileNotFoundError (missing file) or AdapterError naming the file and problem.
+    non-empty list of plain names, policy_version >= 0) before any tensor is
+    read; tensor names (only "<module>.lora_A.weight" /
+    "<module>.lora_B.weight", both for every module, the module's last name
+    in target_modules); floating dtypes, shapes A [rank, in], B [out, rank];
+    finite values and the recorded digest (`iter_tensors`). Raises
+    AdapterError naming `source` and the problem.
     """
-    from safetensors.torch import load_file
+    from opsd.weights_io import WeightsError, iter_tensors
 
-    path = Path(path)
-    meta = file_metadata(path)
+    meta = header.metadata
 
     def bad(what: str) -> AdapterError:
-        return AdapterError(f"{path}: {what}")
+        return AdapterError(f"{source}: {what}")
 
     if meta.get("format") != FORMAT:
         raise bad(f"metadata format is {meta.get('format')!r}, not {FORMAT!r}")
@@ -242,11 +210,9 @@ def read_adapter(path: Path) -> Adapter:
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t.isidentifier() for t in targets)):
         raise bad(f"metadata target_modules must be a non-empty list of plain module names, got {targets!r}")
     try:
-        tensors = load_file(str(path), device="cpu")
-    except FileNotFoundError:
-        raise
-    except Exception as e:
-        raise bad(f"unreadable tensors: {e}") from e
+        tensors = dict(iter_tensors(stream, header, source))
+    except WeightsError as e:
+        raise AdapterError(str(e)) from e
     if not tensors:
         raise bad("holds no tensors")
     modules = set()
@@ -264,9 +230,6 @@ def read_adapter(path: Path) -> Adapter:
             raise bad(f"module {m}: non-floating dtypes {a.dtype}, {b.dtype}")
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise bad(f"module {m}: lora_A {list(a.shape)} / lora_B {list(b.shape)} are not [{rank}, in] / [out, {rank}]")
-        for key, t in ((_A, a), (_B, b)):
-            if not bool(torch.isfinite(t).all()):
-                raise bad(f"tensor {m}{key} holds NaN or inf")
     return Adapter(rank, alpha, targets, version, tensors)
 
 
@@ -313,7 +276,7 @@ def merge_one(base_W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
 
 
 def merged_weights(base_state: dict[str, torch.Tensor], adapter_path: Path) -> dict[str, torch.Tensor]:
-    """The full merged weights of an adapter file, for a backend that loads plain weights (vLLM).
+    """The merged weights of an adapter file as a dict (the reference for the streamed merge of opsd.models.vllm_worker).
 
     base_state: the ORIGINAL base weights (version 0), HF parameter names
     (e.g. "model.layers.0.self_attn.q_proj.weight" -> [out, in]); it must

@@ -17,6 +17,12 @@ published file records a content digest in its safetensors metadata
 renamed into place together and can never disagree. `ensure_version` records
 the digest of what it loaded as `backend.policy_digest` and reloads a version
 it holds when its file now records another digest.
+
+Workers find versions through a source: `FileSource` (the run dir's files,
+on one machine or a shared volume) or, with weights.transport http,
+`opsd.weights_http.HttpSource` (the trainer serves the same files over its
+HTTP API: services/trainer/weights_api.py); `opsd.weights_http.weight_source`
+builds the one a config asks for.
 """
 
 from __future__ import annotations
@@ -129,9 +135,17 @@ def tensor_digest(tensors) -> str:
                 continue
             seen.add(key)
         data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
-        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0{data.nbytes}\0".encode())
+        h.update(digest_frame(name, t.dtype, t.shape, data.nbytes))
         h.update(data)
     return h.hexdigest()
+
+
+def digest_frame(name: str, dtype, shape, nbytes: int) -> bytes:
+    """What `tensor_digest` hashes before a tensor's raw bytes: name, torch dtype, shape and byte count.
+
+    dtype: a torch.dtype; shape: a sequence of ints. Shared with opsd.weights_io, which hashes while it streams.
+    """
+    return f"{name}\0{dtype}\0{list(shape)}\0{nbytes}\0".encode()
 
 
 def published_digest(path: Path) -> str | None:
@@ -150,64 +164,99 @@ def published_digest(path: Path) -> str | None:
         return None
 
 
-def _holds(backend, run_dir: Path, version: int, path_of) -> bool:
+class FileSource:
+    """Where a worker finds published versions when it shares the trainer's run dir (a volume, or one machine).
+
+    path_of(run_dir, version): the file of a version (`weights_path`; `ema_path` for a teacher that scores
+    with the policy's moving average). `opsd.weights_http.HttpSource` answers the same three questions
+    over the trainer's HTTP API.
+    """
+
+    def __init__(self, run_dir: Path, path_of=weights_path):
+        self.run_dir, self.path_of = Path(run_dir), path_of
+
+    def ref(self, version: int) -> Path:
+        """What `backend.load_weights` opens for `version`: its file's path."""
+        return self.path_of(self.run_dir, version)
+
+    def digest(self, version: int) -> str | None:
+        """The digest `version` records as published now; None when missing or unknown (`published_digest`)."""
+        return published_digest(self.ref(version))
+
+    def versions(self) -> list[int]:
+        """The policy versions published now, ascending."""
+        return published_versions(self.run_dir)
+
+
+def _source(source, path_of):
+    """A source as given, or a run dir (Path or str) as a FileSource (the callers and tests before sources)."""
+    return FileSource(source, path_of) if isinstance(source, (str, os.PathLike)) else source
+
+
+def _holds(backend, source, version: int) -> bool:
     """True when `backend` holds `version` as published now: its policy_version is `version` and the file was not
-    replaced by other content since it was loaded (both digests known and different). Reads the file's header only
-    when the backend recorded a digest; a file gone since (pruned) is no replacement."""
+    replaced by other content since it was loaded (both digests known and different). Asks the source for the
+    digest only when the backend recorded one; a version gone since (pruned) is no replacement."""
     if backend.policy_version != version:
         return False
     held = getattr(backend, "policy_digest", None)
     if held is None:  # the initial model (version 0, from the model cache) or a file without a digest: unknown
         return True
-    now = published_digest(path_of(run_dir, version))
+    now = source.digest(version)
     return now is None or now == held
 
 
-def ensure_version(backend, run_dir: Path, version: int, path_of=weights_path) -> bool:
+def ensure_version(backend, source, version: int, path_of=weights_path) -> bool:
     """Load policy `version` into `backend` unless it already holds it; returns True if it loaded.
 
-    path_of(run_dir, version): the file of a version (`weights_path`; `ema_path` for a teacher that
-    scores with the policy's moving average).
+    source: where versions are published: a `FileSource`, an `opsd.weights_http.HttpSource`, or a run dir
+    (Path/str; then path_of(run_dir, version) names the file: `weights_path`, or `ema_path` for a teacher
+    that scores with the policy's moving average). `backend.load_weights(source.ref(version), version)`
+    loads it: ref is a path for files, a URL for http.
 
     "Holds" means the same version AND the same content: the digest the
-    file records (`published_digest`) is kept as `backend.policy_digest`
-    after each load, and a version whose file now records another digest
-    (rewritten by a resumed trainer) is loaded again. A missing digest on
-    either side (version 0 from the model cache, files of older runs) counts
-    as unknown and never causes a reload. The check reads the file's header
-    only (no re-hash), and only when the backend recorded a digest.
+    source reports (`published_digest` of the file's header, or the
+    trainer's X-Opsd-Digest) is kept as `backend.policy_digest` after each
+    load, and a version that now reports another digest (rewritten by a
+    resumed trainer) is loaded again. A missing digest on either side
+    (version 0 from the model cache, files of older runs) counts as unknown
+    and never causes a reload. The check asks for the digest only (a
+    header read or a HEAD request, no re-hash), and only when the backend
+    recorded a digest.
 
-    Raises StalePolicyError when the version's file is gone and a newer
-    version exists (the backend holds one, or its file is published): the
-    trainer deleted it because a job of that version is too stale to train
-    on (version 0 without a file counts as deleted once the backend moved
-    on). Raises FileNotFoundError when the version is not published yet.
-    On any error the backend keeps the weights it held.
+    Raises StalePolicyError when the version is gone (load_weights raised
+    FileNotFoundError) and a newer version exists (the backend holds one,
+    or the source publishes it): the trainer deleted it because a job of
+    that version is too stale to train on (version 0 without a file counts
+    as deleted once the backend moved on). Raises FileNotFoundError when the
+    version is not published yet. On any error the backend keeps the
+    weights it held.
     """
-    if _holds(backend, run_dir, version, path_of):
+    source = _source(source, path_of)
+    if _holds(backend, source, version):
         return False
-    path = path_of(run_dir, version)
+    ref = source.ref(version)
     replaced = backend.policy_version == version
     # Read before the load: a file replaced during the load leaves the older digest recorded, so the
     # next call sees a mismatch and loads again, never the reverse (new digest on old weights).
-    digest = published_digest(path)
+    digest = source.digest(version)
     try:
         t0 = time.perf_counter()
-        backend.load_weights(path, version)
+        backend.load_weights(ref, version)
         if replaced:
             log.info("policy version %d was published again with other weights (digest %s, was %s): reloading",
                      version, digest, getattr(backend, "policy_digest", None))
         backend.policy_digest = digest
-        log.info("loaded policy version %d from %s in %.2f s", version, path, time.perf_counter() - t0)
+        log.info("loaded policy version %d from %s in %.2f s", version, ref, time.perf_counter() - t0)
         return True
     except FileNotFoundError:
         pass  # deleted between publishing and now, or never published: tell which
-    newest = max(published_versions(run_dir) + [backend.policy_version])
+    newest = max(source.versions() + [backend.policy_version])
     if newest > version:
         raise StalePolicyError(
-            f"policy version {version} was deleted ({path} is gone; newest is {newest}): the job is too stale to train on"
+            f"policy version {version} was deleted ({ref} is gone; newest is {newest}): the job is too stale to train on"
         )
-    raise FileNotFoundError(f"policy version {version} not published yet: {path} is missing")
+    raise FileNotFoundError(f"policy version {version} not published yet: {ref} is missing")
 
 
 class VersionGate:
@@ -219,16 +268,17 @@ class VersionGate:
     is the one it waits for). A switch to another version, or a reload of v
     rewritten with other weights, waits until every running group of the
     current one has finished (drained), then loads it (`ensure_version(engine,
-    run_dir, v)`), so no request of version v runs after v+1 is loaded and no
+    source, v)`), so no request of version v runs after v+1 is loaded and no
     group mixes two.
 
     engine: what `ensure_version` loads into (policy_version, load_weights);
-    on_switch(drain_s, load_s): called after each load (metrics), drain_s
-    counted from the first group that waited for it; path_of: as in `ensure_version`.
+    source, path_of: as in `ensure_version`; on_switch(drain_s, load_s):
+    called after each load (metrics), drain_s counted from the first group
+    that waited for it.
     """
 
-    def __init__(self, engine, run_dir: Path, on_switch=None, path_of=weights_path):
-        self.engine, self.run_dir, self.on_switch, self.path_of = engine, Path(run_dir), on_switch, path_of
+    def __init__(self, engine, source, on_switch=None, path_of=weights_path):
+        self.engine, self.source, self.on_switch = engine, _source(source, path_of), on_switch
         self._cond = threading.Condition()
         self._running = 0  # groups running, all of the engine's version
         self._waiting: list[int] = []  # versions of the groups waiting
@@ -247,7 +297,7 @@ class VersionGate:
                 while True:
                     lowest = min(self._waiting)
                     # False also when the file of the version held was replaced: drain, then reload it.
-                    current = _holds(self.engine, self.run_dir, version, self.path_of)
+                    current = _holds(self.engine, self.source, version)
                     if version == lowest and current:
                         self._running += 1
                         return
@@ -255,7 +305,7 @@ class VersionGate:
                         t0 = time.perf_counter()
                         drain_s = t0 - self._drain_since if self._drain_since is not None else 0.0
                         self._drain_since = None
-                        ensure_version(self.engine, self.run_dir, version, self.path_of)  # others wait: the lock is held
+                        ensure_version(self.engine, self.source, version)  # others wait: the lock is held
                         if self.on_switch is not None:
                             self.on_switch(drain_s, time.perf_counter() - t0)
                         continue

@@ -1,6 +1,7 @@
 """`make compose-check`: build the images and run the docker compose stack on a real Docker engine, then check it.
 
     .venv/bin/python scripts/compose_check.py [--skip-build | --build-only] [--rebuild-base] [--memory 8g] [--out DIR]
+                                              [--weights file|http]
 
 From nothing but a Debian 12 machine with Debian's archive and a package index (PyPI or a mirror) and
 no image registry, as root:
@@ -24,6 +25,9 @@ no image registry, as root:
     trained once (`python -m services.trainer.books` in the trainer container); both rollout replicas
     did work; Prometheus's targets API lists every replica up; every query of the Grafana dashboard
     returns data from Prometheus over the run, or has a reason it cannot (NO_DATA_REASONS).
+    With `--weights http` the stack also gets docker-compose.http.yml: rollout and teacher fetch every policy
+    version from the trainer's API and mount volumes of their own, not the trainer's; checked on their
+    mounts and their logs (`check_weights_over_http`). `make compose-check` runs both modes.
  5. `down` (no container left), `down -v` (no volume left).
 
 Prints one table (check, pass/FAIL, seconds, detail) and writes it with every log to --out
@@ -116,6 +120,7 @@ class Context:
     rows: list[Row] = field(default_factory=list)
     redis_password: str = ""
     started_dockerd: subprocess.Popen | None = None
+    weights: str = "file"  # weights.transport of the stack: http adds docker-compose.http.yml
     cgroup: Path | None = None
 
     def add(self, check: str, ok: bool | None, seconds: float, detail: str) -> None:
@@ -600,6 +605,9 @@ def check_stack(ctx: Context) -> None:
     ctx.add("--scale rollout=2: both replicas share the work", ok, 0,
             f"groups per instance (Prometheus, incl. restarted ones) {by_instance}; now per container {shares}")
 
+    if ctx.weights == "http":
+        check_weights_over_http(ctx)
+
     # Prometheus: every role replica is a target and up.
     t0 = time.monotonic()
     want = {role: 2 if role == "rollout" else 1 for role in ROLES}
@@ -656,6 +664,26 @@ def check_stack(ctx: Context) -> None:
     ctx.add("`down -v` leaves no volume", not volumes, time.monotonic() - t0, f"volumes left: {volumes}")
 
 
+def check_weights_over_http(ctx: Context) -> None:
+    """docker-compose.http.yml: no rollout or teacher container mounts the trainer's volume (opsd-data), and each
+    one's log says it loaded policy versions from http://trainer:8000/weights/ (opsd.weights.ensure_version)."""
+    t0 = time.monotonic()
+    shared = f"{PROJECT}_opsd-data"
+    loaded, mounting = {}, []
+    for role in ("rollout", "teacher"):
+        for cid in containers(ctx, role):
+            if any(m.get("Name") == shared for m in inspect(ctx, cid)["Mounts"]):
+                mounting.append(f"{role} {cid[:12]}")
+            logs = run([ctx.docker, "logs", cid], check=False)
+            text = logs.stdout + logs.stderr
+            versions = sorted({int(v) for v in re.findall(r"loaded policy version (\d+) from http://trainer:8000/weights/", text)})
+            loaded[f"{role} {cid[:12]}"] = versions
+    # A restarted rollout replica may not have needed a new version since: one replica per role suffices.
+    ok = not mounting and all(any(v for k, v in loaded.items() if k.startswith(role)) for role in ("rollout", "teacher"))
+    ctx.add("weights over http: rollout and teacher load versions from the trainer, no shared volume", ok,
+            time.monotonic() - t0, f"versions loaded over http {loaded}; mounting {shared}: {mounting or 'none'}")
+
+
 # ------------------------------------------------------------------------------------------ report
 
 
@@ -675,13 +703,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-build", action="store_true", help="use the images already built")
     ap.add_argument("--build-only", action="store_true", help="build the images (mirror mode), run no stack")
     ap.add_argument("--rebuild-base", action="store_true", help="make the Debian base image again")
+    ap.add_argument("--weights", choices=("file", "http"), default="file",
+                    help="how rollout and teacher get policy versions: the shared volume, or the trainer's API "
+                         "(docker-compose.http.yml)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("compose-check runs as root (it installs packages and starts dockerd)", file=sys.stderr)
         return 2
     out = args.out or ROOT / "runs" / "compose-check" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(out=out.resolve())
+    ctx = Context(out=out.resolve(), weights=args.weights)
     started = time.monotonic()
     failed = None
 
@@ -693,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
         ensure_engine(ctx, parse_size(args.memory))
         ctx.compose = [*compose_cli(ctx), "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"),
                        "-f", str(ROOT / "docker-compose.debian.yml")]
+        if ctx.weights == "http":
+            ctx.compose += ["-f", str(ROOT / "docker-compose.http.yml")]
         write_stack_files(ctx)
         if not args.skip_build:
             base_image(ctx, args.rebuild_base)

@@ -12,7 +12,8 @@ import torch
 
 from opsd.config import RunConfig, config_hash, hashed_config
 from services.trainer.checkpoint import (
-    CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint, save_checkpoint,
+    WRITE_DELAY_ENV, Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint,
+    save_checkpoint,
 )
 from tests.factories import tiny_llama
 
@@ -415,6 +416,109 @@ def test_a_run_made_before_new_config_fields_still_resumes():
     teacher-verifier buckets were added (a run of the learning benchmark started before them resumed with it).
     Update the pin only for a change that should stop old runs from resuming, and say so."""
     cfg = RunConfig.load(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
-    assert config_hash(hashed_config(cfg)) == "351d52114502a9a30b278d729c2c3de9f1f05e73d6bb625ae7442c6322f06ac8"
+    # Changed when trainer.checkpoint_every became resumable (RESUMABLE_FIELDS); the runs hashed with it still
+    # resume (test_a_checkpoint_hashed_with_a_field_made_resumable_since_resumes): the old pin is this hash
+    # with checkpoint_every 1 put back.
+    assert config_hash(hashed_config(cfg)) == "8527d933fd59576382368351fa8cfd7089c74d06a66e6f5ff0f9bdb95a010600"
+    old = hashed_config(cfg)
+    old["trainer"]["checkpoint_every"] = 1
+    assert config_hash(old) == "351d52114502a9a30b278d729c2c3de9f1f05e73d6bb625ae7442c6322f06ac8"
     assert config_hash(hashed_config(cfg.model_copy(update={"env": cfg.env.model_copy(
         update={"evidence": cfg.env.evidence.model_copy(update={"prompt_tokens": [512]})})}))) != config_hash(hashed_config(cfg))
+
+
+def test_a_checkpoint_hashed_with_a_field_made_resumable_since_resumes(tmp_path):
+    """A checkpoint written when trainer.checkpoint_every was hashed (its run_config.json holds it) resumes under
+    any checkpoint_every, and its next checkpoint records the new hash; a real difference is still refused."""
+    cfg = RunConfig()
+    old = hashed_config(cfg)
+    old["trainer"]["checkpoint_every"] = 4
+    model = tiny_llama(num_hidden_layers=1)
+    opt = torch.optim.AdamW(model.parameters())
+    legacy = TrainerState(**{**_state(cfg, 1).__dict__, "config_hash": config_hash(old)})
+    save_checkpoint(tmp_path, model, opt, legacy, old, [])
+    resumed = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"checkpoint_every": 7})})
+    state = load_checkpoint(tmp_path / "checkpoint", model, opt, hashed_config(resumed))
+    assert state.step == 1 and state.config_hash == config_hash(hashed_config(cfg)) != config_hash(old)
+    other = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"lr": 0.5})})
+    with pytest.raises(CheckpointError, match=r"differing fields: trainer.lr\)"):
+        load_checkpoint(tmp_path / "checkpoint", model, opt, hashed_config(other))
+    forged = tmp_path / "checkpoint" / "run_config.json"  # a run_config.json that is not the hashed config
+    forged.write_text(json.dumps({**old, "trainer": {**old["trainer"], "checkpoint_every": 5}}))
+    with pytest.raises(CheckpointError, match="another config"):
+        load_checkpoint(tmp_path / "checkpoint", model, opt, hashed_config(cfg))
+
+
+def _step_of(path: Path) -> int:
+    return json.loads((path / "trainer_state.json").read_text())["step"]
+
+
+def test_keep_checkpoints_keeps_the_newest_k_and_find_falls_back_through_them(tmp_path, caplog):
+    cfg = RunConfig()
+    model = tiny_llama(num_hidden_layers=1)
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, model, opt, _state(cfg, step), hashed_config(cfg), [], keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-00002", "checkpoint-00003"]
+    assert [_step_of(tmp_path / n) for n in ("checkpoint", "checkpoint-00003", "checkpoint-00002")] == [4, 3, 2]
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint"
+    (tmp_path / "checkpoint" / "optimizer.json").unlink()
+    _truncate("model*.safetensors", 1000)(tmp_path / "checkpoint-00003")
+    with caplog.at_level("WARNING", logger="trainer"):
+        assert find_checkpoint(tmp_path) == tmp_path / "checkpoint-00002"  # the newest complete one
+    assert "falling back to the older" in caplog.text and "optimizer.json: missing" in caplog.text
+    # Resumed from step 2, the next save abandons the newer ones and keeps 2 older than itself at most.
+    save_checkpoint(tmp_path, model, opt, _state(cfg, 3), hashed_config(cfg), [], keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-00002"]
+    assert _step_of(tmp_path / "checkpoint") == 3
+    # keep 1 (the default) again: one checkpoint, no kept ones.
+    save_checkpoint(tmp_path, model, opt, _state(cfg, 4), hashed_config(cfg), [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
+def test_checkpointer_writes_in_the_background_what_the_step_had(tmp_path, monkeypatch):
+    """State, records and RNG are captured at `start`; the write runs on a thread (slowed by the test hook), so
+    `start` returns at once, `done` is False until it lands, and `wait` hands back what it covers."""
+    import time
+
+    cfg = RunConfig()
+    model = tiny_llama(num_hidden_layers=1)
+    opt = torch.optim.AdamW(model.parameters())
+    _adam_step(model, opt)
+    monkeypatch.setenv(WRITE_DELAY_ENV, "1.0")
+    writer = Checkpointer(tmp_path, hashed_config(cfg), keep=1)
+    state, records = _state(cfg, 1), [{"step": 0}]
+    torch_rng = torch.get_rng_state()
+    t0 = time.perf_counter()
+    writer.start(model, opt, state, records, covered=2)
+    assert time.perf_counter() - t0 < 0.4 and not writer.done()
+    # What the caller changes after start (the next step's groups, records and RNG draws) is not in it.
+    state.applied.append("s00001-tw-0000@v1")
+    state.step = 2
+    records.append({"step": 1})
+    torch.rand(3)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / ".checkpoint-tmp" / "model.safetensors").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not writer.done() and not (tmp_path / "checkpoint").exists()  # mid-write (the hook's sleep)
+    assert writer.wait() == 2 and writer.done() and writer.wait() is None
+    path = tmp_path / "checkpoint"
+    assert json.loads((path / "trainer_state.json").read_text())["applied"] == ["s00000-tw-0001@v0"]
+    assert (path / "metrics.jsonl").read_text().splitlines() == ['{"step": 0}']
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(path / "rng.safetensors")["torch_cpu"], torch_rng)
+    fresh = tiny_llama(num_hidden_layers=1, seed=3)
+    load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), hashed_config(cfg))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_checkpointer_hands_a_failed_write_to_wait(tmp_path):
+    cfg = RunConfig()
+    model = tiny_llama(num_hidden_layers=1)
+    (tmp_path / "file").write_text("not a directory")
+    writer = Checkpointer(tmp_path / "file", hashed_config(cfg))
+    writer.start(model, torch.optim.AdamW(model.parameters()), _state(cfg, 1), [], covered=1)
+    with pytest.raises(OSError):
+        writer.wait()
+    assert writer.done() and writer.wait() is None  # reported once; nothing covered

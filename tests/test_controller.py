@@ -153,6 +153,23 @@ def test_held_groups_are_kept_alive_and_acked_only_after_release(redis_client, s
     assert [d.entry_id for d in other.reclaim(IDLE_MS, count=10)] == [e_next]
 
 
+def test_a_checkpoint_releases_only_the_groups_trained_before_it_began(redis_client, stream_prefix):
+    """The trainer's background checkpoint covers the groups trained when it started (`covered`); groups
+    trained while it is written stay held and unacked until a later checkpoint covers them."""
+    col = Collector(_queue(redis_client, stream_prefix), max_staleness=1, role="trainer-test")
+    e0 = _produce(redis_client, stream_prefix, _group(0, "tw-a", 0))
+    e1 = _produce(redis_client, stream_prefix, _group(1, "tw-b", 0, seed=4))
+    col.poll(0, 0, block_ms=100, reclaim_idle_ms=60_000)
+    assert col.take(["s00000-tw-a"], 0, 0) is not None
+    covered = len(col.trained)  # step 1's checkpoint begins
+    assert col.take(["s00001-tw-b"], 1, 1) is not None  # the next step's groups come in while it is written
+    col.release_trained(covered)
+    assert col.flush() == 1 and _pending(redis_client, stream_prefix) == {e1} and col.trained == [e1]
+    assert e0 not in col.held() and e1 in col.held()
+    col.release_trained()
+    assert col.flush() == 1 and _pending(redis_client, stream_prefix) == set()
+
+
 def test_issuer_issues_each_step_once_in_one_transaction(redis_client, stream_prefix):
     cfg = _cfg(stream_prefix, steps=5, k=2)
     tasks = StreamNames(stream_prefix).tasks

@@ -28,6 +28,7 @@ ROLES = ("embedder", "rollout", "teacher", "trainer")
 GPU_ROLES = ("rollout", "teacher", "trainer")
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
+COMPOSE_HTTP = ROOT / "docker-compose.http.yml"
 SECRETS = ("REDIS_PASSWORD", "OPSD_API_TOKEN", "GRAFANA_ADMIN_PASSWORD")
 # What the CUDA image changes in pyproject's pins (deploy/docker/requirements.py says why), and what it adds.
 CUDA_REPLACED = {
@@ -290,10 +291,10 @@ def test_dockerignore_leaves_out_local_state_and_secrets():
 # ---------------------------------------------------------------- docker compose: linters and schema
 
 
-YAML_FILES = [COMPOSE, COMPOSE_GPU, *sorted((ROOT / "deploy").rglob("*.yml"))]
+YAML_FILES = [COMPOSE, COMPOSE_GPU, COMPOSE_HTTP, *sorted((ROOT / "deploy").rglob("*.yml"))]
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU, COMPOSE_HTTP], ids=lambda p: p.name)
 def test_compose_file_matches_compose_spec(path):
     run_tool([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)])
 
@@ -310,7 +311,8 @@ def secret_env(tmp_path: Path) -> Path:
     return env
 
 
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GPU]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_HTTP]],
+                         ids=["cpu", "gpu", "weights-http"])
 def test_docker_compose_config_accepts_it(files, tmp_path):
     binary = tool("docker-compose")
     args = [binary, "--env-file", str(secret_env(tmp_path))]
@@ -511,6 +513,24 @@ def test_gpu_override_puts_each_role_on_its_own_gpu():
     dcgm = services["dcgm-exporter"]
     assert pinned(dcgm["image"]) and dcgm["image"].startswith("nvcr.io/nvidia/k8s/dcgm-exporter:")
     assert dcgm["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
+
+
+def test_http_override_gives_rollout_and_teacher_no_trainer_volume(tmp_path):
+    """docker-compose.http.yml as compose merges it: rollout and teacher mount a /data of their own and fetch
+    weights from the trainer's API with the run's token; the trainer keeps the run directory and needs the token."""
+    args = [tool("docker-compose"), "--env-file", str(secret_env(tmp_path)), "-f", str(COMPOSE), "-f", str(COMPOSE_HTTP)]
+    services = yaml.safe_load(run_tool(args + ["config"]).stdout)["services"]
+    for role in ("rollout", "teacher"):
+        data = [v for v in services[role]["volumes"] if (v["target"] if isinstance(v, dict) else v.split(":")[1]) == "/data"]
+        sources = [v["source"] if isinstance(v, dict) else v.split(":")[0] for v in data]
+        assert sources == [f"{role}-data"], (role, services[role]["volumes"])
+        env = services[role]["environment"]
+        assert env["OPSD_WEIGHTS_TRANSPORT"] == "http" and env["OPSD_WEIGHTS_URL"] == "http://trainer:8000"
+        assert env["OPSD_API_TOKEN"] == "test-opsd-api-token-0123456789"
+    trainer = services["trainer"]
+    assert any("opsd-data" in str(v) for v in trainer["volumes"])
+    assert trainer["environment"]["OPSD_WEIGHTS_TRANSPORT"] == "http"
+    assert trainer["environment"]["OPSD_API_TOKEN"] == "test-opsd-api-token-0123456789"
 
 
 # ---------------------------------------------------------------- scripts/compose_env.py

@@ -692,3 +692,33 @@ def test_the_redis_start_script_refuses_a_password_unsafe_in_a_url(tmp_path):
         assert p.returncode == 1 and not conf.exists() and "ARGS" not in p.stdout, (bad, p.stdout, p.stderr)
         assert "REDIS_PASSWORD" in p.stderr and "A-Za-z0-9_-" in p.stderr, p.stderr
         assert not bad or bad not in p.stdout + p.stderr, "the refused password is printed"
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu"])
+def test_the_weights_http_component_leaves_rollout_and_teacher_without_the_run_volume(overlay, tmp_path):
+    """k8s/components/weights-http (k8s/README.md, "Weights over the network"): rollout and teacher pods fetch
+    weights from the trainer's Service over the network and mount no PVC; the trainer serves them with the token."""
+    component = "../../components/weights-http"
+    assert component in (K8S / "README.md").read_text()
+    b = overlay_copy(tmp_path, overlay, add={"components": [os.path.relpath(K8S / "components" / "weights-http", tmp_path)]})
+    for role in ("rollout", "teacher"):
+        w = b.role(role)
+        assert "emptyDir" in mount(w, "/data") and "persistentVolumeClaim" not in mount(w, "/data"), role
+        assert not [v for v in pod_spec(w)["volumes"] if "persistentVolumeClaim" in v], role
+        env = b.env(container(w))
+        assert env["OPSD_WEIGHTS_TRANSPORT"] == "http" and env["OPSD_WEIGHTS_URL"] == "http://trainer:8000", role
+        assert env["OPSD_API_TOKEN"] == "<secret:opsd-secrets/api-token>", role
+    trainer = b.role("trainer")
+    env = b.env(container(trainer))
+    assert env["OPSD_WEIGHTS_TRANSPORT"] == "http" and env["OPSD_API_TOKEN"] == "<secret:opsd-secrets/api-token>"
+    assert mount(trainer, "/data")["persistentVolumeClaim"]["claimName"] == "opsd-data"
+    service = b.get("Service", "trainer")
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(8000, "http")]
+    policies = b.of("NetworkPolicy")
+    pods = {r: Pod(NAMESPACE, pod_labels(b.role(r)), {p["name"]: p["containerPort"] for p in container(b.role(r))["ports"]})
+            for r in ROLES}
+    for role in ROLES:
+        assert flow_allowed(policies, pods[role], pods["trainer"], 8000) == (role in ("rollout", "teacher")), role
+    assert not flow_allowed(policies, Pod("default", {"app": "curious"}), pods["trainer"], 8000)
+    out = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, "-"], stdin=b.text).stdout
+    assert not [line for line in out.splitlines() if line.startswith(("ERROR", "FATAL"))], out

@@ -25,8 +25,9 @@ from safetensors.numpy import load_file
 
 from opsd.queue import StreamNames
 from opsd.redis_server import LocalRedis, connect
-from tests.soak import (TARGETS, OpsdRun, accounting, alive, fault_plan, kill_role, run_env, soak, wait_until,
-                        write_config)
+from services.trainer.checkpoint import WRITE_DELAY_ENV
+from tests.soak import (TARGETS, OpsdRun, accounting, alive, checkpoint_step, fault_plan, kill_role, run_env, soak,
+                        wait_until, write_config)
 from tests.tiny_model import make_tiny_model_dir
 
 e2e = pytest.mark.e2e  # every test here but the first runs a real `opsd run`
@@ -228,6 +229,46 @@ def test_whole_run_crashed_mid_step_resumes_bit_identical(tmp_path, tiny_model, 
     finish(resumed)
     assert "resuming after 1 logged steps" in resumed.output()
     assert_same_as(reference_run, run_dir)
+
+
+@e2e
+def test_trainer_killed_while_a_checkpoint_is_written_resumes_from_the_previous_one(tmp_path, tiny_model, own_redis):
+    """Checkpoints are written in the background after the version is published; a SIGKILL while step 2's is
+    half-written (the test hook holds each write for seconds after its model file) resumes from step 1's: step 1's
+    groups, trained but not covered by a complete checkpoint, were never acked, so Redis re-delivers them and
+    they are trained again; the run ends with every step, version and group once."""
+    prefix = "faults-ckpt"
+    cfg = write_config(tmp_path / "ckpt.yaml", tiny_model, run={"steps": 3}, redis={"stream_prefix": prefix})
+    run, run_dir = start(tmp_path, cfg, own_redis.url, **{WRITE_DELAY_ENV: "1.5"})
+    client = connect(own_redis.url, 1000)
+    scored = StreamNames(prefix).scored
+    mid_write = run_dir / ".checkpoint-tmp" / "model.safetensors"
+
+    pending = []
+
+    def writing_step_2() -> bool:  # and what the trainer held unacked at that moment
+        if not (mid_write.exists() and checkpoint_step(run_dir) == 1):
+            return False
+        pending.append(client.xpending(scored, "trainer")["pending"])
+        return True
+
+    assert kill_role(run, "trainer", 300, when=writing_step_2) is not None
+    assert checkpoint_step(run_dir) == 1 and (run_dir / "weights" / "policy-v00002.safetensors").exists()  # published
+    assert pending[-1] >= 2  # step 1's two groups: trained, held unacked while their checkpoint is written
+    finish(run)
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert re.search(r"resuming from \S+/checkpoint at step 1 \(policy version 1\)", trainer_log), trainer_log[-3000:]
+    assert json.loads((run_dir / "run_summary.json").read_text())["restarts"]["trainer"] == 1
+    state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == state["policy_version"] == 3
+    assert len(state["applied"]) == len({k.rsplit("@v", 1)[0] for k in state["applied"]}) == 6
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert not (run_dir / ".checkpoint-tmp").exists() and json.loads((run_dir / "DONE").read_text())["policy_version"] == 3
+    books = accounting(run_dir, client)
+    assert client.xpending(scored, "trainer")["pending"] == 0
+    client.close()
+    assert books["violations"] == [], books
+    assert books["trained"] == books["applied_entries"] == books["produced"]["tasks"] == 6
 
 
 # ---------------------------------------------------------------- Redis and embedder outages

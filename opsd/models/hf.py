@@ -809,44 +809,51 @@ class HFBackend:
     _full_file_loaded = False  # a full file replaced the weights before any adapter: the base is gone
 
     @_one_caller
-    def load_weights(self, path: Path, version: int) -> None:
-        """Load policy `version` from the file `path` and set policy_version = version.
+    def load_weights(self, ref: str | Path, version: int) -> None:
+        """Load policy `version` from the weights file `ref` and set policy_version = version.
 
-        Two formats, told apart by the file's metadata:
-        - a full state dict (`save_weights` of a fully fine-tuned model): copied
-          in strictly (see `load_state_strict`);
+        ref: a path (str or Path; `opsd.weights_io.open_weights`), read once
+        as a stream. Two formats, told apart by the header's metadata:
+        - a full state dict (`save_weights` of a fully fine-tuned model):
+          every tensor read (finite values, the recorded digest checked by
+          `opsd.weights_io.iter_tensors`), then copied in strictly (see
+          `load_state_strict`);
         - an opsd-lora adapter (opsd/lora.py, `trainer.lora`): every targeted
           weight becomes W0 + (B @ A) * alpha / rank, W0 being the ORIGINAL
           base weight (version 0), never the previous version's merge. The
           first adapter load keeps CPU copies of the targeted base weights
           (their size in memory; float32).
 
-        Raises FileNotFoundError for a missing file; for a full file KeyError
-        (missing/unexpected keys) or ValueError (shape or tie mismatch); for
-        an adapter opsd.lora.AdapterError (a ValueError: metadata, names,
-        shapes, NaN/inf, modules that differ from the model's targeted ones or
-        from the first adapter's, or base weights already replaced by a full
-        file). On any error the model and policy_version are unchanged.
+        Raises FileNotFoundError for a missing file; for a full file
+        opsd.weights_io.WeightsError (a ValueError: bad header, truncated,
+        NaN/inf, digest mismatch), KeyError (missing/unexpected keys) or
+        ValueError (shape, dtype or tie mismatch); for an adapter
+        opsd.lora.AdapterError (a ValueError: metadata, names, shapes, NaN/inf,
+        modules that differ from the model's targeted ones or from the first
+        adapter's, or base weights already replaced by a full file). On any
+        error the model and policy_version are unchanged.
         """
         from opsd import lora
+        from opsd.weights_io import iter_tensors, open_weights, read_header
 
-        if lora.is_adapter_file(path):
-            self._load_adapter(Path(path))
-        else:
-            from safetensors.torch import load_file
-
-            load_state_strict(self.model, load_file(str(path), device="cpu"), str(path))
-            self._lora_merged = None
-            if self._lora_base is None:
-                self._full_file_loaded = True
+        source = str(ref)
+        with open_weights(ref) as stream:
+            header = read_header(stream, source)
+            if header.metadata.get("format") == lora.FORMAT:
+                self._load_adapter(lora.adapter_from_stream(stream, header, source), source)
+            else:
+                load_state_strict(self.model, dict(iter_tensors(stream, header, source)), source)
+                self._lora_merged = None
+                if self._lora_base is None:
+                    self._full_file_loaded = True
         self.policy_version = int(version)
 
     @torch.no_grad()
-    def _load_adapter(self, path: Path) -> None:
-        """Merge the adapter file `path` onto the kept base weights (see `load_weights`); checks everything first."""
+    def _load_adapter(self, adapter, path: str) -> None:
+        """Merge `adapter` (read from the file `path`) onto the kept base weights (see `load_weights`); checks
+        everything first."""
         from opsd import lora
 
-        adapter = lora.read_adapter(path)
         params = dict(self.model.named_parameters())
         names = lora.check_against(adapter, {n: p.shape for n, p in params.items()}, str(path))
         base = self._lora_base
@@ -885,31 +892,24 @@ class HFBackend:
         """Write the policy at `path` atomically (tmp file + rename): a reader sees the old or the complete new file.
 
         A model prepared by `opsd.lora.apply_lora` (trainer.lora set) writes
-        its adapter only (opsd-lora format, `opsd.lora.save_adapter`; metadata
-        policy_version = self.policy_version). Otherwise the whole state dict
-        (metadata format "pt"); tied tensors (embedding / LM head) are stored
-        once and `load_weights` restores the tie. Either way the metadata also
-        records the tensors' content digest (`opsd.weights.DIGEST_KEY`), which
-        workers compare to reload a version rewritten with other weights.
-        dtype: the floating tensors' dtype in the file (the SERVED dtype: the trainer holds fp32 master weights
-        and publishes bf16 ones with ``model.dtype: bfloat16``); None = as held. Adapters are written as held.
-        Raises OSError on write failure.
+        its adapter only (opsd-lora format, `opsd.lora.save_adapter`; float32;
+        metadata policy_version = self.policy_version). Otherwise the whole
+        state dict (metadata format "pt"), streamed tensor by tensor by
+        `opsd.weights_io.write_weights`, floating tensors cast to `dtype`
+        (the dtype workers serve; None: the model's own); tied tensors
+        (embedding / LM head) are stored once and `load_weights` restores the
+        tie. Either way the metadata also records the stored tensors' content
+        digest (`opsd.weights.DIGEST_KEY`), which workers compare to reload a
+        version rewritten with other weights. Raises OSError on write failure.
         """
-        from safetensors.torch import save_model
-
         from opsd import lora
-        from opsd.weights import DIGEST_KEY, tensor_digest
+        from opsd.weights_io import write_weights
 
-        path = Path(path)
         if lora.is_lora_model(self.model):
-            lora.save_adapter(self.model, path, self.policy_version)
+            lora.save_adapter(self.model, Path(path), self.policy_version)
             return
-        if dtype is not None:
-            save_cast(self.model, path, dtype, {"format": "pt", "policy_version": str(self.policy_version)})
-            return
-        meta = {"format": "pt", "policy_version": str(self.policy_version),
-                DIGEST_KEY: tensor_digest(self.model.state_dict())}
-        lora.atomic_write(path, lambda tmp: save_model(self.model, tmp, metadata=meta))
+        write_weights(self.model.state_dict(), Path(path), {"format": "pt", "policy_version": str(self.policy_version)},
+                      dtype=dtype)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Save a loadable HF checkpoint (safetensors weights, config, tokenizer) into `directory`.
@@ -924,33 +924,6 @@ class HFBackend:
         self.tokenizer.save_pretrained(tmp)
         shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
-
-
-def save_cast(model: torch.nn.Module, path: Path, dtype: torch.dtype, metadata: dict[str, str]) -> None:
-    """Write `model`'s state dict at `path` atomically with its floating tensors cast to `dtype`, plus `metadata`
-    and the content digest (`opsd.weights.DIGEST_KEY`) of what is written.
-
-    A tensor sharing storage with an earlier name (sorted; a tied head) is stored once, as `save_model` and
-    `opsd.weights.tensor_digest` count it; `load_state_strict` restores the tie. Holds one cast copy of the
-    weights in host memory while writing. Raises OSError on write failure.
-    """
-    from safetensors.torch import save_file
-
-    from opsd.lora import atomic_write
-    from opsd.weights import DIGEST_KEY, tensor_digest
-
-    own = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple] = set()
-    for name in sorted(own):
-        t = own[name].detach()
-        key = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        out[name] = (t.to(dtype) if t.is_floating_point() else t).to("cpu").contiguous()
-    meta = {**metadata, DIGEST_KEY: tensor_digest(out)}
-    atomic_write(Path(path), lambda tmp: save_file(out, tmp, metadata=meta))
 
 
 def load_state_strict(model: torch.nn.Module, loaded: dict[str, torch.Tensor], source: str) -> None:

@@ -57,7 +57,6 @@ import concurrent.futures
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import time
 import weakref
@@ -71,7 +70,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from opsd.config import ModelSection  # noqa: E402
-from opsd.lora import FORMAT as LORA_FORMAT  # noqa: E402
 from opsd.models.engine import EngineStats, SampleRequest  # noqa: E402
 from opsd.models.hf import (  # noqa: E402
     BranchResult, Generation, NonFiniteLogitsError, check_branch_args, ensure_model,
@@ -168,7 +166,6 @@ class VLLMBackend:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = int(pad if pad is not None else self.eos_token_id)
         self.policy_version = 0
-        self._base_state = None  # the initial weights, read once when a LoRA adapter is first loaded
 
         # Bookkeeping shared by the callers' threads and the loop thread (all under `_cond`).
         self._cond = threading.Condition()
@@ -685,27 +682,34 @@ class VLLMBackend:
 
     # -- weights -----------------------------------------------------------
 
-    def load_weights(self, path: Path, version: int) -> None:
-        """Load policy `version` from a safetensors file in place (no engine restart), then reset the prefix cache.
+    def load_weights(self, ref: str | Path, version: int) -> None:
+        """Load policy `version` from the weights file `ref` in place (no engine restart), then reset the prefix cache.
 
-        Only while idle: RuntimeError when any request is in flight
-        (`in_flight() > 0`; the caller drains first), with nothing loaded and
-        policy_version unchanged. Calls made during the load wait for it.
-        The file is checked first against the initial model's tensors (see
-        `_stage`: names, shapes, dtypes, finite values, the tied head):
-        KeyError for missing/unexpected names, ValueError for the rest; the
-        engine and policy_version are then unchanged. A LoRA
-        adapter file (opsd.lora) is merged onto the initial weights first.
-        The engine reloads in place (vLLM's layer-wise reload through
-        `opsd.models.vllm_worker.WeightSync`, by ``collective_rpc``), then
-        every cached prefix of the old weights is dropped before the next
-        request. If the engine fails after the check, policy_version becomes
-        -1 (unknown) so the next `ensure_version` reloads, and the error
-        propagates. Raises FileNotFoundError when `path` does not exist.
+        ref: a path (str or Path; `opsd.weights_io.open_weights`). Only while
+        idle: RuntimeError when any request is in flight (`in_flight() > 0`;
+        the caller drains first), with nothing loaded and policy_version
+        unchanged. Calls made during the load wait for it.
+        The header is checked here first, then again by every engine worker,
+        which reads the file itself once as a stream and feeds the engine
+        tensor by tensor (`opsd.models.vllm_worker.engine_weights`: names,
+        shapes, dtypes, the tied head; values and the recorded digest as they
+        stream, the digest before the last tensor). A LoRA adapter file
+        (opsd.lora) is merged onto the initial weights in memory, weight by
+        weight. Refused files raise KeyError (missing/unexpected names) or
+        ValueError (the rest, opsd.weights_io.WeightsError and
+        opsd.lora.AdapterError included); policy_version is unchanged when
+        the engine received no tensor of it, else -1 (unknown: the next
+        `ensure_version` reloads). Every cached prefix of the old weights is
+        dropped before the next request. An engine failure sets
+        policy_version -1 too and propagates. Raises FileNotFoundError when
+        `ref` does not exist.
         """
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist")
+        from opsd.models.vllm_worker import engine_weights
+        from opsd.weights_io import open_weights
+
+        ref = str(ref)
+        with open_weights(ref) as stream:  # FileNotFoundError; refuses a file that does not fit, engine untouched
+            engine_weights(stream, ref, str(self.path))
         with self._cond:
             if self._closed:
                 raise RuntimeError("VLLMBackend is closed")
@@ -715,16 +719,23 @@ class VLLMBackend:
             self._loading = True
         try:
             t0 = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="opsd-vllm-load-") as tmp:
-                staged = Path(tmp) / "model.safetensors"
-                self._stage(path, staged)
-                try:
-                    self._call(self.engine.collective_rpc("opsd_reload_weights", args=(str(tmp),)), during_load=True)
-                    if not self._call(self.engine.reset_prefix_cache(), during_load=True):
-                        raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
-                except BaseException:
-                    self.policy_version = -1
-                    raise
+            try:
+                results = self._call(self.engine.collective_rpc("opsd_load_weights", args=(ref, str(self.path))),
+                                     during_load=True)
+            except BaseException:
+                self.policy_version = -1
+                raise
+            refused = [r for r in results if r.get("error")]
+            if any(r["delivered"] for r in results) or len(refused) not in (0, len(results)):
+                self.policy_version = -1  # some worker's engine holds part of the file (or all of it: others refused)
+            if refused:
+                raise (KeyError if refused[0]["error"] == "KeyError" else ValueError)(refused[0]["message"])
+            try:
+                if not self._call(self.engine.reset_prefix_cache(), during_load=True):
+                    raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+            except BaseException:
+                self.policy_version = -1
+                raise
             self.policy_version = int(version)
         finally:
             with self._cond:
@@ -753,76 +764,6 @@ class VLLMBackend:
         (benchmarks/backends.py, scripts/gpu_check.py): the backend itself, whose
         `reset_prefix_cache` and `collective_rpc` take LLM's arguments and run on the async engine."""
         return self
-
-    def _stage(self, path: Path, staged: Path) -> None:
-        """Check `path` against the initial model and place a full-weights file at `staged` for the engine.
-
-        Checked before the engine sees anything: every name of the initial
-        model (a tied LM head may be stored under either name, or under both
-        with equal values), the same shapes and dtypes, finite values.
-        KeyError / ValueError otherwise (a NaN tensor, once served, left the
-        engine returning NaN even after clean weights were loaded again).
-        """
-        from safetensors import safe_open
-        from safetensors.torch import load_file, save_file
-
-        with safe_open(str(path), "pt") as f:
-            is_adapter = (f.metadata() or {}).get("format") == LORA_FORMAT
-            specs = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-        if is_adapter:
-            from opsd.lora import merged_weights
-
-            merged = merged_weights(self._initial_state(), path)  # checks names, shapes and finite values
-            save_file({**self._initial_state(), **merged}, str(staged), metadata={"format": "pt"})
-            return
-        expected = self._initial_specs()
-        tensors = load_file(str(path))  # the values are checked too
-        tied_head = "lm_head.weight" in specs and "lm_head.weight" not in expected
-        if tied_head:  # vLLM reads a tied head from the embedding's name only
-            head, spec = tensors.pop("lm_head.weight"), specs.pop("lm_head.weight")
-            twins = [k for k in expected if expected[k][0] == tuple(head.shape)]  # the embedding [vocab, hidden]
-            if len(twins) != 1:
-                raise ValueError(f"{path}: lm_head.weight {tuple(head.shape)} is tied to the embedding but differs "
-                                 f"from it in shape (or the tie is ambiguous: {twins})")
-            if twins[0] not in specs:  # stored once, under the head's name
-                tensors[twins[0]], specs[twins[0]] = head, spec
-            elif not torch.equal(tensors[twins[0]], head):
-                raise ValueError(f"{path}: lm_head.weight is tied to {twins[0]} but differs from it")
-        missing = sorted(set(expected) - set(specs))
-        unexpected = sorted(set(specs) - set(expected))
-        if missing or unexpected:
-            raise KeyError(f"{path}: missing {missing}, unexpected {unexpected}")
-        bad = sorted(k for k in specs if specs[k] != expected[k])
-        if bad:
-            raise ValueError(f"{path}: shape or dtype differs from the model for {bad[:5]} "
-                             f"(e.g. {specs[bad[0]]} instead of {expected[bad[0]]})")
-        nonfinite = sorted(k for k, t in tensors.items() if not bool(torch.isfinite(t).all()))
-        if nonfinite:
-            raise ValueError(f"{path}: non-finite values in {nonfinite[:5]}")
-        if tied_head:
-            save_file(tensors, str(staged), metadata={"format": "pt"})
-        else:
-            os.symlink(path.resolve(), staged)
-
-    def _initial_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """{name: (shape, safetensors dtype)} of the initial model's files."""
-        from safetensors import safe_open
-
-        specs: dict[str, tuple[tuple[int, ...], str]] = {}
-        for file in sorted(self.path.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as f:
-                specs.update({k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()})
-        return specs
-
-    def _initial_state(self) -> dict:
-        if self._base_state is None:
-            from safetensors.torch import load_file
-
-            state: dict = {}
-            for file in sorted(self.path.glob("*.safetensors")):
-                state.update(load_file(str(file), device="cpu"))
-            self._base_state = state
-        return self._base_state
 
     def close(self) -> None:
         """Shut the engine (its processes) and the loop thread down; idempotent (also run at interpreter exit).

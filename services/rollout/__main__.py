@@ -19,10 +19,11 @@ from opsd.auth import api_token
 from opsd.chat import ChatFormat
 from opsd.envs import EnvContext
 from opsd.queue import StreamNames
-from opsd.service import RoleProcess, consume_forever, embedder_url, load_worker_backend
+from opsd.service import RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
 from opsd.types import RolloutGroup, TaskGroup
 from opsd.models import load_engine
 from opsd.weights import VersionGate, ensure_version
+from opsd.weights_http import weight_source
 from services.rollout.episodes import run_group
 from services.rollout.inflight import play_group
 
@@ -66,17 +67,21 @@ def main() -> None:
                  drain_s, load_s)
 
     in_flight = cfg.groups_in_flight("rollout")
+    try:  # weights.transport: the run dir's files, or the trainer over HTTP
+        source = weight_source(cfg, proc.run_dir)
+    except (RuntimeError, ValueError) as e:  # http without OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
+        fatal(ROLE, str(e))
     engine = gate = None
     if in_flight > 1:
         engine = load_engine(backend, cfg.rollout.batch_size, cfg.rollout.kv_cache_mb << 20)
-        gate = VersionGate(engine, proc.run_dir, on_switch=version_switched)
+        gate = VersionGate(engine, source, on_switch=version_switched)
         metrics.watch_engine(ROLE, engine, proc.stop)
         log.info("holding up to %d groups in flight", in_flight)
 
     def play(task: TaskGroup, seed: int):
         if gate is None:
             t0 = time.perf_counter()
-            if ensure_version(backend, proc.run_dir, task.policy_version):  # one group at a time: nothing to drain
+            if ensure_version(backend, source, task.policy_version):  # one group at a time: nothing to drain
                 version_switched(0.0, time.perf_counter() - t0)
             return run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx=ctx)
         with gate.serving(task.policy_version):

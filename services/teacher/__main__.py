@@ -25,7 +25,8 @@ from opsd.models import check_teacher_model
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
 from opsd.types import RolloutGroup, ScoredGroup
-from opsd.weights import VersionGate, ema_path, ensure_version, weights_path
+from opsd.weights import VersionGate, ensure_version
+from opsd.weights_http import weight_source
 from services.teacher.scoring import EmbedderAuthError, EmbedderClient, score_group
 
 ROLE = "teacher"
@@ -89,8 +90,12 @@ def main() -> None:
     # batch in the engine; on transformers they take turns on the model (HFBackend.lock) while the others
     # wait on the embedder.
     in_flight = cfg.groups_in_flight("teacher")
-    path_of = ema_path if cfg.teacher_ema is not None else weights_path  # ema:D scores with the trainer's average
-    gate = VersionGate(backend, proc.run_dir, version_switched, path_of) if in_flight > 1 else None
+    # weights.transport: the run dir's files, or the trainer over HTTP; ema:D scores with the trainer's average.
+    try:
+        source = weight_source(cfg, proc.run_dir, ema=cfg.teacher_ema is not None)
+    except (RuntimeError, ValueError) as e:  # http without OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
+        fatal(ROLE, str(e))
+    gate = VersionGate(backend, source, version_switched) if in_flight > 1 else None
     if in_flight > 1:
         log.info("holding up to %d groups in flight", in_flight)
         if hasattr(backend, "stats"):  # an engine of its own (vLLM)
@@ -101,7 +106,7 @@ def main() -> None:
         version = cfg.teacher_version(group.task.policy_version)
         if gate is None:
             t0 = time.perf_counter()
-            if ensure_version(backend, proc.run_dir, version, path_of):  # one group at a time: nothing to drain
+            if ensure_version(backend, source, version):  # one group at a time: nothing to drain
                 version_switched(0.0, time.perf_counter() - t0)
             return score_group(group, backend, chat, cfg, embedder)
         with gate.serving(version):

@@ -2,9 +2,10 @@
 
 One policy version per step. Step n: issue the tasks of steps n..n+k not
 issued yet (k = run.max_staleness; k = 0 is synchronous) -> wait for step
-n's groups -> credit assignment -> PPO update -> checkpoint (every
-trainer.checkpoint_every steps and the last) -> publish weights v+1 -> ack
-the groups the checkpoint covers -> metrics.jsonl.
+n's groups -> wait for the checkpoint being written, ack the groups it
+covers -> credit assignment -> PPO update -> publish weights v+1 -> start
+writing a checkpoint in the background (every trainer.checkpoint_every steps
+and the last) -> metrics.jsonl.
 
 Started on a run dir that holds a checkpoint (`opsd run --resume`, or a
 restart after a crash), it resumes from it by itself: weights, optimizer,
@@ -33,17 +34,20 @@ import numpy as np
 import torch
 
 from opsd import metrics
+from opsd.auth import api_token
 from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
+from opsd.footprint import checkpoint_interval
 from opsd.models import ModelUnavailableError, load_backend, served_dtype
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
+from opsd.weights_http import weights_transport
 from services.trainer.checkpoint import (
-    CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint, save_checkpoint,
+    Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint, save_checkpoint,
 )
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
@@ -54,6 +58,7 @@ from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.step import learn
 from services.trainer.update import enable_gradient_checkpointing, follow
+from services.trainer.weights_api import weights_app
 
 ROLE = "trainer"
 RECLAIM_AT_START = 4096  # entries claimed at once from the dead trainer consumers
@@ -76,6 +81,16 @@ def publish(backend, run_dir, client, prefix: str, version: int, keep: int, back
     keep_snapshot(run_dir, version, snapshot_every)
     prune_versions(run_dir, version, keep)
     backoff.retry(lambda: client.set(f"{prefix}:policy_version", version))
+
+
+def settle(writer: Checkpointer, collector: Collector, backoff: Backoff) -> None:
+    """Wait for the checkpoint `writer` is writing (if any), then ack the groups it covers.
+
+    Raises what the write raised (OSError): that checkpoint does not exist and its groups stay unacked."""
+    covered = writer.wait()
+    if covered is not None:
+        collector.release_trained(covered)
+        backoff.retry(collector.flush)
 
 
 def trainer_max_deliveries(cfg) -> int:
@@ -112,7 +127,13 @@ def train() -> None:
     if main:
         # Locked before serving: a refused second trainer must not overwrite the running one's port file.
         lock = lock_trainer(run_dir)  # held until train() returns (or the process dies)
-        proc.serve(port=cfg.trainer.metrics_port)
+        app = None
+        try:
+            if weights_transport(cfg) == "http":  # rollout and teacher fetch the published files from this app
+                app = weights_app(run_dir, api_token())
+        except (RuntimeError, ValueError) as e:  # no OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
+            fatal(ROLE, str(e))
+        proc.serve(app, port=cfg.trainer.metrics_port)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
@@ -132,6 +153,7 @@ def train() -> None:
     if cfg.trainer.gradient_checkpointing:  # before any wrapping: FSDP2/DDP then see the checkpointed layers
         enable_gradient_checkpointing(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    checkpoint_every = checkpoint_interval(cfg.trainer.checkpoint_every, sum(p.numel() for p in model.parameters()))
     optimizer = torch.optim.AdamW(trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     # ExOPD extrapolates from the initial policy: keep a frozen copy of it (before a resume loads newer weights).
     base_model = None
@@ -194,6 +216,7 @@ def train() -> None:
         log.warning("simulated compute: each step's credit + update is held for %.2f s (simulate.trainer_s), model %s",
                     cfg.simulate.trainer_s, cfg.model.name)
     saved_step = step
+    writer = Checkpointer(run_dir, hashed, backend.tokenizer, cfg.trainer.keep_checkpoints)
     # metrics.png is drawn off the step's path (matplotlib took 1-2.5 s a step on 2 busy cores, which held back
     # the next step's tasks); a plot still drawing is not queued behind, and the last one is drawn at the end.
     plotter, plotting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plot"), None
@@ -204,6 +227,7 @@ def train() -> None:
         ordered = wait_for_groups(proc.stop, cfg, issuer, collector, backoff, dead, ids, step, version)
         if ordered is None:
             break
+        settle(writer, collector, backoff)  # `learn` changes the model and optimizer the checkpoint is written from
         t_compute = time.perf_counter()
         log.info("step %d: %d groups in after %.1f s; training", step, len(ordered), t_compute - t_step)
         scored = ordered if cfg.needs_teacher else None
@@ -234,19 +258,24 @@ def train() -> None:
         # the records, so a resumed run keeps it for every step (its checkpoint and publish follow: seconds).
         record["finished_at"] = time.time()
         records.append(record)
-        due = step % cfg.trainer.checkpoint_every == 0 or step == cfg.run.steps
+        due = step % checkpoint_every == 0 or step == cfg.run.steps
         full_model, full_optimizer = par.gather(optimizer=due)  # FSDP2: all-gathered (into backend.model); else the model
         if ema is not None:
             ema.update(full_model)
-        if due:
-            save_checkpoint(run_dir, full_model, full_optimizer, state, hashed, records, backend.tokenizer, ema)
-            collector.release_trained()
-            saved_step = step
         publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every, ema)
+        if due:
+            # Written from the live model and optimizer, which stay unchanged until `settle` (before the next
+            # `learn` and `par.gather`): a snapshot would add a host copy of the fp32 weights and AdamW moments
+            # (12 bytes/param, ~91 GB at 7B) for no gain, since waiting for the next step's groups normally
+            # outlasts the write. Its groups are acked once it is complete (settle): a kill re-delivers them.
+            writer.start(full_model, full_optimizer, state, records, ema, covered=len(collector.trained))
+            saved_step = step
         backoff.retry(collector.flush)
         append_metrics(run_dir, record)
         if plotting is None or plotting.done():
             plotting = plotter.submit(plot_metrics, run_dir)
+        if writer.done():  # a small checkpoint is on disk already: ack its groups now
+            settle(writer, collector, backoff)
         export_step(record, len(groups))
         proc.status.update(policy_version=version, step=step)
         log.info("step %d done: %s", step - 1, json.dumps({k: record[k] for k in ("success_rate", "reward_mean", "loss", "step_seconds")}))
@@ -254,8 +283,10 @@ def train() -> None:
     plotter.shutdown(wait=True)
     if plotting is not None:
         plot_metrics(run_dir)  # every record, and a plotting error surfaces here
+    settle(writer, collector, backoff)  # the last step's checkpoint, or the one a stop interrupted the wait for
     if step > saved_step:  # stopped between checkpoints: keep the finished steps
-        save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer, ema)
+        save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer, ema,
+                        keep=cfg.trainer.keep_checkpoints)
         collector.release_trained()
         backoff.retry(collector.flush)
     par.stop()  # the other ranks' `follow` returns

@@ -14,7 +14,12 @@ Contents:
 A save writes `.checkpoint-tmp/`, fsyncs it, then swaps: checkpoint ->
 .checkpoint-old, .checkpoint-tmp -> checkpoint, delete the old one. A crash
 at any point leaves a complete `checkpoint/` or a complete `.checkpoint-old/`,
-which `find_checkpoint` falls back to.
+which `find_checkpoint` falls back to. With trainer.keep_checkpoints K > 1
+the previous `checkpoint/` becomes `checkpoint-<its step:05d>/` instead of
+`.checkpoint-old/`, and only the newest K - 1 of those stay.
+
+The trainer writes checkpoints off its step's path (`Checkpointer`): a
+background thread, while the next step's groups are awaited.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass, field, fields
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +48,10 @@ from services.trainer.report import write_records
 
 log = logging.getLogger("trainer")
 NAME, OLD, TMP = "checkpoint", ".checkpoint-old", ".checkpoint-tmp"
+KEPT = re.compile(r"checkpoint-([0-9]{5,})")  # an older checkpoint kept by trainer.keep_checkpoints > 1
 STATE_FILE = "trainer_state.json"
-# Fields a resumed run may change: how long it runs, where its files and Redis live, its ports.
-# Settings a resumed run may change: none of them changes what is trained (timing, delivery, diagnostics).
-
+# Test hook (tests/test_faults.py): seconds a save sleeps after writing the model, so a kill lands mid-write.
+WRITE_DELAY_ENV = "OPSD_CHECKPOINT_WRITE_DELAY_S"
 
 
 class CheckpointError(ValueError):
@@ -69,17 +76,18 @@ class TrainerState:
 
 
 def find_checkpoint(run_dir: Path) -> Path | None:
-    """The usable checkpoint of `run_dir`: `checkpoint/`, else `.checkpoint-old/` (a crash mid-swap), else None.
+    """The newest usable checkpoint of `run_dir`, else None: `checkpoint/`, then `.checkpoint-old/` (a crash
+    mid-swap), then the kept `checkpoint-<step>/` newest first (trainer.keep_checkpoints > 1).
 
     A directory without trainer_state.json is no checkpoint. One with it must
     pass `_check_complete` (state valid, every file present and readable);
-    if `checkpoint/` fails and `.checkpoint-old/` passes, the older one is
+    when a newer one fails and an older one passes, the older one is
     returned with a warning. Raises CheckpointError (naming each directory's
     problem) when checkpoints exist but none is usable: starting afresh
     would overwrite them.
     """
     problems = []
-    for name in (NAME, OLD):
+    for name in (NAME, OLD, *[p.name for p in reversed(kept_checkpoints(run_dir))]):
         path = Path(run_dir) / name
         if not (path / STATE_FILE).is_file():
             continue
@@ -97,19 +105,37 @@ def find_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+def kept_checkpoints(run_dir: Path) -> list[Path]:
+    """The older checkpoints `checkpoint-<step:05d>/` of `run_dir` (trainer.keep_checkpoints > 1), oldest first."""
+    found = [(int(m[1]), p) for p in Path(run_dir).glob("checkpoint-*") if (m := KEPT.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def capture_rng() -> tuple[torch.Tensor, tuple, tuple]:
+    """(torch CPU state, python `random` state, numpy global state): copies, what a checkpoint restores."""
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                    run_config: dict, records: list[dict], tokenizer=None, ema=None) -> Path:
+                    run_config: dict, records: list[dict], tokenizer=None, ema=None, rng: tuple | None = None,
+                    keep: int = 1) -> Path:
     """Write the checkpoint of `state` (module docstring) atomically; returns `<run_dir>/checkpoint`.
 
     `run_config` is `hashed_config(cfg)`; `records` the metric records of
     the steps before `state.step`; `tokenizer` (optional) is saved with the
-    model; `ema` (optional, services/trainer/ema.PolicyEMA) as ema.safetensors.
-    Raises OSError on write failure (the previous checkpoint stays).
+    model; `ema` (optional, services/trainer/ema.PolicyEMA) as ema.safetensors;
+    `rng` the `capture_rng()` of the step's end (default: the RNG states now);
+    `keep` (trainer.keep_checkpoints, >= 1) complete checkpoints stay. Raises
+    OSError on write failure (the previous checkpoint stays).
     """
     run_dir = Path(run_dir)
     tmp, final, old = run_dir / TMP, run_dir / NAME, run_dir / OLD
+    torch_rng, py_state, np_state = rng if rng is not None else capture_rng()
     shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed half-way
     model.save_pretrained(tmp, safe_serialization=True)
+    delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
+    if delay > 0:
+        time.sleep(delay)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if ema is not None:
@@ -117,9 +143,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     tensors, values = _optimizer_split(optimizer)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     _write_json(tmp / "optimizer.json", values)
-    save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-    np_state = np.random.get_state()
-    py_state = random.getstate()
+    save_file({"torch_cpu": torch_rng}, str(tmp / "rng.safetensors"))
     _write_json(tmp / "rng.json", {
         "python": [py_state[0], list(py_state[1]), py_state[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
@@ -132,11 +156,83 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     _fsync(tmp)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)  # left by a crash after the swap: `final` is newer
-        final.rename(old)
+        final.rename(_aside(final, state.step, keep))
     tmp.rename(final)
     _fsync(run_dir)
     shutil.rmtree(old, ignore_errors=True)
+    # Kept ones from steps at or after this one were abandoned (a resume from an older checkpoint).
+    older = [p for p in kept_checkpoints(run_dir) if int(KEPT.fullmatch(p.name)[1]) < state.step]
+    for p in [p for p in kept_checkpoints(run_dir) if p not in older] + older[:max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def _aside(final: Path, new_step: int, keep: int) -> Path:
+    """Where the previous `checkpoint/` goes when a newer one replaces it: `checkpoint-<step>/` when it is kept
+    (keep > 1 and its state readable, of an earlier step), else `.checkpoint-old/` (deleted after the swap)."""
+    if keep > 1:
+        try:
+            step = _read_state(final).step
+        except CheckpointError:
+            step = new_step
+        if step < new_step:
+            return final.parent / f"{NAME}-{step:05d}"
+    return final.parent / OLD
+
+
+class Checkpointer:
+    """Writes the trainer's checkpoints on a background thread, one at a time.
+
+    `start` captures the cheap parts (TrainerState, records, RNG states) and
+    writes the rest (weights, optimizer state, EMA) from the live objects:
+    the caller must not change the model, optimizer or EMA until `wait`
+    returns. `covered` is whatever the caller attaches to the write (the
+    trainer: how many trained groups it covers), handed back by `wait`.
+    """
+
+    def __init__(self, run_dir: Path, run_config: dict, tokenizer=None, keep: int = 1):
+        self.run_dir, self.run_config, self.tokenizer, self.keep = Path(run_dir), run_config, tokenizer, keep
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._covered = None
+
+    def start(self, model: torch.nn.Module, optimizer, state: TrainerState, records: list[dict], ema=None,
+              covered=None) -> None:
+        """Begin writing the checkpoint of `state` (see `save_checkpoint`); waits for a write in progress first.
+        Raises what that earlier write raised (OSError)."""
+        self.wait()
+        state = replace(state, applied=list(state.applied), counts=dict(state.counts))
+        args = (self.run_dir, model, optimizer, state, self.run_config, list(records), self.tokenizer, ema,
+                capture_rng(), self.keep)
+        self._covered, self._error = covered, None
+        # Not a daemon: a trainer exiting on an error still finishes the write it began.
+        self._thread = threading.Thread(target=self._write, args=args, name="checkpoint")
+        self._thread.start()
+
+    def _write(self, *args) -> None:
+        try:
+            t0 = time.perf_counter()
+            save_checkpoint(*args)
+            log.info("checkpoint of step %d written in %.1f s", args[3].step, time.perf_counter() - t0)
+        except BaseException as e:  # handed to the main thread by `wait`
+            self._error = e
+
+    def done(self) -> bool:
+        """No write in progress (none started, or the last one finished, well or not)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self):
+        """Block until the write in progress (if any) is complete on disk; returns its `covered` (None when no
+        write was pending). Raises the write's exception (OSError: that checkpoint does not exist)."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        covered, self._covered = self._covered, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return covered
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_config: dict) -> TrainerState:
@@ -159,11 +255,16 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             saved = _read_json(path / "run_config.json")
         except CheckpointError:
             saved = {}
-        raise CheckpointError(
-            f"{path} was written by another config (hash {state.config_hash[:12]} != {expected[:12]}; differing fields: "
-            f"{', '.join(_diff(saved, run_config) if isinstance(saved, dict) else []) or 'unknown'}); only "
-            f"{', '.join('.'.join(f) for f in RESUMABLE_FIELDS)} and *.metrics_port may change on resume"
-        )
+        stripped = _resumable_since(saved, state.config_hash)
+        if stripped == run_config:
+            state.config_hash = expected  # its next checkpoint records this run's hash
+        else:
+            saved = saved if stripped is None else stripped
+            raise CheckpointError(
+                f"{path} was written by another config (hash {state.config_hash[:12]} != {expected[:12]}; differing "
+                f"fields: {', '.join(_diff(saved, run_config) if isinstance(saved, dict) else []) or 'unknown'}); only "
+                f"{', '.join('.'.join(f) for f in RESUMABLE_FIELDS)} and *.metrics_port may change on resume"
+            )
     weights = _read_model(path, model)
     opt_state = _read_optimizer(path, optimizer)
     torch_rng, py_rng, np_rng = _read_rng(path)
@@ -179,6 +280,19 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     except Exception as e:  # every input was checked above: this is a bug, but say what state the trainer is in
         raise CheckpointError(f"{path}: restoring optimizer/RNG failed after the model weights were loaded: {e!r}") from e
     return state
+
+
+def _resumable_since(saved, recorded_hash: str):
+    """A checkpoint's run_config.json without the fields made resumable after it was written (e.g.
+    trainer.checkpoint_every, hashed before the trainer wrote checkpoints in the background), if it is the config
+    of `recorded_hash`; else None. Such a checkpoint resumes when the rest equals the resuming run's config."""
+    if not isinstance(saved, dict) or config_hash(saved) != recorded_hash:
+        return None
+    saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for section, name in RESUMABLE_FIELDS:
+        if isinstance(saved.get(section), dict):
+            saved[section].pop(name, None)
+    return saved
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:

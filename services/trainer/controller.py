@@ -360,10 +360,12 @@ class Collector:
         metrics.GROUP_STALENESS.labels(self.role).set(self.last_staleness)
         return msgs
 
-    def release_trained(self) -> None:
-        """A checkpoint now covers every trained group: queue their entries for ack (see `flush`)."""
-        self.to_ack += self.trained
-        self.trained = []
+    def release_trained(self, count: int | None = None) -> None:
+        """A checkpoint now covers the first `count` trained groups (None: every one): queue their entries for
+        ack (see `flush`). Groups trained after that checkpoint began stay held."""
+        n = len(self.trained) if count is None else count
+        self.to_ack += self.trained[:n]
+        self.trained = self.trained[n:]
 
     def flush(self) -> int:
         """Acknowledge the queued entries; returns how many Redis still had pending for this consumer.

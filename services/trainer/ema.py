@@ -41,22 +41,13 @@ class PolicyEMA:
     def save(self, path: Path, version: int, dtype: torch.dtype | None = None) -> None:
         """Write the average as a policy-format safetensors file at `path`, atomically (a reader sees the old or
         the complete new file); metadata policy_version = `version` and the content digest
-        (`opsd.weights.DIGEST_KEY`: a teacher reloads an average republished with other values).
-        dtype: the published file's floating dtype (the teacher's served dtype); None = float32 (the
-        checkpoint's copy, so a resumed run continues the same average). Raises OSError on write failure."""
-        from safetensors.torch import save_model
-
-        from opsd.lora import atomic_write
-        from opsd.weights import DIGEST_KEY, tensor_digest
+        (`opsd.weights.DIGEST_KEY`, computed while `opsd.weights_io.write_weights` streams: a teacher reloads an
+        average republished with other values). Floating tensors cast to `dtype` (the dtype workers serve;
+        None: float32, as averaged). Raises OSError on write failure."""
+        from opsd.weights_io import write_weights
 
         meta = {"format": "pt", "policy_version": str(version), "ema_decay": repr(self.decay)}
-        if dtype is not None and dtype != torch.float32:
-            from opsd.models.hf import save_cast
-
-            save_cast(self.model, path, dtype, meta)
-            return
-        meta[DIGEST_KEY] = tensor_digest(self.model.state_dict())
-        atomic_write(Path(path), lambda tmp: save_model(self.model, tmp, metadata=meta))
+        write_weights(self.model.state_dict(), Path(path), meta, dtype=dtype)
 
     def load(self, path: Path) -> None:
         """Restore the average from a file `save` wrote; raises ValueError/OSError (names, shapes, a missing file)."""

@@ -138,16 +138,18 @@ def test_weight_update_in_place_equals_a_fresh_engine(hf_backend, vllm_backend, 
     with pytest.raises(FileNotFoundError):
         vllm_backend.load_weights(tmp_path / "absent.safetensors", 2)
     # Refused before the engine sees them (a served NaN left the engine answering NaN for good,
-    # a wrongly shaped tied head killed it, other dtypes were cast silently).
+    # a wrongly shaped tied head killed it, other dtypes were cast silently): by the header, or, for values,
+    # as each tensor streams in, before it reaches the engine. A NaN in a later tensor comes after earlier
+    # layers were loaded: the version held is then unknown (-1) and the next ensure_version reloads.
     state = load_file(path)
     some = next(k for k in state if k.endswith("mlp.up_proj.weight"))
-    for name, edit, err in (
-        ("nan", lambda d: d[some].view(-1).__setitem__(0, float("nan")), "non-finite"),
-        ("half", lambda d: d.__setitem__(some, d[some].to(torch.bfloat16)), "dtype"),
-        ("int", lambda d: d.__setitem__(some, d[some].to(torch.int32)), "dtype"),
+    for name, edit, err, held in (
+        ("nan", lambda d: d[some].view(-1).__setitem__(0, float("nan")), "non-finite", -1),
+        ("half", lambda d: d.__setitem__(some, d[some].to(torch.bfloat16)), "dtype", 1),
+        ("int", lambda d: d.__setitem__(some, d[some].to(torch.int32)), "dtype", 1),
         ("head", lambda d: (d.__setitem__("model.embed_tokens.weight", d["lm_head.weight"]),
-                            d.__setitem__("lm_head.weight", torch.zeros(7, 3))), "differs"),
-        ("untied", lambda d: d.__setitem__("model.embed_tokens.weight", d["lm_head.weight"] + 1), "differs"),
+                            d.__setitem__("lm_head.weight", torch.zeros(7, 3))), "differs", 1),
+        ("untied", lambda d: d.__setitem__("model.embed_tokens.weight", d["lm_head.weight"] + 1), "differs", 1),
     ):
         broken = {k: v.clone() for k, v in state.items()}
         edit(broken)
@@ -155,7 +157,18 @@ def test_weight_update_in_place_equals_a_fresh_engine(hf_backend, vllm_backend, 
         save_file(broken, file)
         with pytest.raises(ValueError, match=err):
             vllm_backend.load_weights(file, 2)
-    assert vllm_backend.policy_version == 1
+        assert vllm_backend.policy_version == held, name
+        if held == -1:
+            vllm_backend.load_weights(path, 1)
+    # A file whose bytes changed after its digest was recorded: refused before its last tensor is served.
+    corrupt = tmp_path / "corrupt.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 1  # a mantissa bit of the last tensor: finite, but not the bytes the digest was taken of
+    corrupt.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="digest"):
+        vllm_backend.load_weights(corrupt, 2)
+    assert vllm_backend.policy_version == -1
+    vllm_backend.load_weights(path, 1)
     assert all(a.shape == b.shape and np.allclose(a, b, rtol=0, atol=SAME_ATOL)
                for a, b in zip(after, vllm_backend.score(seqs, starts)))
 

@@ -1,0 +1,288 @@
+"""Weight files on a stream: write a safetensors file in one pass, read one from any `read(n)` stream.
+
+The format is safetensors' own (safetensors is the reader of record: what
+`write_weights` writes loads with `safetensors.safe_open` / `load_file`):
+  8 bytes    header length N, little-endian u64 (a multiple of 8: the JSON is padded with spaces)
+  N bytes    JSON: {"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}
+  data       every tensor's raw little-endian bytes, back to back, offsets relative to the data start
+
+`write_weights` streams tensor by tensor (one CPU copy of one tensor at a
+time) and computes the content digest (`opsd.weights.tensor_digest`) in the
+same pass, recording it under `opsd.weights.DIGEST_KEY` by patching a
+fixed-width placeholder in the header at the end. `iter_tensors` checks
+every tensor (finite values) before yielding it and the digest before
+yielding the last one, so a consumer that streams into an engine never
+receives the end of a corrupt file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import math
+import os
+import struct
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from opsd.weights import DIGEST_KEY, digest_frame
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own cap on the JSON header
+_CHUNK = 16 << 20  # bytes per read() call and per hash update: overlaps reading with hashing
+_PLACEHOLDER = "0" * 64  # a sha256 hex digest's width: patched in place, the header length never changes
+
+# safetensors dtype name <-> torch dtype (the dtypes a policy file can hold)
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class WeightsError(ValueError):
+    """A weights file that cannot be used: bad header, truncated data, non-finite values, digest mismatch."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a file: its name, safetensors dtype ("BF16", ...), shape, and byte range [start, end) in the data."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, validated header: metadata (str -> str), entries in file (offset) order, total data bytes."""
+
+    metadata: dict[str, str]
+    entries: list[Entry]
+    data_bytes: int
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call write(tmp_path: str) on a temp file next to `path`, make it world-readable, rename it to `path`.
+
+    The temp name (".<name>.<random>.tmp") never matches a published version's
+    name. Creates the parent directory. On any error the temp file is removed
+    and the error re-raised.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp made it owner-only; readers may be other processes/users
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _unique(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names in sorted order, a tensor sharing all its memory with an earlier name dropped (as `tensor_digest` counts)."""
+    names, seen = [], set()
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.numel():
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            if key in seen:
+                continue
+            seen.add(key)
+        names.append(name)
+    return names
+
+
+def write_weights(tensors: Mapping[str, torch.Tensor], path, metadata: dict[str, str] | None = None,
+                  dtype: torch.dtype | None = None) -> str:
+    """Write `tensors` as a safetensors file at `path` atomically (temp file + rename); returns its digest (64 hex).
+
+    tensors: name -> tensor (any device, any dtype of `_DTYPES`); stored in
+    sorted name order, a tensor sharing all its memory with an earlier name
+    (a tied LM head) once under the first name. dtype: floating tensors are
+    cast to it, one at a time (None: kept). metadata: str -> str, stored with
+    `opsd.weights.DIGEST_KEY` set to the digest of what the file holds (equal
+    to `tensor_digest` of the cast tensors), computed while writing.
+    Memory: one tensor's CPU copy (two while the hash thread lags one behind).
+    Raises TypeError (non-string metadata), WeightsError (unsupported dtype),
+    OSError (write failure; no temp file is left).
+    """
+    meta = {DIGEST_KEY: _PLACEHOLDER}  # first: its place in the header is found below
+    for k, v in (metadata or {}).items():
+        if not (isinstance(k, str) and isinstance(v, str)):
+            raise TypeError(f"write_weights: metadata must map str to str, got {k!r}: {v!r}")
+        if k != DIGEST_KEY:
+            meta[k] = v
+    names = _unique(tensors)
+
+    def stored(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    header: dict = {"__metadata__": meta}
+    offset = 0
+    for name in names:
+        t, want = tensors[name], stored(tensors[name])
+        if want not in _NAMES:
+            raise WeightsError(f"write_weights: {name} has dtype {want}, which safetensors files here do not hold")
+        end = offset + t.numel() * want.itemsize
+        header[name] = {"dtype": _NAMES[want], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data start to 8 bytes
+    at = 8 + text.index(f'"{DIGEST_KEY}":"{_PLACEHOLDER}"'.encode()) + len(DIGEST_KEY) + 4
+
+    def write(tmp: str) -> str:
+        h = hashlib.sha256()
+        with open(tmp, "wb") as f, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opsd-hash") as pool:
+            f.write(struct.pack("<Q", len(text)) + text)
+            pending = None
+            for name in names:
+                t = tensors[name].detach().to(stored(tensors[name]))
+                data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
+                if pending is not None:
+                    pending.result()  # the previous tensor's bytes are hashed: at most two copies alive
+                h.update(digest_frame(name, t.dtype, t.shape, data.nbytes))
+                pending = pool.submit(h.update, data)  # hashlib drops the GIL on large buffers: beside the write
+                f.write(data)
+            if pending is not None:
+                pending.result()
+            digest = h.hexdigest()
+            f.seek(at)
+            f.write(digest.encode())
+        return digest
+
+    out: list[str] = []
+    atomic_write(Path(path), lambda tmp: out.append(write(tmp)))
+    return out[0]
+
+
+def open_weights(ref: str | os.PathLike) -> BinaryIO:
+    """Open a weights file for reading as a binary stream read front to back.
+
+    ref: a local path (str or PathLike) -> a buffered file; an http:// or
+    https:// URL -> the trainer's served file (`opsd.weights_http.open_url`,
+    which says what it raises). Raises FileNotFoundError for a missing path.
+    """
+    if isinstance(ref, str) and ref.startswith(("http://", "https://")):
+        from opsd.weights_http import open_url
+
+        return open_url(ref)
+    return open(ref, "rb", buffering=_CHUNK)
+
+
+def _read_exactly(stream: BinaryIO, n: int, what: str) -> bytes:
+    """n bytes from `stream` by read() calls (a socket may return fewer); WeightsError when it ends first."""
+    parts, left = [], n
+    while left:
+        part = stream.read(min(left, _CHUNK))
+        if not part:
+            raise WeightsError(f"truncated weights: {what} ended {left} bytes short of {n}")
+        parts.append(part)
+        left -= len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _fill(stream: BinaryIO, view: memoryview) -> int:
+    """Read up to len(view) bytes into `view`; returns how many (0 at the end). Straight into the tensor's buffer
+    where the stream has readinto (files, `opsd.weights_http.UrlStream`): no copy of the bytes on the way."""
+    readinto = getattr(stream, "readinto", None)
+    if readinto is not None:
+        return readinto(view) or 0
+    part = stream.read(len(view))
+    view[: len(part)] = part
+    return len(part)
+
+
+def read_header(stream: BinaryIO, source: str = "weights") -> Header:
+    """Read and validate a safetensors header from `stream` (positioned at the file start; read() calls only).
+
+    Checked: the JSON size (<= MAX_HEADER_BYTES), its structure, string
+    metadata, known dtypes, shapes whose element count matches the byte
+    range, ranges contiguous from 0 in offset order. Raises WeightsError
+    naming `source`.
+    """
+    (n,) = struct.unpack("<Q", _read_exactly(stream, 8, f"{source}: header length"))
+    if n > MAX_HEADER_BYTES:
+        raise WeightsError(f"{source}: header of {n} bytes exceeds {MAX_HEADER_BYTES} (not a weights file?)")
+    try:
+        raw = json.loads(_read_exactly(stream, n, f"{source}: header"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{source}: header is not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise WeightsError(f"{source}: header is a {type(raw).__name__}, not an object")
+    meta = raw.pop("__metadata__", None) or {}
+    if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise WeightsError(f"{source}: __metadata__ must map strings to strings")
+    entries = []
+    for name, spec in raw.items():
+        try:
+            dt, shape, (start, end) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise WeightsError(f"{source}: tensor {name!r} has a malformed entry {spec!r}") from e
+        if dt not in _DTYPES:
+            raise WeightsError(f"{source}: tensor {name!r} has unknown dtype {dt!r}")
+        ints = (*shape, start, end)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
+            raise WeightsError(f"{source}: tensor {name!r} has a bad shape {list(shape)} or offsets {[start, end]}")
+        if end - start != math.prod(shape) * _DTYPES[dt].itemsize:
+            raise WeightsError(f"{source}: tensor {name!r} {dt} {list(shape)} does not fill its {end - start} bytes")
+        entries.append(Entry(name, dt, shape, start, end))
+    entries.sort(key=lambda e: (e.start, e.end))
+    at = 0
+    for e in entries:
+        if e.start != at:
+            raise WeightsError(f"{source}: tensor {e.name!r} starts at byte {e.start}, expected {at} (gap or overlap)")
+        at = e.end
+    return Header(meta, entries, at)
+
+
+def iter_tensors(stream: BinaryIO, header: Header, source: str = "weights") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) for every entry of `header`, in file order, from `stream` (read() calls only).
+
+    `stream` is positioned right after the header (`read_header`). Each
+    floating tensor is checked finite before it is yielded; when the header
+    records a digest (`DIGEST_KEY`) it is recomputed while reading and
+    compared before the LAST tensor is yielded. Raises WeightsError naming
+    `source` (truncated data, NaN/inf, digest mismatch); the tensors yielded
+    so far are then all a consumer got.
+    """
+    recorded = header.metadata.get(DIGEST_KEY)
+    h = hashlib.sha256() if recorded is not None else None
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opsd-hash") as pool:
+        for i, e in enumerate(header.entries):
+            dtype, nbytes = _DTYPES[e.dtype], e.end - e.start
+            buf = bytearray(nbytes)
+            view, done, hashed = memoryview(buf), 0, None
+            if h is not None:
+                h.update(digest_frame(e.name, dtype, e.shape, nbytes))
+            while done < nbytes:
+                k = _fill(stream, view[done:done + min(nbytes - done, _CHUNK)])
+                if not k:
+                    raise WeightsError(f"{source}: truncated: tensor {e.name!r} ends {nbytes - done} bytes early")
+                if h is not None:  # hash this chunk while the next one is read
+                    hashed = pool.submit(h.update, view[done:done + k])
+                done += k
+            t = torch.frombuffer(buf, dtype=dtype).reshape(e.shape) if nbytes else torch.empty(e.shape, dtype=dtype)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise WeightsError(f"{source}: tensor {e.name!r} holds non-finite values (NaN or inf)")
+            if hashed is not None:
+                hashed.result()  # updates run in order on one thread: the last one done means all are
+            if h is not None and i == len(header.entries) - 1 and h.hexdigest() != recorded:
+                raise WeightsError(f"{source}: content digest {h.hexdigest()} differs from the recorded {recorded} "
+                                   "(corrupt or replaced while read)")
+            yield e.name, t
+    if not header.entries and h is not None and h.hexdigest() != recorded:
+        raise WeightsError(f"{source}: content digest of an empty file differs from the recorded {recorded}")
