@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import struct
-import time
 
 import pytest
 import torch
@@ -212,30 +211,6 @@ def test_hf_loads_a_bf16_file_into_a_bf16_model(tiny, tmp_path):
     with pytest.raises(ValueError, match="dtype differs"):  # and a float32 model refuses it, unchanged
         tiny.load_weights(path, 2)
     assert tiny.policy_version == 0
-
-
-@pytest.mark.parametrize("name", ["tiny-random", "smollm2-135m-instruct"])
-def test_measure_write_and_read_seconds(name, tmp_path):
-    """Figures for the report (printed with -s): old (tensor_digest + save_model, load_file) vs weights_io."""
-    b = load_backend(ModelSection(name=name, threads=1), device="cpu", backend="hf")
-    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
-    t0 = time.perf_counter()
-    meta = {"format": "pt", DIGEST_KEY: tensor_digest(b.model.state_dict())}
-    save_model(b.model, str(old), metadata=meta)
-    t1 = time.perf_counter()
-    b.save_weights(new)
-    t2 = time.perf_counter()
-    load_file(str(old))
-    t3 = time.perf_counter()
-    _read_all(new)
-    t4 = time.perf_counter()
-    b.save_weights(new, dtype=torch.bfloat16)
-    t5 = time.perf_counter()
-    _read_all(new)
-    t6 = time.perf_counter()
-    print(f"\n{name}: write old {t1 - t0:.3f} s, new {t2 - t1:.3f} s, new bf16 {t5 - t4:.3f} s; "
-          f"read old (load_file, no checks) {t3 - t2:.3f} s, new (finite + digest) {t4 - t3:.3f} s, bf16 {t6 - t5:.3f} s")
-    assert load_file(str(old)).keys() == _read_all(new)[1].keys()
 
 
 def test_engine_weights_full_file_and_adapter(tiny, tmp_path):
