@@ -72,6 +72,7 @@ SCRIPTS = [
     Script("inspect", "benchmarks/inspect_page.py"),
     Script("precision", "benchmarks/precision.py"),
     Script("memory", "benchmarks/memory.py"),
+    Script("weights", "benchmarks/weights.py"),
     Script("learning", "benchmarks/learning.py", default=False),
 ]
 # `--only` names: file stems, the table's names, and "teacher" (the table's teacher-scoring row is backends.py).

@@ -962,7 +962,9 @@ def load_state_strict(model: torch.nn.Module, loaded: dict[str, torch.Tensor], s
     bad = [n for n, t in full.items() if t.dtype != own[n].dtype]
     if bad:
         raise ValueError(f"{source}: dtype differs from the model's for {bad[:5]} ({full[bad[0]].dtype} vs {own[bad[0]].dtype})")
-    bad = [n for n, t in full.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    from opsd.weights_io import all_finite
+
+    bad = [n for n, t in full.items() if not all_finite(t)]
     if bad:
         raise ValueError(f"{source}: non-finite values in {bad[:5]}")
     model.load_state_dict(full, strict=True)  # copies in place: ties survive

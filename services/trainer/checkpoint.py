@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 
 from opsd.config import RESUMABLE_FIELDS, config_hash
 from opsd.models.hf import load_state_strict
+from opsd.weights_io import all_finite
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.report import write_records
 
@@ -420,7 +421,7 @@ def _read_state(path: Path) -> TrainerState:
 
 
 def _check_finite(f: Path, name: str, t: torch.Tensor) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         raise CheckpointError(f"{f}: tensor {name} holds NaN or inf")
 
 
