@@ -123,3 +123,22 @@ def test_opsd_run_prints_the_peak_and_refuses_one_the_disk_cannot_hold(tmp_path)
     assert lines[0].startswith("disk peak ") and "snapshots" in lines[0] and f"GB free at {tmp_path / 'runs'}" in lines[0]
     assert lines[1].startswith("error: the run needs up to ") and "Traceback" not in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_trainer_refuses_a_volume_too_small_for_the_peak(tmp_path, monkeypatch, capsys):
+    """compose / k8s start the trainer without `opsd run`: it checks its volume itself, one line, exit FATAL_EXIT."""
+    from opsd.service import FATAL_EXIT
+    from services.trainer.__main__ import check_disk
+
+    cfg = RunConfig()
+    model_dir = ensure_model(ModelSection(name="tiny-random"))
+    (tmp_path / "old.bin").write_bytes(b"x" * 1000)  # what the run dir holds counts as available
+    peak = footprint.run_disk_peak(cfg, model_dir)["total"]
+    monkeypatch.setattr(footprint, "free_bytes", lambda path: peak - 1000)
+    check_disk(cfg, model_dir, tmp_path)  # exactly enough: no refusal
+    monkeypatch.setattr(footprint, "free_bytes", lambda path: peak - 1001)
+    with pytest.raises(SystemExit) as e:
+        check_disk(cfg, model_dir, tmp_path)
+    assert e.value.code == FATAL_EXIT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trainer: cannot start: the run needs up to" in err

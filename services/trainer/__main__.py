@@ -29,6 +29,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -81,6 +82,30 @@ def publish(backend, run_dir, client, prefix: str, version: int, keep: int, back
     keep_snapshot(run_dir, version, snapshot_every)
     prune_versions(run_dir, version, keep)
     backoff.retry(lambda: client.set(f"{prefix}:policy_version", version))
+
+
+def check_disk(cfg, model_dir, run_dir) -> None:
+    """Log the run's disk peak (opsd.footprint) and stop, fatal, when the run directory's filesystem cannot hold it
+    (free space plus what the directory holds already, which the run replaces). `opsd run` checks the same before
+    it starts anything; compose and k8s start the trainer directly, on a volume of a fixed size."""
+    from opsd import footprint
+
+    try:
+        terms = footprint.run_disk_peak(cfg, model_dir)
+    except (KeyError, ValueError, OSError) as e:  # an architecture transformers cannot build: no estimate
+        log.warning("disk peak not estimated: %s", e)
+        return
+    held = 0
+    for f in Path(run_dir).rglob("*"):
+        try:
+            held += f.stat().st_size if f.is_file() else 0
+        except OSError:  # a file another role removed meanwhile
+            pass
+    free = footprint.free_bytes(Path(run_dir))
+    log.info("disk peak %s; %.1f GB free at %s", footprint.describe(terms), free / footprint.GB, run_dir)
+    problem = footprint.disk_problem(terms["total"], free + held, Path(run_dir))
+    if problem:
+        fatal(ROLE, problem)
 
 
 def settle(writer: Checkpointer, collector: Collector, backoff: Backoff) -> None:
@@ -145,6 +170,8 @@ def train() -> None:
         backend = load_backend(cfg.model, backend="hf", weights_dtype=torch.float32)
     except ModelUnavailableError as e:  # a Hub model this machine cannot have: a restart cannot help
         fatal(ROLE, str(e))
+    if main:
+        check_disk(cfg, backend.path, run_dir)
     model = backend.model
     if cfg.trainer.lora is not None:  # in place: only the adapters train; save_weights then publishes them alone
         from opsd.lora import apply_lora
