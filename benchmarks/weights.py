@@ -268,7 +268,8 @@ def measure_shape(label: str, args, work: Path, token: str) -> tuple[list[Row], 
              Row(f"{label}: limit: loopback TCP, memory to memory", nbytes / limit_net / 1e9, "GB/s"),
              Row(f"{label}: publish rate over the write limit", limit_w / seconds, "x", TARGET)]
     # Each worker holds the model once and one version in flight; keep 2 GB for everything else.
-    fits = max(0, int((available_bytes() - 2e9) // (2 * nbytes)))
+    available = available_bytes()
+    fits = max(0, int((available - 2e9) // (2 * nbytes)))
     n_max = min(max(args.workers), fits)
     workers = None
     try:
@@ -284,8 +285,9 @@ def measure_shape(label: str, args, work: Path, token: str) -> tuple[list[Row], 
             for n in args.workers:
                 name = f"{label}: {transport}: publish -> {n} worker(s) serve"
                 if n > n_max:
-                    rows.append(Row(name, None, "s", note=f"not run: {n} workers x {2 * gb:.1f} GB do not fit "
-                                                          f"{available_bytes() / 1e9:.1f} GB available"))
+                    rows.append(Row(name, None, "s", note=f"not run: {n} workers x {2 * gb:.1f} GB (the model and a "
+                                                          f"version in flight) do not fit {available / 1e9:.1f} GB "
+                                                          "available less 2 GB"))
                     continue
                 if n == 1:  # the transport alone: the bytes into one reused buffer, no checks, no engine
                     dt = workers.run("transfer", 1, transport, ref, 1)

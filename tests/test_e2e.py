@@ -204,3 +204,36 @@ def test_a_search_run_starts_the_embedder_and_trains(tmp_path):
     assert json.loads((run_dir / "run_summary.json").read_text())["roles"] == ["embedder", "rollout", "trainer"]
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert record["policy_version"] == 1 and record["episodes"] == 2
+
+
+def test_bf16_weights_reach_the_workers_over_http(tmp_path):
+    """model.dtype bfloat16 with weights.transport http through the real services: the trainer (fp32 master)
+    publishes bf16 versions and serves them; rollout and the self-teacher load version 1 over HTTP, and the
+    background checkpoints keep the last 2 (issue 35)."""
+    cfg = RunConfig.load(REPO / "tests/configs/tiny.yaml").model_dump(mode="json")
+    cfg["run"].update(method="opd", steps=2)
+    cfg["model"].update(name="tiny-random", dtype="bfloat16")
+    cfg["weights"] = {"transport": "http"}
+    cfg["trainer"].update(checkpoint_every=1, keep_checkpoints=2)
+    path = tmp_path / "http.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "OPSD_WEIGHTS_TRANSPORT", "OPSD_WEIGHTS_URL")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsd.cli", "run", str(path), "--output-dir", str(tmp_path / "runs")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "disk peak" in proc.stdout, proc.stdout
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in records] == [1, 2]
+    assert all(0.0 <= r["mismatch_kl"] < 1.0 for r in records)
+    for role in ("rollout", "teacher"):
+        log = (run_dir / "logs" / f"{role}.log").read_text()
+        assert re.search(r"loaded policy version 1 from http://127\.0\.0\.1:\d+/weights/policy-v00001\.safetensors",
+                         log), log[-3000:]
+    state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
+    kept = json.loads((run_dir / "checkpoint-00001" / "trainer_state.json").read_text())
+    assert (state["step"], kept["step"]) == (2, 1)
+    master = load_file(run_dir / "checkpoint" / "model.safetensors")
+    assert {str(t.dtype) for t in master.values()} == {"float32"}  # the trainer's master weights stay fp32
