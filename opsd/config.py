@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -633,6 +634,23 @@ class SimulateSection(_Section):
     trainer_s: float = Field(0.0, ge=0, le=3600)
 
 
+def base_url(url: str, what: str = "weights.url") -> str:
+    """`url` checked as an http(s) base URL such as http://trainer:8000 (scheme lower-cased); raises ValueError
+    naming `what` for anything else: no or another scheme, no host, a port outside 1-65535, whitespace, a query or
+    fragment."""
+    bad = ValueError(f"{what} {url!r} is not an http(s) base URL such as http://trainer:8000")
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        raise bad
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        raise bad from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or parts.query or parts.fragment:
+        raise bad
+    return urllib.parse.urlunsplit(parts)
+
+
 class WeightsSection(_Section):
     """How rollout and teacher get the weights the trainer publishes (opsd/weights.py). Changes only how bytes
     travel, never what is trained (not part of the config hash).
@@ -646,7 +664,7 @@ class WeightsSection(_Section):
     """
 
     transport: Literal["file", "http"] = "file"
-    url: str | None = Field(None, pattern=r"^https?://[^\s/]+")
+    url: Annotated[str, AfterValidator(base_url)] | None = None
 
 
 class RunConfig(_Section):

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from opsd.auth import api_token
+from opsd.config import base_url
 from opsd.service import read_port, service_url
 from opsd.weights import FileSource, ema_path, weights_path
 
@@ -260,7 +261,8 @@ class HttpSource:
         unknown or the trainer is unreachable: no evidence of other content. Raises WeightsTransferError for a
         refused token (no retry can fix it)."""
         try:
-            r = _send(self._client, self.ref(version), "HEAD")
+            # One attempt: VersionGate asks under its lock, and an unreachable trainer only means "no evidence".
+            r = _send(self._client, self.ref(version), "HEAD", retries=0)
         except TokenRefusedError:
             raise
         except (FileNotFoundError, WeightsTransferError):
@@ -280,9 +282,10 @@ class HttpSource:
 def weights_url(cfg, run_dir: Path) -> str | None:
     """The trainer's base URL: OPSD_WEIGHTS_URL, else weights.url, else from the trainer's port file in
     `run_dir` (None while there is none, or it cannot be read)."""
-    url = os.environ.get(URL_ENV) or cfg.weights.url
-    if url:
-        return url
+    if os.environ.get(URL_ENV):
+        return base_url(os.environ[URL_ENV], URL_ENV)  # checked at start too (`weight_source`): a clear line there
+    if cfg.weights.url:
+        return cfg.weights.url
     try:
         info = read_port(Path(run_dir), "trainer")
         return service_url(info) if info else None
@@ -304,9 +307,11 @@ def weights_transport(cfg) -> str:
 def weight_source(cfg, run_dir: Path, ema: bool = False) -> FileSource | HttpSource:
     """Where rollout and teacher take published versions from, per `weights_transport(cfg)` (cfg: a RunConfig):
     the run dir's files, or the trainer over HTTP. ema: the moving-average files (teacher.version ema:D).
-    Raises ValueError for a bad OPSD_WEIGHTS_TRANSPORT, RuntimeError (`api_token`) for http without a usable
+    Raises ValueError for a bad OPSD_WEIGHTS_TRANSPORT or OPSD_WEIGHTS_URL, RuntimeError (`api_token`) for http without a usable
     OPSD_API_TOKEN: at start, not at the first load."""
     if weights_transport(cfg) == "http":
         api_token()
+        if os.environ.get(URL_ENV):
+            base_url(os.environ[URL_ENV], URL_ENV)
         return HttpSource(lambda: weights_url(cfg, run_dir), ema)
     return FileSource(run_dir, ema_path if ema else weights_path)

@@ -42,8 +42,8 @@ _PLACEHOLDER = "0" * 64  # a sha256 hex digest's width: patched in place, the he
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+    "BOOL": torch.bool,
+}  # no float8: a policy is never stored in it, and the finite check (aminmax) has no float8 kernel on CPU
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -176,7 +176,7 @@ def open_weights(ref: str | os.PathLike) -> BinaryIO:
     https:// URL -> the trainer's served file (`opsd.weights_http.open_url`,
     which says what it raises). Raises FileNotFoundError for a missing path.
     """
-    if isinstance(ref, str) and ref.startswith(("http://", "https://")):
+    if isinstance(ref, str) and ref[:8].lower().startswith(("http://", "https://")):
         from opsd.weights_http import open_url
 
         return open_url(ref)
@@ -230,12 +230,12 @@ def read_header(stream: BinaryIO, source: str = "weights") -> Header:
     if n > MAX_HEADER_BYTES:
         raise WeightsError(f"{source}: header of {n} bytes exceeds {MAX_HEADER_BYTES} (not a weights file?)")
     try:
-        raw = json.loads(_read_exactly(stream, n, f"{source}: header"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WeightsError(f"{source}: header is not JSON: {e}") from e
+        raw = json.loads(_read_exactly(stream, n, f"{source}: header"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise WeightsError(f"{source}: header is not a JSON object of unique keys: {str(e)[:200]}") from e
     if not isinstance(raw, dict):
         raise WeightsError(f"{source}: header is a {type(raw).__name__}, not an object")
-    meta = raw.pop("__metadata__", None) or {}
+    meta = raw.pop("__metadata__", {})
     if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise WeightsError(f"{source}: __metadata__ must map strings to strings")
     entries = []
@@ -247,7 +247,7 @@ def read_header(stream: BinaryIO, source: str = "weights") -> Header:
         if dt not in _DTYPES:
             raise WeightsError(f"{source}: tensor {name!r} has unknown dtype {dt!r}")
         ints = (*shape, start, end)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in ints):
             raise WeightsError(f"{source}: tensor {name!r} has a bad shape {list(shape)} or offsets {[start, end]}")
         if end - start != math.prod(shape) * _DTYPES[dt].itemsize:
             raise WeightsError(f"{source}: tensor {name!r} {dt} {list(shape)} does not fill its {end - start} bytes")
@@ -258,7 +258,33 @@ def read_header(stream: BinaryIO, source: str = "weights") -> Header:
         if e.start != at:
             raise WeightsError(f"{source}: tensor {e.name!r} starts at byte {e.start}, expected {at} (gap or overlap)")
         at = e.end
+    size = _stream_size(stream)
+    if size is not None and size != 8 + n + at:  # before any tensor is allocated: a header may claim terabytes
+        raise WeightsError(f"{source}: the header describes {8 + n + at} bytes but the file holds {size} "
+                           f"({'truncated' if size < 8 + n + at else 'trailing bytes'})")
     return Header(meta, entries, at)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json object_pairs_hook: a dict, refusing a key given twice (two tensors of one name: which one is meant?)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears twice")
+    return out
+
+
+def _stream_size(stream: BinaryIO) -> int | None:
+    """The total bytes `stream` will deliver when known: a served file's Content-Length (`size`), a file's
+    length; None otherwise."""
+    size = getattr(stream, "size", None)
+    if isinstance(size, int) and size >= 0:
+        return size
+    try:
+        return os.fstat(stream.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def iter_tensors(stream: BinaryIO, header: Header, source: str = "weights") -> Iterator[tuple[str, torch.Tensor]]:

@@ -355,3 +355,21 @@ def test_weights_config_picks_the_source_and_never_changes_the_run_hash(tmp_path
     with pytest.raises(RuntimeError, match="OPSD_API_TOKEN"):
         weight_source(local, tmp_path)
     assert isinstance(weight_source(cfg, tmp_path), FileSource)  # files need no token
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", " http://trainer:8000", "http://trainer:abc", "http://trainer:99999",
+                                 "http://:80", "ftp://trainer", "http://x y"])
+def test_a_bad_weights_url_is_refused_at_start_in_one_line(url, monkeypatch, tmp_path):
+    """weights.url and OPSD_WEIGHTS_URL are checked before any load (not 31 s of retries per group later)."""
+    import pydantic
+
+    from opsd.config import RunConfig
+
+    with pytest.raises(pydantic.ValidationError, match="is not an http"):
+        RunConfig(weights={"transport": "http", "url": url})
+    monkeypatch.setenv("OPSD_WEIGHTS_URL", url)
+    with pytest.raises(ValueError, match=r"OPSD_WEIGHTS_URL .* is not an http\(s\) base URL"):
+        weight_source(RunConfig(weights={"transport": "http"}), tmp_path)
+    monkeypatch.setenv("OPSD_WEIGHTS_URL", "HTTP://Trainer:8000")  # a scheme in capitals is still http
+    source = weight_source(RunConfig(weights={"transport": "http"}), tmp_path)
+    assert source.ref(3) == "http://Trainer:8000/weights/policy-v00003.safetensors"
