@@ -111,14 +111,14 @@ def role_bytes(params: int, dtype: str = "bfloat16", lora_params: int = 0, ema: 
     "trainer", "embedder"}:
       rollout = teacher = params * dtype bytes
       trainer = params * 16 (fp32 master + grad + AdamW's two moments), or with LoRA
-                params * dtype bytes (frozen base) + lora_params * 16; + params * 4 with ema
+                params * 4 (the frozen base, fp32 like every trainer weight) + lora_params * 16; + params * 4 with ema
       embedder = encoder_params * 4
     Excluded: activations, the KV cache, the CUDA context, temporary copies (a checkpoint's optimizer
     state on the host while it is written, FSDP2's full-weight mirror on rank 0). Raises KeyError for an
     unknown dtype.
     """
     served = params * DTYPE_BYTES[dtype]
-    trainer = params * TRAINER_BYTES_PER_PARAM if not lora_params else served + lora_params * TRAINER_BYTES_PER_PARAM
+    trainer = params * TRAINER_BYTES_PER_PARAM if not lora_params else params * 4 + lora_params * TRAINER_BYTES_PER_PARAM
     return {"rollout": served, "teacher": served, "trainer": trainer + (params * 4 if ema else 0),
             "embedder": encoder_params * 4}
 
@@ -136,8 +136,9 @@ def disk_peak_bytes(params: int, steps: int, dtype: str = "bfloat16", lora_param
       snapshots   = (steps // snapshot_every + 1) * F (version 0's too, when published), 0 when snapshot_every 0
       checkpoints = (keep_checkpoints + 1) * C (the kept ones and the one being written), where
                     C = params * 12 (fp32 master weights + AdamW's two moments), or with LoRA
-                    params * dtype bytes + lora_params * 12; + params * 4 with ema; + CHECKPOINT_SMALL_BYTES
-      final_model = params * dtype bytes with LoRA (the merged policy), else 0 (checkpoint/ is the model)
+                    params * 4 (the frozen base: fp32, as every trainer weight) + lora_params * 12; + params * 4
+                    with ema; + CHECKPOINT_SMALL_BYTES
+      final_model = params * 4 with LoRA (the merged policy, in the trainer's fp32), else 0 (checkpoint/ is it)
       total       = weights + snapshots + checkpoints + final_model
     An upper bound: final_model is written after weights/ is deleted. Excluded: Redis' append-only file,
     logs, metrics, credit dumps (trainer.dump_credit), the model cache.
@@ -145,12 +146,12 @@ def disk_peak_bytes(params: int, steps: int, dtype: str = "bfloat16", lora_param
     served = params * DTYPE_BYTES[dtype]
     published = lora_params * DTYPE_BYTES[dtype] if lora_params else served
     trained = lora_params or params
-    checkpoint = (served if lora_params else 0) + trained * CHECKPOINT_BYTES_PER_PARAM + (params * 4 if ema else 0)
+    checkpoint = (params * 4 if lora_params else 0) + trained * CHECKPOINT_BYTES_PER_PARAM + (params * 4 if ema else 0)
     terms = {
         "weights": (max_staleness + 3 + teacher_lag) * published * (2 if ema else 1),
         "snapshots": (steps // snapshot_every + 1) * published if snapshot_every else 0,
         "checkpoints": (keep_checkpoints + 1) * (checkpoint + CHECKPOINT_SMALL_BYTES),
-        "final_model": served if lora_params else 0,
+        "final_model": params * 4 if lora_params else 0,
     }
     return {**terms, "total": sum(terms.values())}
 

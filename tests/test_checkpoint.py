@@ -13,7 +13,7 @@ import torch
 from opsd.config import RunConfig, config_hash, hashed_config
 from services.trainer.checkpoint import (
     WRITE_DELAY_ENV, Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint,
-    save_checkpoint,
+    resume_checkpoint, save_checkpoint,
 )
 from tests.factories import tiny_llama
 
@@ -474,6 +474,33 @@ def test_keep_checkpoints_keeps_the_newest_k_and_find_falls_back_through_them(tm
     # keep 1 (the default) again: one checkpoint, no kept ones.
     save_checkpoint(tmp_path, model, opt, _state(cfg, 4), hashed_config(cfg), [])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
+def test_resume_falls_back_past_a_checkpoint_whose_values_do_not_load(tmp_path, caplog):
+    """A NaN in the newest checkpoint's model passes the header checks (find_checkpoint) but not the load: the
+    trainer resumes from the newest kept one that loads, unchanged by the refused one; none loading is an error."""
+    cfg = RunConfig()
+    model = tiny_llama(num_hidden_layers=1)
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(1, 4):
+        _adam_step(model, opt)
+        save_checkpoint(tmp_path, model, opt, _state(cfg, step), hashed_config(cfg), [], keep=3)
+    _edit_tensors("model.safetensors", lambda t: {k: v.fill_(float("nan")) if v.is_floating_point() else v
+                                                   for k, v in t.items()})(tmp_path / "checkpoint")
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint"  # headers only
+    fresh = tiny_llama(num_hidden_layers=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with caplog.at_level("WARNING", logger="trainer"):
+        path, state = resume_checkpoint(tmp_path, fresh, fresh_opt, hashed_config(cfg))
+    assert path == tmp_path / "checkpoint-00002" and state.step == 2
+    assert "NaN" in caplog.text and "resuming from the older" in caplog.text
+    assert all(torch.isfinite(p).all() for p in fresh.parameters())
+    for name in ("checkpoint-00002", "checkpoint-00001"):
+        _edit_tensors("model.safetensors", lambda t: {k: v.fill_(float("nan")) if v.is_floating_point() else v
+                                                       for k, v in t.items()})(tmp_path / name)
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        resume_checkpoint(tmp_path, fresh, fresh_opt, hashed_config(cfg))
+    assert resume_checkpoint(tmp_path / "empty", fresh, fresh_opt, hashed_config(cfg)) == (None, None)
 
 
 def test_checkpointer_writes_in_the_background_what_the_step_had(tmp_path, monkeypatch):

@@ -76,7 +76,7 @@ def test_disk_peak_terms():
     assert busy["checkpoints"] == 4 * (12 * p + 4 * p + small)
     lora = disk_peak_bytes(p, steps=100, lora_params=40_370_176, snapshot_every=50)
     assert lora["weights"] == 3 * 2 * 40_370_176 and lora["snapshots"] == 3 * 2 * 40_370_176
-    assert lora["checkpoints"] == 2 * (2 * p + 12 * 40_370_176 + small) and lora["final_model"] == 2 * p
+    assert lora["checkpoints"] == 2 * (4 * p + 12 * 40_370_176 + small) and lora["final_model"] == 4 * p
     assert lora["total"] == sum(v for k, v in lora.items() if k != "total")
 
 

@@ -48,7 +48,7 @@ from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
 from opsd.weights_http import weights_transport
 from services.trainer.checkpoint import (
-    Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, find_checkpoint, load_checkpoint, save_checkpoint,
+    Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, load_checkpoint, resume_checkpoint, save_checkpoint,
 )
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
@@ -188,15 +188,23 @@ def train() -> None:
         base_model = copy.deepcopy(model).eval().requires_grad_(False)
     hashed = hashed_config(cfg)
     state = TrainerState(method=cfg.run.method, config_hash=config_hash(hashed))
-    ckpt = share_checkpoint(world, find_checkpoint(run_dir) if main else None)  # every rank loads rank 0's
+    ckpt = None
+    if main:  # the newest checkpoint that loads (a corrupt newer one falls back to an older kept one)
+        ckpt, resumed = resume_checkpoint(run_dir, model, optimizer, hashed)
+        state = resumed or state
+    ckpt = share_checkpoint(world, ckpt)  # every other rank loads rank 0's
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, hashed)
+        if not main:
+            state = load_checkpoint(ckpt, model, optimizer, hashed)
         log.info("resuming from %s at step %d (policy version %d)", ckpt, state.step, state.policy_version)
     ema = None
     if main and cfg.teacher_ema is not None:  # the teacher's moving average of the policy (services/trainer/ema.py)
         ema = PolicyEMA(model, cfg.teacher_ema)
         if ckpt is not None and (ckpt / EMA_CHECKPOINT_FILE).is_file():
-            ema.load(ckpt / EMA_CHECKPOINT_FILE)
+            try:
+                ema.load(ckpt / EMA_CHECKPOINT_FILE)
+            except Exception as e:  # safetensors' own error, ValueError, KeyError, OSError: a restart cannot help
+                raise CheckpointError(f"{ckpt / EMA_CHECKPOINT_FILE}: the teacher's average does not load: {e}") from e
         elif ckpt is not None:
             log.warning("%s holds no %s: the teacher's average restarts from the resumed policy", ckpt, EMA_CHECKPOINT_FILE)
     par = parallelize(world, model, optimizer, cfg.trainer.data_parallel, cfg.model.dtype)

@@ -76,18 +76,10 @@ class TrainerState:
     counts: dict[str, int] = field(default_factory=lambda: {"trained": 0, "dropped_stale": 0, "dropped_duplicate": 0})
 
 
-def find_checkpoint(run_dir: Path) -> Path | None:
-    """The newest usable checkpoint of `run_dir`, else None: `checkpoint/`, then `.checkpoint-old/` (a crash
-    mid-swap), then the kept `checkpoint-<step>/` newest first (trainer.keep_checkpoints > 1).
-
-    A directory without trainer_state.json is no checkpoint. One with it must
-    pass `_check_complete` (state valid, every file present and readable);
-    when a newer one fails and an older one passes, the older one is
-    returned with a warning. Raises CheckpointError (naming each directory's
-    problem) when checkpoints exist but none is usable: starting afresh
-    would overwrite them.
-    """
-    problems = []
+def _complete_checkpoints(run_dir: Path, problems: list[str]):
+    """Yield the checkpoints of `run_dir` that pass `_check_complete`, newest first: `checkpoint/`, then
+    `.checkpoint-old/` (a crash mid-swap), then the kept `checkpoint-<step>/`; the problems of the others are
+    appended to `problems`. A directory without trainer_state.json is no checkpoint."""
     for name in (NAME, OLD, *[p.name for p in reversed(kept_checkpoints(run_dir))]):
         path = Path(run_dir) / name
         if not (path / STATE_FILE).is_file():
@@ -97,6 +89,20 @@ def find_checkpoint(run_dir: Path) -> Path | None:
         except CheckpointError as e:
             problems.append(str(e))
             continue
+        yield path
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of `run_dir`, else None (see `_complete_checkpoints`; headers only, values
+    unread: `resume_checkpoint` also falls back past one whose tensors do not load).
+
+    When a newer one fails and an older one passes, the older one is
+    returned with a warning. Raises CheckpointError (naming each directory's
+    problem) when checkpoints exist but none is usable: starting afresh
+    would overwrite them.
+    """
+    problems: list[str] = []
+    for path in _complete_checkpoints(run_dir, problems):
         if problems:
             # Groups acked after the newer checkpoint are not in this one: the operator should know.
             log.warning("checkpoint unusable (%s); falling back to the older %s", problems[0], path)
@@ -104,6 +110,30 @@ def find_checkpoint(run_dir: Path) -> Path | None:
     if problems:
         raise CheckpointError(f"no usable checkpoint in {run_dir}: {'; '.join(problems)}")
     return None
+
+
+def resume_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      run_config: dict) -> tuple[Path | None, TrainerState | None]:
+    """Restore the newest checkpoint of `run_dir` that loads (`load_checkpoint`: every value checked) into `model`
+    and `optimizer`; returns (its path, its TrainerState), or (None, None) when the run dir holds none.
+
+    A newer one that fails (NaN in a tensor, another config, an unreadable file) is skipped for the next older one
+    with a warning: the groups trained after the older one were never acked and are trained again. Raises
+    CheckpointError naming every problem when checkpoints exist but none loads; the model is then unchanged.
+    """
+    problems: list[str] = []
+    for path in _complete_checkpoints(run_dir, problems):
+        try:
+            state = load_checkpoint(path, model, optimizer, run_config)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if problems:
+            log.warning("checkpoint unusable (%s); resuming from the older %s", problems[0], path)
+        return path, state
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {run_dir}: {'; '.join(problems)}")
+    return None, None
 
 
 def kept_checkpoints(run_dir: Path) -> list[Path]:
@@ -372,7 +402,8 @@ def _check_complete(path: Path) -> None:
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: holds no model*.safetensors")
-    for f in files + [path / "optimizer.safetensors"]:
+    ema = [path / EMA_CHECKPOINT_FILE] if (path / EMA_CHECKPOINT_FILE).exists() else []
+    for f in files + [path / "optimizer.safetensors"] + ema:
         try:
             with safe_open(str(f), framework="pt"):  # reads the header only; a truncated file fails here
                 pass
