@@ -281,6 +281,14 @@ def test_engine_weights_full_file_and_adapter(tiny, tmp_path):
     save_file(state, str(tmp_path / "bad.safetensors"))
     with open_weights(tmp_path / "bad.safetensors") as s, pytest.raises(KeyError, match="missing"):
         engine_weights(s, "bad", model_dir)
+    # The served dtype may differ from the checkpoint's (Qwen's hub files are bf16, model.dtype float32, or the
+    # reverse): vLLM casts floating weights to its own dtype. A floating weight stored as integers is refused.
     write_weights(tiny.model.state_dict(), tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
-    with open_weights(tmp_path / "bf16.safetensors") as s, pytest.raises(ValueError, match="dtype"):
-        engine_weights(s, "bf16", model_dir)
+    with open_weights(tmp_path / "bf16.safetensors") as s:
+        got = dict(engine_weights(s, "bf16", model_dir))
+    assert got.keys() == initial.keys() and all(t.dtype == torch.bfloat16 for t in got.values())
+    state = load_file(str(full))
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
+    save_file(state, str(tmp_path / "int.safetensors"))
+    with open_weights(tmp_path / "int.safetensors") as s, pytest.raises(ValueError, match="dtype differs"):
+        engine_weights(s, "int", model_dir)

@@ -47,6 +47,7 @@ def engine_weights(stream, source: str, model_dir: str, device: str | torch.devi
     may be stored under either name, or under both with equal values), the
     same shapes and dtypes; the iterator then checks each tensor's values
     (finite) and the recorded digest before the last tensor (`iter_tensors`),
+    any floating dtype for a floating weight (the engine casts to its own),
     and a head stored twice against its embedding. An opsd-lora adapter:
     read whole and checked (`opsd.lora.adapter_from_stream`,
     `check_against`); the iterator yields every initial weight (read one at
@@ -77,11 +78,18 @@ def engine_weights(stream, source: str, model_dir: str, device: str | torch.devi
     missing, unexpected = sorted(set(specs) - set(have)), sorted(set(have) - set(specs))
     if missing or unexpected:
         raise KeyError(f"{source}: missing {missing}, unexpected {unexpected}")
-    bad = sorted(k for k in have if have[k] != specs[k])
+    # vLLM casts what it loads into its own dtype: a bf16 version of an fp32 checkpoint (or the reverse) is fine,
+    # a floating weight stored as integers is not.
+    bad = sorted(k for k in have if have[k][0] != specs[k][0] or _kind(have[k][1]) != _kind(specs[k][1]))
     if bad:
         raise ValueError(f"{source}: shape or dtype differs from the model for {bad[:5]} "
                          f"(e.g. {have[bad[0]]} instead of {specs[bad[0]]})")
     return _streamed(stream, header, source, twin)
+
+
+def _kind(dtype: str) -> str:
+    """A safetensors dtype's kind: "float" for F16/BF16/F32/F64 (vLLM casts between them), else the dtype itself."""
+    return "float" if dtype in ("F16", "BF16", "F32", "F64") else dtype
 
 
 def _streamed(stream, header, source: str, twin: str | None) -> Iterator[tuple[str, torch.Tensor]]:
