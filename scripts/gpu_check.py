@@ -17,7 +17,9 @@ Stages, each under its own time budget (`--budget-scale` stretches them all):
    tokens/s over every forwarded token (prompt + response) and over scored ones.
 5. weight sync: the trainer's weights are perturbed (x(1 + 0.01 N(0, 1))), saved
    (`save_weights`) and loaded by the server (`load_weights`) -> seconds; the
-   served log-probs must change, and are compared with the trainer's own.
+   served log-probs must change, and are compared with the trainer's own. The same version is then loaded
+   again over weights.transport http (the trainer's weights app on loopback, `HttpSource`, bearer token)
+   -> weight_load_http_s; the weights served must equal the file's.
 6. train step: one `ppo_update` (AdamW) on the generated sequences -> seconds.
    Then a larger model as the trainer holds it with ``model.dtype: bfloat16``: a randomly initialised
    Qwen2.5-0.5B-shaped model (--gc-shape; `tiny` with --quick) in fp32 master weights, one AdamW step under bf16
@@ -473,6 +475,10 @@ def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
         m["weight_load_s"] = time.perf_counter() - t0
         m["weight_sync_s"] = m["weight_save_s"] + m["weight_load_s"]
         m["weight_file_mb"] = path.stat().st_size / 1e6
+        try:
+            weights_over_http(server, path, workdir, m, dev)
+        except ImportError as e:  # a device machine without the web stack's wheels (scripts/gpu_check.sh fetch)
+            m["weight_load_http_error"] = f"not run: {e}"
         after = server.score(check_seqs, check_starts)
         own = trainer.score(check_seqs, check_starts)
     m["served_logprob_change_max"] = max(float(np.abs(a - scored[i]).max()) for a, i in zip(after, check))
@@ -513,6 +519,37 @@ def run(args: argparse.Namespace, report: dict, workdir: Path) -> None:
     close = getattr(server, "close", None)
     if close is not None:
         close()
+
+
+def weights_over_http(server, path: Path, workdir: Path, m: dict, dev: str) -> None:
+    """The same version again over weights.transport http: the trainer's weights app (services/trainer/weights_api.py,
+    bearer token) on loopback, loaded into the server by `ensure_version` from an `HttpSource` (the bytes streamed
+    into the transformers model) -> weight_load_http_s. The served weights must equal the file's. Raises
+    RuntimeError when they do not."""
+    import secrets
+
+    from safetensors.torch import load_file
+
+    from opsd.service import bind_socket, serve_in_thread
+    from opsd.weights import ensure_version, weights_path
+    from opsd.weights_http import HttpSource
+    from services.trainer.weights_api import weights_app
+
+    run_dir = workdir / "run"
+    weights_path(run_dir, 1).parent.mkdir(parents=True, exist_ok=True)
+    os.link(path, weights_path(run_dir, 1))  # the file as published: the trainer serves its run dir's files
+    os.environ["OPSD_API_TOKEN"] = token = secrets.token_urlsafe(32)
+    sock = bind_socket("127.0.0.1", 0)
+    serve_in_thread(weights_app(run_dir, token), sock)
+    source = HttpSource(lambda: f"http://127.0.0.1:{sock.getsockname()[1]}")
+    server.policy_version, server.policy_digest = -1, None  # held already from the file: load it again
+    t0 = time.perf_counter()
+    ensure_version(server, source, 1)
+    sync(dev)
+    m["weight_load_http_s"] = time.perf_counter() - t0
+    state = server.model.state_dict()
+    if not all(torch.equal(state[k].cpu(), t) for k, t in load_file(str(weights_path(run_dir, 1))).items()):
+        raise RuntimeError("the weights loaded over http differ from the published file")
 
 
 def train_step_gc(args: argparse.Namespace, m: dict, dev: str) -> None:
@@ -576,6 +613,7 @@ TABLE = [  # (label, metric key, format)
     ("served vs trainer (max nats)", "served_vs_trainer_max_abs", "{:.2e}"),
     ("train step (s)", "train_step_s", "{:.2f}"),
     ("train loss tokens", "train_loss_tokens", "{:,.0f}"),
+    ("weights over http: load (s)", "weight_load_http_s", "{:.2f}"),
     ("bf16 step model params", "train_gc_params", "{:,.0f}"),
     ("bf16 step, no checkpointing (s)", "train_nogc_step_s", "{:.2f}"),
     ("bf16 step, no checkpointing (GB)", "train_nogc_max_allocated_gb", "{:.2f}"),

@@ -5,7 +5,7 @@
 # On the lent GPU machine (device tool, kind nvidia-h200: Python 3.12, torch 2.11 + CUDA, transformers 5.17,
 # tokenizers, safetensors, numpy, scipy, pyyaml, msgpack; NO pydantic, NO vLLM, no package registry):
 #
-#   1. here, once (needs a registry; the wheels land in .cache/gpu-wheels, ignored by git, ~2.8 MB):
+#   1. here, once (needs a registry; the wheels land in .cache/gpu-wheels, ignored by git, ~6.1 MB):
 #        scripts/gpu_check.sh fetch
 #   2. device tool `run`, with carry [".cache/gpu-wheels"] (the checkout travels by itself, ~2 MB):
 #        command:   bash scripts/gpu_check.sh --device cuda --model random
@@ -24,7 +24,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.cache/gpu-wheels
 # What opsd imports and the machine lacks; pydantic-core is compiled, so fetched for CPython 3.12 x86-64.
-DEVICE_WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0"
+DEVICE_WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+  fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 anyio==4.16.0
+  httpx==0.28.1 httpcore==1.0.9 idna==3.21 certifi==2026.10.19.post1 prometheus-client==0.26.0 redis==8.1.0
+  opentelemetry-api==1.45.3 orjson==3.13.0 rich==15.0.0 pygments==2.21.0 markdown-it-py==4.3.0 mdurl==0.1.2"
+# (the second line on: the trainer's weights app and its client, for the weight_sync stage's http load)
 
 if [[ -x .venv/bin/python ]]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POSITIVE = [  # every stage's headline numbers: seconds, throughputs, counts
     "model_s", "server_load_s", "trainer_load_s", "generate_s", "generated_tokens", "generate_tokens_per_s",
     "score_s", "score_forward_tokens", "scored_tokens", "score_tokens_per_s", "scored_tokens_per_s",
-    "weight_save_s", "weight_load_s", "weight_sync_s", "weight_file_mb", "served_logprob_change_max",
+    "weight_save_s", "weight_load_s", "weight_load_http_s", "weight_sync_s", "weight_file_mb", "served_logprob_change_max",
     "train_step_s", "train_loss_tokens", "train_tokens", "train_grad_norm", "total_s",
     "rollout_episodes", "rollout_requests", "rollout_prefix_hit_rate",
     *[f"rollout_{way}_{what}" for way in ("lockstep", "inflight", "alone")
