@@ -573,7 +573,7 @@ class TrainerSection(_Section):
     tis_cap: float = Field(5.0, gt=0)
     # Steps between checkpoints (the resume point; the last step always saves). "auto": every step below 1e9
     # parameters, every 10 steps from 1e9 (opsd.footprint.checkpoint_interval: a 7B fp32 + AdamW checkpoint
-    # is ~85 GB, written in the background while the next step's groups are awaited).
+    # is ~91 GB, written in the background while the next step's groups are awaited).
     checkpoint_every: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     # Complete checkpoints kept: the newest in <run_dir>/checkpoint/, older ones as checkpoint-<step:05d>/.
     keep_checkpoints: int = Field(1, ge=1)
