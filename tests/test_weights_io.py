@@ -282,11 +282,15 @@ def test_engine_weights_full_file_and_adapter(tiny, tmp_path):
     with open_weights(tmp_path / "bad.safetensors") as s, pytest.raises(KeyError, match="missing"):
         engine_weights(s, "bad", model_dir)
     # The served dtype may differ from the checkpoint's (Qwen's hub files are bf16, model.dtype float32, or the
-    # reverse): vLLM casts floating weights to its own dtype. A floating weight stored as integers is refused.
+    # reverse): floating weights must arrive in the SERVED dtype, whatever the checkpoint holds; anything else
+    # (another dtype, one tensor of another dtype) is refused, not cast by vLLM.
     write_weights(tiny.model.state_dict(), tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
     with open_weights(tmp_path / "bf16.safetensors") as s:
-        got = dict(engine_weights(s, "bf16", model_dir))
+        got = dict(engine_weights(s, "bf16", model_dir, served="bfloat16"))
     assert got.keys() == initial.keys() and all(t.dtype == torch.bfloat16 for t in got.values())
+    for served in (None, "float32"):  # the checkpoint's dtype (float32 here), or served in float32
+        with open_weights(tmp_path / "bf16.safetensors") as s, pytest.raises(ValueError, match="dtype differs"):
+            engine_weights(s, "bf16", model_dir, served=served)
     state = load_file(str(full))
     state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
     save_file(state, str(tmp_path / "int.safetensors"))

@@ -709,7 +709,7 @@ class VLLMBackend:
 
         ref = str(ref)
         with open_weights(ref) as stream:  # FileNotFoundError; refuses a file that does not fit, engine untouched
-            engine_weights(stream, ref, str(self.path))
+            engine_weights(stream, ref, str(self.path), served=self.dtype)
         with self._cond:
             if self._closed:
                 raise RuntimeError("VLLMBackend is closed")
@@ -720,7 +720,7 @@ class VLLMBackend:
         try:
             t0 = time.perf_counter()
             try:
-                results = self._call(self.engine.collective_rpc("opsd_load_weights", args=(ref, str(self.path))),
+                results = self._call(self.engine.collective_rpc("opsd_load_weights", args=(ref, str(self.path), self.dtype)),
                                      during_load=True)
             except BaseException:
                 self.policy_version = -1

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 _HEAD = "lm_head.weight"
+_FLOATS = ("F16", "BF16", "F32", "F64")  # safetensors' floating dtypes
+_SERVED = {"float32": "F32", "bfloat16": "BF16"}  # model.dtype -> the safetensors dtype of a published version
 
 
 def initial_specs(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -37,7 +39,7 @@ def initial_specs(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
     return specs
 
 
-def engine_weights(stream, source: str, model_dir: str, device: str | torch.device = "cpu"
+def engine_weights(stream, source: str, model_dir: str, device: str | torch.device = "cpu", served: str | None = None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Check the weights file on `stream` against the initial model in `model_dir`; returns what the engine loads.
 
@@ -47,7 +49,9 @@ def engine_weights(stream, source: str, model_dir: str, device: str | torch.devi
     may be stored under either name, or under both with equal values), the
     same shapes and dtypes; the iterator then checks each tensor's values
     (finite) and the recorded digest before the last tensor (`iter_tensors`),
-    any floating dtype for a floating weight (the engine casts to its own),
+    a floating weight in `served` (the dtype the trainer publishes in, "float32" or "bfloat16":
+    `opsd.models.served_dtype`; None: the initial checkpoint's, which a bf16 hub checkpoint served in fp32
+    does not share) and an integer one as the checkpoint holds it,
     and a head stored twice against its embedding. An opsd-lora adapter:
     read whole and checked (`opsd.lora.adapter_from_stream`,
     `check_against`); the iterator yields every initial weight (read one at
@@ -78,18 +82,15 @@ def engine_weights(stream, source: str, model_dir: str, device: str | torch.devi
     missing, unexpected = sorted(set(specs) - set(have)), sorted(set(have) - set(specs))
     if missing or unexpected:
         raise KeyError(f"{source}: missing {missing}, unexpected {unexpected}")
-    # vLLM casts what it loads into its own dtype: a bf16 version of an fp32 checkpoint (or the reverse) is fine,
-    # a floating weight stored as integers is not.
-    bad = sorted(k for k in have if have[k][0] != specs[k][0] or _kind(have[k][1]) != _kind(specs[k][1]))
+    # Every floating weight arrives in the served dtype (vLLM would cast any other silently: a file of mixed
+    # or foreign dtypes is a wrong file), whatever dtype the initial checkpoint was stored in.
+    if served is not None:
+        specs = {k: (shape, _SERVED[served] if dt in _FLOATS else dt) for k, (shape, dt) in specs.items()}
+    bad = sorted(k for k in have if have[k] != specs[k])
     if bad:
         raise ValueError(f"{source}: shape or dtype differs from the model for {bad[:5]} "
                          f"(e.g. {have[bad[0]]} instead of {specs[bad[0]]})")
     return _streamed(stream, header, source, twin)
-
-
-def _kind(dtype: str) -> str:
-    """A safetensors dtype's kind: "float" for F16/BF16/F32/F64 (vLLM casts between them), else the dtype itself."""
-    return "float" if dtype in ("F16", "BF16", "F32", "F64") else dtype
 
 
 def _streamed(stream, header, source: str, twin: str | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -129,11 +130,12 @@ def _merged(model_dir: str, adapter, device) -> Iterator[tuple[str, torch.Tensor
 class WeightSync:
     """Worker mixin: stream a weights file into the running model in place and re-tie the LM head."""
 
-    def opsd_load_weights(self, ref: str, model_dir: str) -> dict:
+    def opsd_load_weights(self, ref: str, model_dir: str, served: str | None = None) -> dict:
         """Load the weights file `ref` (`opsd.weights_io.open_weights`) into the running model, in place.
 
         model_dir: the initial model's directory (the reference for names,
-        shapes and dtypes; an adapter's base). Checked as `engine_weights`
+        shapes and integer dtypes; an adapter's base); served: the dtype
+        floating weights arrive in (`engine_weights`). Checked as `engine_weights`
         says, then fed to vLLM's layer-wise reload (weights re-processed into
         the kernels' layouts). A failure while tensors stream in puts every
         layer that received nothing back as it was (vLLM's finalize) and
@@ -163,7 +165,7 @@ class WeightSync:
 
         try:
             with open_weights(ref) as stream:
-                weights = engine_weights(stream, ref, model_dir, runner.device)
+                weights = engine_weights(stream, ref, model_dir, runner.device, served)
                 try:
                     runner.reload_weights(weights_iterator=counted(weights), is_checkpoint_format=True)
                 except BaseException:
