@@ -31,7 +31,7 @@ from opsd.weights import DIGEST_KEY, published_versions
 
 ROLE = "trainer"
 FILE_NAME = re.compile(r"(policy|ema)-v(\d{5,9})\.safetensors")
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own cap on its JSON header
 MAX_REQUEST_BYTES = 1 << 10  # every route is a GET: no request carries a body
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
