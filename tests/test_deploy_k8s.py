@@ -211,8 +211,10 @@ def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams"
         assert meta["stream"] == getattr(names, SCALED[role])
-        assert meta["consumerGroup"] == role  # opsd's consumer group = the role name
-        assert isinstance(meta["lagCount"], str) and int(meta["lagCount"]) >= 1
+        # No consumerGroup: KEDA reads XLEN, the backlog (waiting + in flight) whatever the ack order
+        # (tests/test_keda_backlog.py); one pod's share is the groups it holds at once.
+        assert "consumerGroup" not in meta and "lagCount" not in meta
+        assert meta["streamLength"] == str(cfg.groups_in_flight(role))
         # Activation only decides 0 <-> 1 pods (minReplicaCount is 1); "0" or "1" (kedacore/keda#6478).
         assert meta["activationLagCount"] in ("0", "1")
         assert re.fullmatch(r"[\w.-]+:\d+", meta["address"]), meta["address"]
@@ -233,7 +235,7 @@ def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
 
 
 def test_keda_scale_out_is_reachable(build, tmp_path):
-    """KEDA wants ceil(lag / lagCount) pods; the lag never exceeds what the trainer issues at once.
+    """KEDA wants ceil(XLEN / streamLength) pods; the backlog never exceeds what the trainer issues at once.
 
     The trainer keeps the tasks of steps [n, n + max_staleness] issued, env.num_games groups a step
     (services/trainer/controller.py), and each task becomes one rollout group: that is the most
@@ -242,10 +244,10 @@ def test_keda_scale_out_is_reachable(build, tmp_path):
     cfg = run_config(build, tmp_path)
     max_lag = cfg.env.num_games * (cfg.run.max_staleness + 1)
     for s in build.of("ScaledObject"):
-        lag_count = int(s["spec"]["triggers"][0]["metadata"]["lagCount"])
-        wanted = math.ceil(max_lag / lag_count)
-        assert wanted >= 2, (f"{s['metadata']['name']}: at most {max_lag} waiting entries / lagCount {lag_count} "
-                             f"= {wanted} pod: raise env.num_games or run.max_staleness, or lower lagCount")
+        per_pod = int(s["spec"]["triggers"][0]["metadata"]["streamLength"])
+        wanted = math.ceil(max_lag / per_pod)
+        assert wanted >= 2, (f"{s['metadata']['name']}: at most {max_lag} entries / streamLength {per_pod} "
+                             f"= {wanted} pod: raise env.num_games or run.max_staleness")
         assert s["spec"]["maxReplicaCount"] >= 2
 
 
@@ -487,7 +489,7 @@ def test_the_in_cluster_redis(build):
     assert redis is not None and build.get("NetworkPolicy", "redis-ingress") is not None
     c = container(redis)
     major = re.fullmatch(r"redis:(\d+)\.\d+\.\d+(-alpine)?", c["image"])
-    assert major and int(major.group(1)) >= 7, "KEDA's lagCount needs Redis 7+"
+    assert major and int(major.group(1)) >= 7, "opsd's streams need Redis 7 (XAUTOCLAIM's deleted-entry list)"
     script = c["command"][-1]
     assert c["command"][:2] == ["sh", "-c"] and "args" not in c
     assert "--appendonly yes --appendfsync always" in script
@@ -669,7 +671,7 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
 def test_the_readme_says_how_to_create_the_secret_and_switch_redis():
     text = (K8S / "README.md").read_text()
     for needle in ("create secret generic opsd-secrets", "redis-password", "api-token", "components/redis",
-                   "kubectl apply -k k8s/overlays/gpu", "opsd-redis", "lagCount", "KEDA 2.11",
+                   "kubectl apply -k k8s/overlays/gpu", "opsd-redis", "streamLength", "KEDA 2.11",
                    "components/keda", "components/monitoring", "docker build -f services/<role>/Dockerfile",
                    "kind load docker-image", "minikube image load", "linux/amd64", "10001", "169.254.20.10",
                    "openshift-dns", "release", "reclaim_idle_ms", "num_games", "max_staleness", "model.threads"):
