@@ -37,12 +37,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks.common` importable
 
 from benchmarks.common import Row, command_line, print_rows, write_json  # noqa: E402
+from opsd.footprint import PRESETS  # noqa: E402
 
 # Architecture shapes (transformers Qwen2Config arguments).
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # opsd.footprint's public config of Qwen2.5-0.5B-Instruct (one copy of its shape), with its rope and norm values
+    "qwen2.5-0.5b": {**{k: v for k, v in PRESETS["Qwen2.5-0.5B-Instruct"].items() if k != "model_type"},
+                     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, max_position_embeddings=4096),
 }

@@ -516,9 +516,8 @@ def test_checkpointer_writes_in_the_background_what_the_step_had(tmp_path, monke
     writer = Checkpointer(tmp_path, hashed_config(cfg), keep=1)
     state, records = _state(cfg, 1), [{"step": 0}]
     torch_rng = torch.get_rng_state()
-    t0 = time.perf_counter()
     writer.start(model, opt, state, records, covered=2)
-    assert time.perf_counter() - t0 < 0.4 and not writer.done()
+    assert not writer.done()  # start returned while the (delayed) write still runs: no wall-clock bound needed
     # What the caller changes after start (the next step's groups, records and RNG draws) is not in it.
     state.applied.append("s00001-tw-0000@v1")
     state.step = 2
