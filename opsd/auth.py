@@ -1,7 +1,7 @@
 """Bearer-token auth and a request-body limit for opsd's HTTP APIs (one ASGI middleware).
 
-`ApiGuard` sits in front of an app. Every path except /health and /metrics
-(probes and Prometheus scrape carry no secret) needs
+`ApiGuard` sits in front of an app. Every path except /health, /metrics,
+/readyz and /livez (probes and Prometheus scrape carry no secret) needs
 `Authorization: Bearer <token>`, the OpenAPI schema and docs included; a
 missing or wrong token, or more than one Authorization header, gets 401
 with `WWW-Authenticate: Bearer`. A body
@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from opsd import metrics
 
 TOKEN_ENV = "OPSD_API_TOKEN"
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/readyz", "/livez"})
 MIN_TOKEN_CHARS = 16  # `opsd run` generates 43 (secrets.token_urlsafe(32)); a short one is guessable
 
 

@@ -24,6 +24,9 @@ from opsd.types import MAX_GROUP_SIZE, MAX_GROUP_TURNS
 # so this module validates run.method without importing the estimators (which import this module).
 CREDIT_METHODS = ("agentopsd", "alignopsd", "ex_opd", "fire_opd", "gc_opd", "grpo", "grpo_opd", "grpo_opsd", "opd",
                   "opsd", "power_opd", "uni_opd")
+# The longest wait between two tries of a Redis command a role retries through an outage (the trainer's Backoff;
+# opsd.service.retry_redis waits at most 10 s): liveness must not read that wait as a hang (ProbesSection).
+REDIS_RETRY_WAIT_MAX_S = 30.0
 
 
 class _Section(BaseModel):
@@ -667,6 +670,38 @@ class WeightsSection(_Section):
     url: Annotated[str, AfterValidator(base_url)] | None = None
 
 
+class ProbesSection(_Section):
+    """Readiness and liveness: every role's GET /readyz and /livez (opsd/probes.py, opsd/service.py). Limits in
+    seconds, sized for a 7-8B model on real GPUs: a limit too short restarts a healthy worker mid-job, so they err
+    long. Changes only when a hang is declared, never what is trained (not part of the config hash).
+
+    beat_s: the longest a role's work loop may go without a beat while no guarded call runs. A healthy loop
+    beats at least every redis.block_ms (a blocking read), on every Redis retry (waits of up to 30 s), while it
+    waits for room downstream or for a step's groups; a job or a trainer stage runs under a guard of its own: at
+    least twice the longest of those waits.
+    generate_s: one engine call: a generate of a batch (one turn of every episode in flight, queued behind the
+    engine's other requests), one teacher scoring pass, a policy version's load, the embedder's work on one
+    request.
+    job_s: one rollout or teacher group in all (every turn of its episodes, its environment steps and embedder
+    calls, waiting for a version switch); at least generate_s.
+    update_s: each trainer stage of a step: credit assignment and the PPO update with its collectives (FSDP2),
+    gathering and publishing the new version, waiting for a checkpoint write (a 7B fp32 + AdamW checkpoint is
+    ~91 GB).
+    """
+
+    beat_s: float = Field(300.0, gt=0)
+    generate_s: float = Field(1800.0, gt=0)
+    job_s: float = Field(7200.0, gt=0)
+    update_s: float = Field(3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _job_holds_its_calls(self) -> "ProbesSection":
+        if self.job_s < self.generate_s:
+            raise ValueError(f"probes.job_s ({self.job_s:g}) must be at least probes.generate_s ({self.generate_s:g}): "
+                             "a job makes engine calls")
+        return self
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     redis: RedisSection = RedisSection()
@@ -680,6 +715,7 @@ class RunConfig(_Section):
     eval: EvalSection = EvalSection()
     simulate: SimulateSection = SimulateSection()
     weights: WeightsSection = WeightsSection()
+    probes: ProbesSection = ProbesSection()
 
     def teacher_version(self, policy_version: int) -> int:
         """The policy version the teacher scores a group of `policy_version` with (teacher.version); 0 for an
@@ -745,6 +781,17 @@ class RunConfig(_Section):
                              "frozen, lag:K or ema:D, or give the teacher privileged context")
         if t.model is not None and t.model.cache_dir is None and self.model.cache_dir is not None:
             t.model = t.model.model_copy(update={"cache_dir": self.model.cache_dir})
+        return self
+
+    @model_validator(mode="after")
+    def _quiet_loops_beat(self) -> "RunConfig":
+        # The longest a healthy loop is silent outside a guard (ProbesSection): a blocking Redis read or a Redis
+        # retry's wait. Twice that leaves room for a loaded machine.
+        quiet = max(self.redis.block_ms / 1000, REDIS_RETRY_WAIT_MAX_S)
+        if self.probes.beat_s < 2 * quiet:
+            raise ValueError(f"probes.beat_s ({self.probes.beat_s:g}) must be at least {2 * quiet:g} s: twice the longest "
+                             f"a healthy loop waits without a beat (redis.block_ms, the {REDIS_RETRY_WAIT_MAX_S:g} s Redis "
+                             "retry wait), or a busy worker is restarted as hung")
         return self
 
     @model_validator(mode="after")
@@ -885,7 +932,7 @@ ADDED_FIELDS = (
 # alike: at their defaults they are left out of the hash.
 ADDED_MODEL_FIELDS = ("revision", "trust_remote_code", "stop_token_ids", "chat_template", "chat_template_kwargs")
 # Sections that never change what a run trains (dropped from the hash whole).
-UNHASHED_SECTIONS = ("eval", "simulate", "weights")
+UNHASHED_SECTIONS = ("eval", "simulate", "weights", "probes")
 
 
 def hashed_config(cfg) -> dict:

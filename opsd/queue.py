@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -539,14 +540,16 @@ class StreamQueue:
         return self._group_lag(stream, info)
 
     def wait_for_room(
-        self, stream: str, group: str, max_lag: int, stop: threading.Event, poll_s: float = 0.2
+        self, stream: str, group: str, max_lag: int, stop: threading.Event, poll_s: float = 0.2,
+        on_poll: Callable[[], None] = lambda: None,
     ) -> bool:
         """Backpressure: wait while `stream_lag(stream, group)` exceeds `max_lag` entries.
 
         Call it before taking work whose output goes to `stream`, so a fast
         producer waits for its slower reader instead of growing the stream
         without bound (streams are never trimmed). Polls every `poll_s`
-        seconds; the seconds waited are added to
+        seconds, calling `on_poll` each time (a worker's liveness beat: a
+        slow reader downstream is no hang of this one); the seconds waited are added to
         BACKPRESSURE_SECONDS{role, stream} as they pass. Returns True when
         there is room, False if `stop` was set while waiting. Raises
         ValueError for max_lag < 1 or poll_s <= 0, redis.RedisError if Redis fails.
@@ -555,6 +558,7 @@ class StreamQueue:
             raise ValueError(f"need max_lag >= 1 and poll_s > 0, got {max_lag}, {poll_s}")
         waited = BACKPRESSURE_SECONDS.labels(role=self.role, stream=stream)
         while self.stream_lag(stream, group) > max_lag:
+            on_poll()
             t0 = time.monotonic()
             stopped = stop.wait(poll_s)
             waited.inc(time.monotonic() - t0)

@@ -1,8 +1,16 @@
 """What every role process shares: its HTTP endpoints, signals, run directory and Redis.
 
-Each role serves `/health` (JSON) and `/metrics` (Prometheus text) from a
-FastAPI app on its own port. The port actually bound is written to
-`<run_dir>/ports/<role>.json` so the CLI and tests can find every service.
+Each role serves from a FastAPI app on its own port: `/health` (JSON status),
+`/metrics` (Prometheus text), `/readyz` and `/livez` (the platform's probes).
+The port actually bound is written to `<run_dir>/ports/<role>.json` so the
+CLI and tests can find every service.
+
+/readyz answers 200 once the role can serve: its model is loaded and answered
+one real request (`RoleProcess.check_engine`; the embedder: one encode; the
+trainer: model loaded, checkpoint resumed, Redis answered), else 503 with the
+reason (`RoleProcess.unready`); 503 "stopping" again from the first SIGTERM,
+so a rolling update drains the pod. /livez answers 200 while the work loop
+progresses (opsd.probes.Liveness: beats, guarded long calls), else 503.
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ import redis
 import uvicorn
 import yaml
 from fastapi import FastAPI, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from opsd import metrics
 from opsd.config import RunConfig, config_hash, hashed_config
 from opsd.metrics import REDIS_RECONNECTS
+from opsd.probes import Liveness
 from opsd.queue import StreamNames
 from opsd.types import MessageLimits
 from opsd.weights import StalePolicyError
@@ -48,12 +57,29 @@ _STATUS_LOCK = threading.Lock()  # proc.status counters updated by job threads
 PARENT_PID_ENV = "OPSD_PARENT_PID"  # set by `opsd run`: its roles stop when it dies (see `die_with_parent`)
 
 
-def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, Any]]) -> None:
-    """Add GET /health (role, status, pid, plus `health()`'s fields) and GET /metrics to `app`."""
+def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, Any]], *,
+                      unready: Callable[[], str | None], liveness: Liveness) -> None:
+    """Add GET /health (role, status, pid, plus `health()`'s fields), /metrics, /readyz and /livez to `app`.
+
+    /readyz: 200 {"role", "ready": true} while `unready()` is None, else 503
+    {"role", "ready": false, "reason": unready()}. /livez: `liveness.state()`
+    plus "role", 200 while live, else 503. All four need no token (opsd.auth.OPEN_PATHS).
+    """
 
     @app.get("/health")
     def _health() -> dict[str, Any]:
         return {"role": role, "status": "ok", "pid": os.getpid(), **health()}
+
+    @app.get("/readyz")
+    def _ready() -> JSONResponse:
+        reason = unready()
+        body = {"role": role, "ready": reason is None, **({"reason": reason} if reason else {})}
+        return JSONResponse(body, status_code=200 if reason is None else 503)
+
+    @app.get("/livez")
+    def _live() -> JSONResponse:
+        state = liveness.state()
+        return JSONResponse({"role": role, **state}, status_code=200 if state["live"] else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, and so documented
     def _metrics() -> Response:
@@ -118,13 +144,49 @@ def service_url(info: dict[str, Any]) -> str:
 
 @dataclass
 class RoleProcess:
-    """One role's process-wide state: config, run dir, stop flag, health fields."""
+    """One role's process-wide state: config, run dir, stop flag, health fields, readiness and liveness.
+
+    unready: why the role cannot serve yet ("starting", "loading the model", ...), None once it can (/readyz).
+    liveness: its work loop's beats and guarded calls (/livez; limits in cfg.probes).
+    """
 
     role: str
     cfg: RunConfig
     run_dir: Path
     status: dict[str, Any] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
+    unready: str | None = "starting"
+    liveness: Liveness = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.liveness = Liveness(self.cfg.probes.beat_s)
+
+    def not_ready_reason(self) -> str | None:
+        """What /readyz reports: "stopping" from the first SIGTERM/SIGINT on, else `unready` (None: ready)."""
+        return "stopping" if self.stop.is_set() else self.unready
+
+    def check_engine(self, backend, engine=None) -> None:
+        """Mark the role ready once its model answers a real request: one 1-token generation.
+
+        Sent through `engine` (an opsd.models.engine.Engine: what a worker with
+        many groups in flight samples with) or else `backend.generate`, with a
+        fixed seed (the global RNG is left alone), under a "probe generation"
+        guard of probes.generate_s. Records {"tokens", "seconds"} as /health's
+        "probe"; raises what the engine raises (the role then dies, and its
+        platform restarts it).
+        """
+        from opsd.models.engine import SampleRequest
+
+        self.unready = "waiting for the engine to answer a probe request"
+        ids = backend.tokenizer.encode("ping", add_special_tokens=False)
+        t0 = time.perf_counter()
+        with self.liveness.guard("probe generation", self.cfg.probes.generate_s):
+            if engine is not None:
+                gen = engine.submit(SampleRequest(ids, max_new_tokens=1, temperature=1.0, seed=0)).result()
+            else:
+                (gen,) = backend.generate([ids], max_new_tokens=1, temperature=1.0, seed=0)
+        self.status["probe"] = {"tokens": len(gen.token_ids), "seconds": round(time.perf_counter() - t0, 3)}
+        self.unready = None
 
     @classmethod
     def from_argv(cls, role: str, description: str | None = None) -> "RoleProcess":
@@ -216,7 +278,7 @@ class RoleProcess:
         return queue
 
     def serve(self, app: FastAPI | None = None, port: int = 0) -> int:
-        """Serve `app` (or a bare one) with /health and /metrics added; returns the bound port.
+        """Serve `app` (or a bare one) with /health, /metrics, /readyz and /livez added; returns the bound port.
 
         `port` is the config's (0 = a free one); the OPSD_PORT environment
         variable, when set, wins (containers: 8000 for every role, which
@@ -225,7 +287,8 @@ class RoleProcess:
         """
         # A metrics-only app has no API to document: no /docs or /openapi.json to leave unauthenticated.
         app = app or FastAPI(title=f"opsd {self.role}", docs_url=None, redoc_url=None, openapi_url=None)
-        add_observability(app, self.role, lambda: dict(self.status))
+        add_observability(app, self.role, lambda: {**self.status, "ready": self.not_ready_reason() is None},
+                          unready=self.not_ready_reason, liveness=self.liveness)
         host = os.environ.get(BIND_HOST_ENV, "127.0.0.1")
         if os.environ.get(PORT_ENV):
             port = env_port(os.environ[PORT_ENV])
@@ -348,6 +411,9 @@ def consume_forever(
     computed output is never dropped because Redis blinked: writing it is
     retried until it succeeds or the process is told to stop, and then the
     input stays pending and is replayed.
+
+    Liveness (/livez): the loop beats every round and while it waits for room
+    or for Redis; each job's `handle` runs under a guard of probes.job_s.
     """
     log = logging.getLogger(proc.role)
     max_lag = proc.cfg.redis.max_stream_lag
@@ -356,7 +422,8 @@ def consume_forever(
 
     def take() -> list:
         nonlocal last_depth
-        if out_group is not None and not queue.wait_for_room(out_stream, out_group, max_lag, proc.stop):
+        if out_group is not None and not queue.wait_for_room(out_stream, out_group, max_lag, proc.stop,
+                                                             on_poll=proc.liveness.beat):
             return []
         if time.monotonic() - last_depth > DEPTH_EVERY_S:  # lag can cost a scan on old servers: not every loop
             queue.depth()
@@ -393,6 +460,7 @@ def consume_forever(
     pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="job") if max_in_flight > 1 else None
     try:
         while not proc.stop.is_set():
+            proc.liveness.beat()
             for f in [f for f in running if f.done()]:
                 del running[f]
             in_flight.set(len(running))
@@ -441,7 +509,8 @@ def _run_job(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], 
     beat.start()
     try:
         try:
-            out = handle(d.msg)
+            with proc.liveness.guard(f"job {d.entry_id}", proc.cfg.probes.job_s):
+                out = handle(d.msg)
         except StalePolicyError as e:
             error = str(e)
             log.warning("job %s needs a policy version that is gone (%s); dead-lettering it", d.entry_id, error)
@@ -481,7 +550,7 @@ def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bo
     On redis.ConnectionError/TimeoutError (after the client's own short
     retries) waits REDIS_RETRY_FIRST_S, doubling up to REDIS_RETRY_MAX_S, and
     calls `fn` again; REDIS_RECONNECTS{role} counts one per outage, not per
-    attempt. Returns (False, None) if `proc.stop` is set while waiting. Any
+    attempt; each wait is a liveness beat. Returns (False, None) if `proc.stop` is set while waiting. Any
     other exception propagates, redis.AuthenticationError included. `fn` must
     be safe to repeat (its effect may have happened with only the reply lost).
     """
@@ -498,6 +567,7 @@ def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bo
                 REDIS_RECONNECTS.labels(role=proc.role).inc()
                 first = False
             log.warning("redis unavailable while %s (%s); retrying in %.1fs", what, e, delay)
+            proc.liveness.beat()  # waiting out an outage is not a hang: a restart cannot bring Redis back
             if proc.stop.wait(delay):
                 return False, None
             delay = min(delay * 2, REDIS_RETRY_MAX_S)

@@ -274,11 +274,14 @@ class VersionGate:
     engine: what `ensure_version` loads into (policy_version, load_weights);
     source, path_of: as in `ensure_version`; on_switch(drain_s, load_s):
     called after each load (metrics), drain_s counted from the first group
-    that waited for it.
+    that waited for it; guard: a context manager factory each load runs
+    under (the worker's liveness guard of probes.generate_s: a load that
+    hangs, say on a stalled network filesystem, fails the worker's /livez).
     """
 
-    def __init__(self, engine, source, on_switch=None, path_of=weights_path):
+    def __init__(self, engine, source, on_switch=None, path_of=weights_path, guard=contextlib.nullcontext):
         self.engine, self.source, self.on_switch = engine, _source(source, path_of), on_switch
+        self.guard = guard
         self._cond = threading.Condition()
         self._running = 0  # groups running, all of the engine's version
         self._waiting: list[int] = []  # versions of the groups waiting
@@ -305,7 +308,8 @@ class VersionGate:
                         t0 = time.perf_counter()
                         drain_s = t0 - self._drain_since if self._drain_since is not None else 0.0
                         self._drain_since = None
-                        ensure_version(self.engine, self.source, version)  # others wait: the lock is held
+                        with self.guard():
+                            ensure_version(self.engine, self.source, version)  # others wait: the lock is held
                         if self.on_switch is not None:
                             self.on_switch(drain_s, time.perf_counter() - t0)
                         continue

@@ -1,6 +1,6 @@
 """The HTTP surface and the code base against hostile input.
 
-- auth: every embedder route but /health and /metrics needs the run's bearer token;
+- auth: every embedder route but /health, /metrics, /readyz and /livez needs the run's bearer token;
 - body limit: announced, chunked or lying bodies over the limit get 413, and the server keeps serving;
 - schemathesis: generated (valid and invalid) requests never get a 5xx or an answer outside the schema;
 - no pickle/marshal/eval/exec/torch.load/yaml.load/allow_pickle anywhere in the shipped code (AST scan);
@@ -33,6 +33,7 @@ from opsd.auth import ApiGuard, api_token
 from opsd.chat import ChatFormat
 from opsd.config import EmbedderSection, EnvSection, RunConfig
 from opsd.envs.textworld import make_games
+from opsd.probes import Liveness
 from opsd.service import add_observability, bind_socket, serve_in_thread
 from opsd.types import TaskGroup
 from opsd.encoder import Encoder
@@ -64,7 +65,7 @@ def encoder():
 @pytest.fixture(scope="module")
 def app(encoder):
     app = build_app(EmbedderSection(max_texts=64, max_text_chars=500), encoder, TOKEN)
-    add_observability(app, "embedder", dict)  # as RoleProcess.serve does
+    add_observability(app, "embedder", dict, unready=lambda: None, liveness=Liveness(60))  # as RoleProcess.serve does
     return app
 
 
@@ -91,7 +92,7 @@ class Flaky:
 def live(encoder):
     """The embedder app (limit LIMIT bytes) behind `Flaky`, served by uvicorn on a free loopback port."""
     app = build_app(EmbedderSection(max_request_bytes=LIMIT), encoder, TOKEN)
-    add_observability(app, "embedder", dict)
+    add_observability(app, "embedder", dict, unready=lambda: None, liveness=Liveness(60))
     front = Flaky(app)
     sock = bind_socket("127.0.0.1", 0)
     server = serve_in_thread(front, sock)
@@ -109,7 +110,7 @@ def closed_port_url() -> str:
 # ================================================================ auth
 
 
-def test_token_is_required_except_for_health_and_metrics(app):
+def test_token_is_required_except_for_health_metrics_and_probes(app):
     client = TestClient(app)
     before = rejected(401)
     for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789abc"}, {"Authorization": f"Basic {TOKEN}"},
@@ -122,6 +123,8 @@ def test_token_is_required_except_for_health_and_metrics(app):
     assert r.status_code == 200 and len(r.json()["vectors"][0]) == 384
     assert client.post("/embed", json={"texts": ["go north"]}, headers={"authorization": f"bearer {TOKEN}"}).status_code == 200
     assert client.get("/health").json()["role"] == "embedder"
+    assert client.get("/readyz").json() == {"role": "embedder", "ready": True}  # the probes carry no token
+    assert client.get("/livez").json()["live"] is True
     assert "opsd_http_rejected_total" in client.get("/metrics").text
     for path in ("/openapi.json", "/docs", "/redoc"):  # the API's description is behind the token too
         assert client.get(path).status_code == 401
