@@ -125,6 +125,11 @@ def test_the_compose_roles_train_a_step_as_plain_processes(tmp_path):
         # Every role answers where compose's Prometheus scrapes it (here: its OPSD_PORT), with its own series.
         for role, port in ports.items():
             assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["role"] == role
+            # What the image's HEALTHCHECK asks: ready (model loaded, a probe request answered) and live (the
+            # work loop beats: the trainer's after DONE too).
+            assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).json() == {"role": role, "ready": True}
+            live = httpx.get(f"http://127.0.0.1:{port}/livez", timeout=10)
+            assert live.status_code == 200 and live.json()["since_beat_s"] is not None, (role, live.text)
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
             if role != "embedder":
                 assert re.search(rf'^opsd_groups_total\{{role="{role}"\}} [1-9]', text, re.M), f"{role}:\n{text[:2000]}"

@@ -9,6 +9,7 @@ Needs OPSD_API_TOKEN (set by `opsd run`): without it the embedder refuses to sta
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from opsd.auth import api_token
 from opsd.service import RoleProcess, fatal
@@ -24,6 +25,7 @@ def main() -> None:
         token = api_token()
     except RuntimeError as e:  # before loading the encoder: fail in a second, with the reason
         fatal(ROLE, str(e))
+    proc.unready = "loading the encoder"
     try:
         encoder = Encoder(cfg.encoder, cfg.device)
     except (RuntimeError, ValueError) as e:  # device: cuda without a GPU
@@ -33,10 +35,16 @@ def main() -> None:
     retrieval = LazyCorpusIndex(corpus, encoder, cfg.encoder, proc.cfg.cache_root) if corpus else None
     if retrieval is not None:
         retrieval.build_in_background()  # a failure is kept and answered as 503 with its reason
-    port = proc.serve(build_app(cfg, encoder, token, retrieval), cfg.port)
+    # Each request's encoding runs under a liveness guard (opsd.probes): an encoder that hangs fails /livez.
+    guard = partial(proc.liveness.guard, "encoding a request", proc.cfg.probes.generate_s)
+    port = proc.serve(build_app(cfg, encoder, token, retrieval, guard), cfg.port)
+    proc.unready = "encoding a probe text"
+    with guard():
+        encoder.embed(["ping"])
+    proc.unready = None  # ready (/readyz): the encoder is loaded and answered
     logging.getLogger(ROLE).info("serving on port %d (encoder %s, dim %d)", port, cfg.encoder, encoder.dim)
     while not proc.stop.wait(1.0):
-        pass
+        proc.liveness.beat()
 
 
 if __name__ == "__main__":

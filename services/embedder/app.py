@@ -16,9 +16,11 @@ hyper-parameters), so any replica can answer it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ContextManager
 
 import faiss
 import numpy as np
@@ -124,13 +126,16 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any = None) -> FastAPI:
+def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any = None,
+              guard: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> FastAPI:
     """The embedder's FastAPI app (requests validated by pydantic; limits from `cfg`).
 
-    Every route but /health and /metrics needs `Authorization: Bearer <token>`;
+    Every route but the probes' (/health, /metrics, /readyz, /livez) needs `Authorization: Bearer <token>`;
     raises ValueError for an empty token (the app is never served open).
     `retrieval`: the corpus /retrieve searches (a opsd.retrieval.LazyCorpusIndex,
     built at its first use), or None: no /retrieve route (404).
+    `guard`: a context manager factory each request's computation runs under
+    (the role's liveness guard of probes.generate_s).
     """
     if not token:  # the middleware is built at the first request: check here, at construction
         raise ValueError("the embedder needs a non-empty API token")
@@ -154,7 +159,8 @@ def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any
     def embed(req: EmbedRequest) -> EmbedResponse:
         _check_texts(req.texts)
         t0 = time.perf_counter()
-        vecs = encoder.embed(req.texts)
+        with guard():
+            vecs = encoder.embed(req.texts)
         metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)
         return EmbedResponse(dim=encoder.dim, vectors=vecs.tolist())
 
@@ -164,7 +170,8 @@ def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any
         if req.align.action_filter_enabled or req.return_embeddings:  # the actions are embedded too, under the same limits
             _check_texts([t.student_action for t in req.turns] + [t.teacher_action for t in req.turns])
         t0 = time.perf_counter()
-        out = correspond(encoder, req)
+        with guard():
+            out = correspond(encoder, req)
         metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)
         metrics.GROUPS.labels(ROLE).inc()
         return out
@@ -183,7 +190,8 @@ def build_app(cfg: EmbedderSection, encoder: Encoder, token: str, retrieval: Any
         except RuntimeError as e:
             raise HTTPException(503, str(e)) from None
         t0 = time.perf_counter()
-        hits = index.search(req.query, req.k)
+        with guard():
+            hits = index.search(req.query, req.k)
         metrics.JOB_SECONDS.labels(ROLE).observe(time.perf_counter() - t0)
         return RetrieveResponse(passages=[RetrievedPassage(id=p.id, title=p.title, contents=p.contents, score=s)
                                           for p, s in hits])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from functools import partial
 
 from opsd import metrics
 from opsd.auth import api_token
@@ -47,14 +48,15 @@ def main() -> None:
     log = logging.getLogger(ROLE)
     proc.serve(port=cfg.rollout.metrics_port)
 
+    proc.unready = "loading the model"
     backend = load_worker_backend(ROLE, cfg)
     chat = ChatFormat.for_env(backend.tokenizer, cfg.env, cfg.model)
     ctx = env_context(cfg, proc.run_dir)
     metrics.POLICY_VERSION.labels(ROLE).set(backend.policy_version)
     streams = StreamNames(cfg.redis.stream_prefix)
+    proc.unready = "waiting for Redis"
     queue = proc.open_queue(streams.tasks, TaskGroup, backend.vocab_size)
-    proc.status.update(policy_version=backend.policy_version, ready=True)
-    log.info("ready: consuming %s", streams.tasks)
+    proc.status.update(policy_version=backend.policy_version)
     if cfg.simulate.enabled:
         log.warning("simulated compute: each group is held for %.2f s (simulate.rollout_s), model %s", cfg.simulate.rollout_s, cfg.model.name)
 
@@ -71,21 +73,30 @@ def main() -> None:
         source = weight_source(cfg, proc.run_dir)
     except (RuntimeError, ValueError) as e:  # http without OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
         fatal(ROLE, str(e))
+    # Liveness guards (opsd.probes): an engine call or a version load that never returns fails /livez.
+    engine_guard = partial(proc.liveness.guard, "engine generate", cfg.probes.generate_s)
+    load_guard = partial(proc.liveness.guard, "policy version load", cfg.probes.generate_s)
     engine = gate = None
     if in_flight > 1:
         engine = load_engine(backend, cfg.rollout.batch_size, cfg.rollout.kv_cache_mb << 20)
-        gate = VersionGate(engine, source, on_switch=version_switched)
+        gate = VersionGate(engine, source, on_switch=version_switched, guard=load_guard)
         metrics.watch_engine(ROLE, engine, proc.stop)
         log.info("holding up to %d groups in flight", in_flight)
+    proc.check_engine(backend, engine)  # ready (/readyz) once the engine the groups use answered
+    log.info("ready: consuming %s", streams.tasks)
 
     def play(task: TaskGroup, seed: int):
         if gate is None:
             t0 = time.perf_counter()
-            if ensure_version(backend, source, task.policy_version):  # one group at a time: nothing to drain
+            with load_guard():
+                switched = ensure_version(backend, source, task.policy_version)
+            if switched:  # one group at a time: nothing to drain
                 version_switched(0.0, time.perf_counter() - t0)
-            return run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx=ctx)
+            return run_group(task, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx=ctx,
+                             guard=engine_guard)
         with gate.serving(task.policy_version):
-            return play_group(task, engine, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx)
+            return play_group(task, engine, backend, chat, cfg.env, cfg.rollout, cfg.model.max_model_len, seed, ctx,
+                              guard=engine_guard)
 
     def handle(task: TaskGroup) -> RolloutGroup:
         seed = cfg.run.seed * 1_000_003 + task.step * 1009 + zlib.crc32(task.group_id.encode()) % 1000

@@ -13,12 +13,13 @@ All still-active episodes of the group are generated together, one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
@@ -157,6 +158,7 @@ def run_group(
     seed: int,
     cache_dir: Path | str | None = None,
     ctx: EnvContext | None = None,
+    guard: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[RolloutGroup, RolloutStats]:
     """Run `task.group_size` sibling episodes of `task.game` with `backend`.
 
@@ -177,6 +179,8 @@ def run_group(
         cache_dir: this machine's game cache (`<cache>/textworld/...`); None
             uses `task.game["path"]` as is. Ignored when `ctx` is given.
         ctx: what the adapter needs on this machine (cache, Search's retriever).
+        guard: a context manager factory each `backend.generate` call runs
+            under (the worker's liveness guard of probes.generate_s).
 
     Returns:
         (RolloutGroup, RolloutStats). Trajectories are in rollout-id order
@@ -195,7 +199,7 @@ def run_group(
             generation from the backend; `opsd.types.MessageError` if the
             built group fails `validate(backend.vocab_size)`.
     """
-    (result,) = run_groups([task], backend, chat, env_cfg, rollout_cfg, max_model_len, [seed], cache_dir, ctx)
+    (result,) = run_groups([task], backend, chat, env_cfg, rollout_cfg, max_model_len, [seed], cache_dir, ctx, guard)
     if isinstance(result, Exception):
         raise result
     return result
@@ -223,6 +227,7 @@ def run_groups(
     seeds: list[int],
     cache_dir: Path | str | None = None,
     ctx: EnvContext | None = None,
+    guard: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> list[tuple[RolloutGroup, RolloutStats] | Exception]:
     """Play several TaskGroups together: each turn, the active episodes of every group are sampled in
     `backend.generate` calls of up to `rollout_cfg.batch_size` rows. Why: on a CPU one decode step
@@ -280,7 +285,7 @@ def run_groups(
                 break
             for c, lo in enumerate(range(0, len(ready), rollout_cfg.batch_size)):
                 rows = ready[lo : lo + rollout_cfg.batch_size]
-                rows, gens = _generate(backend, rows, max_new, rollout_cfg, _turn_seed(rows[0][0].seed, turn, c))
+                rows, gens = _generate(backend, rows, max_new, rollout_cfg, _turn_seed(rows[0][0].seed, turn, c), guard)
                 for (g, ep), gen in zip(rows, gens):
                     _play_turn(ep, gen, turn, g.task, chat, backend, env_cfg, max_new, max_model_len, prefill, stop_ids,
                                g.stats, adapter.ACTION_TAGS)
@@ -351,6 +356,7 @@ def _checked_task(task: TaskGroup, env_cfg: EnvSection, backend: Any) -> Task:
 
 def _generate(
     backend: Any, rows: list[tuple[_Group, _Episode]], max_new: int, rollout_cfg: RolloutSection, seed: int,
+    guard: Callable[[], ContextManager[Any]],
 ) -> tuple[list[tuple[_Group, _Episode]], list[Any]]:
     """One batched generate call; returns the rows (group, episode) that got a generation and their generations.
 
@@ -362,13 +368,14 @@ def _generate(
     while rows:
         t0 = time.perf_counter()
         try:
-            gens = backend.generate(
-                [list(ep.ids) for _, ep in rows],
-                max_new_tokens=max_new,
-                temperature=rollout_cfg.temperature,
-                top_p=rollout_cfg.top_p,
-                seed=seed,
-            )
+            with guard():
+                gens = backend.generate(
+                    [list(ep.ids) for _, ep in rows],
+                    max_new_tokens=max_new,
+                    temperature=rollout_cfg.temperature,
+                    top_p=rollout_cfg.top_p,
+                    seed=seed,
+                )
         except NonFiniteLogitsError as err:
             bad = set(err.rows)
             if not bad or not bad <= set(range(len(rows))):

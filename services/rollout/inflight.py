@@ -19,11 +19,12 @@ samples are reproducible bit for bit (resume).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
@@ -55,6 +56,7 @@ def play_group(
     max_model_len: int,
     seed: int,
     ctx: EnvContext,
+    guard: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[RolloutGroup, RolloutStats]:
     """Play `task.group_size` sibling episodes of `task.game`, each in its own thread, sampling through `engine`.
 
@@ -65,6 +67,9 @@ def play_group(
     when the episode ends). An env that never starts fails the group
     (RuntimeError, the job is redelivered): its siblings stop at their next
     turn. A request failing with non-finite logits ends its episode "error".
+    Each wait for the engine's answer runs under `guard()` (the worker's
+    liveness guard of probes.generate_s: an engine that stopped answering
+    fails its /livez).
 
     Raises ValueError / MessageError as run_group.
     """
@@ -98,7 +103,8 @@ def play_group(
                                         rollout_cfg.top_p, request_seed(seed, i, turn), cache_key=key)
                 t0 = time.perf_counter()
                 try:
-                    gen = engine.submit(request).result()
+                    with guard():
+                        gen = engine.submit(request).result()
                 except NonFiniteLogitsError:
                     log.warning("group %s %s: non-finite logits, episode ends as error", task.group_id, rid)
                     ep.ending = "error"

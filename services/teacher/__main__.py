@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import sys
+from functools import partial
 
 from opsd import metrics
 from opsd.auth import api_token
@@ -39,11 +40,12 @@ def main() -> None:
     if not cfg.needs_teacher:
         # grpo: rollouts go straight to the trainer. A teacher reading them (a compose or k8s stack that
         # starts every role) would take and delete the trainer's groups: serve health, consume nothing.
-        proc.status.update(idle=True, reason=f"run.method {cfg.run.method} needs no teacher", ready=True)
+        proc.status.update(idle=True, reason=f"run.method {cfg.run.method} needs no teacher")
+        proc.unready = None  # it has nothing to serve: a rolling update need not wait for it
         proc.serve(port=cfg.teacher.metrics_port)
-        log.info("run.method %s needs no teacher: idle (serving /health and /metrics only)", cfg.run.method)
+        log.info("run.method %s needs no teacher: idle (serving /health, /metrics and the probes only)", cfg.run.method)
         while not proc.stop.wait(1.0):
-            pass
+            proc.liveness.beat()
         return
     token = None
     if cfg.run.method == "alignopsd":
@@ -53,6 +55,7 @@ def main() -> None:
             fatal(ROLE, str(e))
     proc.serve(port=cfg.teacher.metrics_port)
 
+    proc.unready = "loading the model"
     external = cfg.teacher.source == "model"
     if external:
         try:
@@ -67,8 +70,9 @@ def main() -> None:
         embedder = EmbedderClient(lambda: embedder_url(proc.run_dir), token, cfg.teacher.embedder_timeout_s,
                                   cfg.teacher.embedder_deadline_s)
     streams = StreamNames(cfg.redis.stream_prefix)
+    proc.unready = "waiting for Redis"
     queue = proc.open_queue(streams.rollouts, RolloutGroup, backend.vocab_size)
-    proc.status.update(policy_version=backend.policy_version, ready=True)
+    proc.status.update(policy_version=backend.policy_version)
     if external:
         log.info("external teacher %s (%s, frozen: never reloaded on policy versions)", cfg.teacher_model.name,
                  cfg.teacher_model.backend)
@@ -76,7 +80,6 @@ def main() -> None:
         log.info("self teacher, version %s (%s)", cfg.teacher.version,
                  "the initial policy" if cfg.teacher.version == "frozen" else "the trainer's moving average of the policy"
                  if cfg.teacher_ema is not None else "the policy that many versions before the group's")
-    log.info("ready: consuming %s", streams.rollouts)
     if cfg.simulate.enabled:
         log.warning("simulated compute: each group is held for %.2f s (simulate.teacher_s), model %s", cfg.simulate.teacher_s, cfg.model.name)
 
@@ -95,22 +98,29 @@ def main() -> None:
         source = weight_source(cfg, proc.run_dir, ema=cfg.teacher_ema is not None)
     except (RuntimeError, ValueError) as e:  # http without OPSD_API_TOKEN, a bad OPSD_WEIGHTS_TRANSPORT
         fatal(ROLE, str(e))
-    gate = VersionGate(backend, source, version_switched) if in_flight > 1 else None
+    # Liveness guards (opsd.probes): a scoring pass or a version load that never returns fails /livez.
+    engine_guard = partial(proc.liveness.guard, "teacher scoring pass", cfg.probes.generate_s)
+    load_guard = partial(proc.liveness.guard, "policy version load", cfg.probes.generate_s)
+    gate = VersionGate(backend, source, version_switched, guard=load_guard) if in_flight > 1 else None
     if in_flight > 1:
         log.info("holding up to %d groups in flight", in_flight)
         if hasattr(backend, "stats"):  # an engine of its own (vLLM)
             metrics.watch_engine(ROLE, backend, proc.stop)
+    proc.check_engine(backend)  # ready (/readyz) once the model answered
+    log.info("ready: consuming %s", streams.rollouts)
 
     def score(group: RolloutGroup):
         # An external or frozen teacher's version is always 0, the weights it started with: it never loads.
         version = cfg.teacher_version(group.task.policy_version)
         if gate is None:
             t0 = time.perf_counter()
-            if ensure_version(backend, source, version):  # one group at a time: nothing to drain
+            with load_guard():
+                switched = ensure_version(backend, source, version)
+            if switched:  # one group at a time: nothing to drain
                 version_switched(0.0, time.perf_counter() - t0)
-            return score_group(group, backend, chat, cfg, embedder)
+            return score_group(group, backend, chat, cfg, embedder, engine_guard)
         with gate.serving(version):
-            return score_group(group, backend, chat, cfg, embedder)
+            return score_group(group, backend, chat, cfg, embedder, engine_guard)
 
     def handle(group: RolloutGroup) -> ScoredGroup:
         try:

@@ -18,11 +18,13 @@ the matched views' log-probs before aggregation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ContextManager
 
 import httpx
 import numpy as np
@@ -142,7 +144,8 @@ class EmbedderClient:
 
 
 def score_group(
-    group: RolloutGroup, backend, chat: ChatFormat, cfg: RunConfig, embedder: EmbedderClient | None
+    group: RolloutGroup, backend, chat: ChatFormat, cfg: RunConfig, embedder: EmbedderClient | None,
+    guard: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[ScoredGroup, TeacherStats]:
     """Score one RolloutGroup with the privileged teacher (`backend` + privileged prefix).
 
@@ -177,6 +180,9 @@ def score_group(
     renormalized; counted in `stats.dropped_sources`), so the ScoredGroup
     lists exactly the views that were rectified with; rho and alpha stay as
     the embedder computed them.
+
+    Each `backend.branch` call (one cached forward) runs under `guard()` (the
+    teacher's liveness guard of probes.generate_s).
     """
     t0 = time.perf_counter()
     stats = TeacherStats()
@@ -205,10 +211,11 @@ def score_group(
             # No privileged prefix (env.privileged none): the first id has no prefix to be scored after, and
             # is never a loss token (the prompt comes first), so scoring starts at the second.
             skip = 0 if pre else 1
-            res = backend.branch(bases[i][v], len(pre) + skip, [turn_cuts[i][k] for k in ks] if budget else [],
-                                 generate_tokens=budget, temperature=cfg.rollout.temperature,
-                                 top_p=cfg.rollout.top_p, seed=seed + i + 104729 * v, return_entropy=True,
-                                 **_loss_tokens_only(backend, t, ks, end, skip))
+            with guard():
+                res = backend.branch(bases[i][v], len(pre) + skip, [turn_cuts[i][k] for k in ks] if budget else [],
+                                     generate_tokens=budget, temperature=cfg.rollout.temperature,
+                                     top_p=cfg.rollout.top_p, seed=seed + i + 104729 * v, return_entropy=True,
+                                     **_loss_tokens_only(backend, t, ks, end, skip))
             own_lp = np.r_[np.zeros(skip, np.float32), np.asarray(res.base_logprobs, dtype=np.float32)]
             own_ent = None if res.base_entropies is None else np.r_[
                 np.zeros(skip, np.float32), np.asarray(res.base_entropies, dtype=np.float32)]
@@ -308,7 +315,8 @@ def score_group(
         conts = [[trajs[turns[t][0]].token_ids_S[trajs[turns[t][0]].response_slice(turns[t][1])].tolist() for t in by_turn[k]] for k in ks]
         # start = len(base): only the prefix up to the last cut is run again, nothing re-scored.
         base = bases[si][v]
-        res = backend.branch(base, len(base), [turn_cuts[si][k] for k in ks], continuations=conts)
+        with guard():
+            res = backend.branch(base, len(base), [turn_cuts[si][k] for k in ks], continuations=conts)
         for k, lps in zip(ks, res.continuation_logprobs):
             for t, lp in zip(by_turn[k], lps):
                 cross[(t, row_of[(si, k)])] = lp

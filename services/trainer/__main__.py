@@ -29,6 +29,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,7 @@ def train() -> None:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
 
+    proc.unready = "loading the model and its checkpoint"
     try:
         # The transformers model, fp32 master weights (bf16 compute under autocast / FSDP2's policy with model.dtype bf16)
         backend = load_backend(cfg.model, backend="hf", weights_dtype=torch.float32)
@@ -226,11 +228,12 @@ def train() -> None:
     except ValueError as e:
         fatal(ROLE, str(e))
     streams = StreamNames(cfg.redis.stream_prefix)
+    proc.unready = "waiting for Redis"
     queue = proc.open_queue(streams.scored if cfg.needs_teacher else streams.rollouts,
                             ScoredGroup if cfg.needs_teacher else RolloutGroup, backend.vocab_size,
                             max_deliveries=trainer_max_deliveries(cfg))
     client = queue.client
-    backoff = Backoff(ROLE, proc.stop)
+    backoff = Backoff(ROLE, proc.stop, beat=proc.liveness.beat)
     claim_prefix(client, streams, run_dir, config_hash(hashed), backoff)
     issuer = TaskIssuer(client, cfg, games, cfg.redis.max_message_bytes)
     collector = Collector(queue, cfg.run.max_staleness, state.applied, state.counts, ROLE,
@@ -246,7 +249,8 @@ def train() -> None:
     metrics.POLICY_VERSION.labels(ROLE).set(version)
     for event in CREDIT_EVENTS:  # at 0 from the start: the first event must show as an increase
         metrics.CREDIT_EVENTS.labels(ROLE, event)
-    proc.status.update(policy_version=version, step=step, ready=True)
+    proc.status.update(policy_version=version, step=step)
+    proc.unready = None  # ready (/readyz): model and checkpoint loaded, Redis answered, the prefix is this run's
     if cfg.simulate.enabled:
         log.warning("simulated compute: each step's credit + update is held for %.2f s (simulate.trainer_s), model %s",
                     cfg.simulate.trainer_s, cfg.model.name)
@@ -259,18 +263,23 @@ def train() -> None:
     while step < cfg.run.steps:
         t_step = time.perf_counter()
         ids = [t.group_id for t in step_tasks(cfg, games, step, version)]
-        ordered = wait_for_groups(proc.stop, cfg, issuer, collector, backoff, dead, ids, step, version)
+        ordered = wait_for_groups(proc.stop, cfg, issuer, collector, backoff, dead, ids, step, version,
+                                  beat=proc.liveness.beat)
         if ordered is None:
             break
-        settle(writer, collector, backoff)  # `learn` changes the model and optimizer the checkpoint is written from
+        with proc.liveness.guard("waiting for the checkpoint write", cfg.probes.update_s):
+            settle(writer, collector, backoff)  # `learn` changes the model and optimizer the checkpoint is written from
         t_compute = time.perf_counter()
         log.info("step %d: %d groups in after %.1f s; training", step, len(ordered), t_compute - t_step)
         scored = ordered if cfg.needs_teacher else None
         groups = [s.rollout for s in ordered] if cfg.needs_teacher else ordered
         dump = run_dir / "credit" / f"step_{step:05d}.json" if cfg.trainer.dump_credit else None
-        result = learn(cfg, par.module, optimizer, groups, scored, base_model, dump, world)
-        if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): credit + update take trainer_s in all
-            proc.stop.wait(max(0.0, cfg.simulate.trainer_s - (time.perf_counter() - t_compute)))
+        # A hung collective or update fails /livez on rank 0; ranks > 0 serve no HTTP: the process group's
+        # timeout ends them (k8s/README.md, Probes).
+        with proc.liveness.guard("credit assignment and PPO update", cfg.probes.update_s):
+            result = learn(cfg, par.module, optimizer, groups, scored, base_model, dump, world)
+            if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): credit + update take trainer_s in all
+                proc.stop.wait(max(0.0, cfg.simulate.trainer_s - (time.perf_counter() - t_compute)))
         record = {"step": step, "policy_version": version + 1, **(models if step == 0 else {}),
                   **summarize(groups, scored, cfg.credit.diagnostic_prompt_buckets)}
         step, version = step + 1, version + 1
@@ -294,10 +303,11 @@ def train() -> None:
         record["finished_at"] = time.time()
         records.append(record)
         due = step % checkpoint_every == 0 or step == cfg.run.steps
-        full_model, full_optimizer = par.gather(optimizer=due)  # FSDP2: all-gathered (into backend.model); else the model
-        if ema is not None:
-            ema.update(full_model)
-        publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every, ema)
+        with proc.liveness.guard("gathering and publishing the weights", cfg.probes.update_s):
+            full_model, full_optimizer = par.gather(optimizer=due)  # FSDP2: all-gathered (into backend.model); else the model
+            if ema is not None:
+                ema.update(full_model)
+            publish(backend, run_dir, client, cfg.redis.stream_prefix, version, keep, backoff, cfg.trainer.snapshot_every, ema)
         if due:
             # Written from the live model and optimizer, which stay unchanged until `settle` (before the next
             # `learn` and `par.gather`): a snapshot would add a host copy of the fp32 weights and AdamW moments
@@ -315,15 +325,17 @@ def train() -> None:
         proc.status.update(policy_version=version, step=step)
         log.info("step %d done: %s", step - 1, json.dumps({k: record[k] for k in ("success_rate", "reward_mean", "loss", "step_seconds")}))
 
-    plotter.shutdown(wait=True)
-    if plotting is not None:
-        plot_metrics(run_dir)  # every record, and a plotting error surfaces here
-    settle(writer, collector, backoff)  # the last step's checkpoint, or the one a stop interrupted the wait for
-    if step > saved_step:  # stopped between checkpoints: keep the finished steps
-        save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer, ema,
-                        keep=cfg.trainer.keep_checkpoints)
-        collector.release_trained()
-        backoff.retry(collector.flush)
+    finishing = partial(proc.liveness.guard, "writing the run's last checkpoint", cfg.probes.update_s)
+    with finishing():
+        plotter.shutdown(wait=True)
+        if plotting is not None:
+            plot_metrics(run_dir)  # every record, and a plotting error surfaces here
+        settle(writer, collector, backoff)  # the last step's checkpoint, or the one a stop interrupted the wait for
+        if step > saved_step:  # stopped between checkpoints: keep the finished steps
+            save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer, ema,
+                            keep=cfg.trainer.keep_checkpoints)
+            collector.release_trained()
+            backoff.retry(collector.flush)
     par.stop()  # the other ranks' `follow` returns
     if step < cfg.run.steps:
         log.info("stopped before step %d; resume with the same run dir", step)
@@ -334,16 +346,18 @@ def train() -> None:
     if cfg.trainer.lora is not None:  # the checkpoint keeps peft's names: also leave a plain model of the policy
         from opsd.lora import save_merged
 
-        save_merged(backend.model, backend.tokenizer, run_dir / "final_model")
+        with finishing():
+            save_merged(backend.model, backend.tokenizer, run_dir / "final_model")
     if not cfg.trainer.keep_optimizer_state:
-        freed = drop_optimizer_state(run_dir / "checkpoint")
+        with finishing():
+            freed = drop_optimizer_state(run_dir / "checkpoint")
         log.info("trainer.keep_optimizer_state false: dropped the optimizer state (%.2f GB) from the finished run's "
                  "checkpoint", freed / 1e9)
     (run_dir / "DONE").write_text(json.dumps({"steps": cfg.run.steps, "policy_version": version}))
     proc.status["finished"] = True
     log.info("finished %d steps; final checkpoint in %s", cfg.run.steps, run_dir / "checkpoint")
     while not proc.stop.wait(1.0):
-        pass
+        proc.liveness.beat()
     lock.close()
 
 

@@ -24,11 +24,13 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
 from opsd import metrics, wire
+from opsd.config import REDIS_RETRY_WAIT_MAX_S
 from opsd.queue import Delivery, StreamNames, StreamQueue
 from opsd.envs import task_group
 from opsd.types import TaskGroup
@@ -386,14 +388,19 @@ class Collector:
 
 
 class Backoff:
-    """Waits after a Redis connection failure: 1 s, doubling to 30 s; `reset` after a success."""
+    """Waits after a Redis connection failure: 1 s, doubling to 30 s; `reset` after a success.
 
-    def __init__(self, role: str, stop: threading.Event, first_s: float = 1.0, max_s: float = 30.0):
-        self.role, self.stop, self.first_s, self.max_s = role, stop, first_s, max_s
+    beat: called before each wait (the trainer's `Liveness.beat`): riding out a Redis outage is not a hang.
+    """
+
+    def __init__(self, role: str, stop: threading.Event, first_s: float = 1.0, max_s: float = REDIS_RETRY_WAIT_MAX_S,
+                 beat: Callable[[], None] = lambda: None):
+        self.role, self.stop, self.first_s, self.max_s, self.beat = role, stop, first_s, max_s, beat
         self.delay = first_s
 
     def wait(self, error: Exception) -> None:
         """Log and count the failure, then sleep (returns early when `stop` is set)."""
+        self.beat()
         metrics.REDIS_RECONNECTS.labels(self.role).inc()
         log.warning("redis unavailable (%s: %s); retrying in %.0fs", type(error).__name__, error, self.delay)
         self.stop.wait(self.delay)
@@ -421,8 +428,11 @@ class Backoff:
 
 
 def wait_for_groups(stop: threading.Event, cfg, issuer: TaskIssuer, collector: Collector, backoff: Backoff,
-                    dead: DeadLetters, group_ids: list[str], step: int, version: int) -> list | None:
+                    dead: DeadLetters, group_ids: list[str], step: int, version: int,
+                    beat: Callable[[], None] = lambda: None) -> list | None:
     """Issue what the window allows and collect until every group of `group_ids` (step `step`) is here.
+
+    `beat` is called every round (about every redis.block_ms): waiting for groups, however long, is not a hang.
 
     Returns their messages in `group_ids` order, or None when `stop` was set.
     A group dead-lettered by a worker has its task issued again, at most
@@ -436,6 +446,7 @@ def wait_for_groups(stop: threading.Event, cfg, issuer: TaskIssuer, collector: C
     rescued = False
     reissued: dict[str, int] = {}
     while not stop.is_set():
+        beat()
         try:
             issuer.top_up(step, version)  # every round: a Redis that lost its data must get the tasks again
             msgs = collector.take(group_ids, step, version)
