@@ -141,7 +141,8 @@ def test_dockerfile_bases_are_pinned_and_final_stage_is_safe(role, variant):
     last_user = max(i for i, (k, _) in enumerate(body) if k == "USER")
     assert all(k != "RUN" for k, _ in body[last_user:]), "RUN after USER: should be done as root before"
     health = [rest for keyword, rest in body if keyword == "HEALTHCHECK"]
-    assert health and "/health" in health[-1] and "start-period" in health[-1], f"{path}: HEALTHCHECK {health}"
+    # Healthy = ready (model loaded and answered) and live (loop progressing): both probes, not /health.
+    assert health and all(p in health[-1] for p in ("/readyz", "/livez", "start-period")), f"{path}: HEALTHCHECK {health}"
     # The port the role listens on (OPSD_PORT, which a deployment may change), never a literal one.
     assert re.search(r"""os\.environ\[["']OPSD_PORT["']\]""", health[-1]), f"{path}: HEALTHCHECK ignores OPSD_PORT"
     assert not re.search(r"(127\.0\.0\.1|localhost|\]):\d", health[-1]), f"{path}: HEALTHCHECK with a literal port"
@@ -374,7 +375,7 @@ def test_builds_point_at_existing_dockerfiles_and_roles_run_their_module():
         RunConfig.load(ROOT / "configs" / config.removeprefix("/app/configs/"))
         assert cmd[cmd.index("--run-dir") + 1] == "/data/runs/quickstart"
         assert service.get("stop_grace_period") == "120s"
-        assert "healthcheck" not in service  # the image's (GET /health, long start period)
+        assert "healthcheck" not in service  # the image's (GET /readyz and /livez, long start period)
         assert service["depends_on"]["redis"]["condition"] == "service_healthy"
     assert services["teacher"]["depends_on"]["embedder"]["condition"] == "service_healthy"
     # The rollout (Search's /retrieve) starts after the embedder but does not wait for its healthcheck:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from opsd.auth import OPEN_PATHS
 from opsd.config import RunConfig
 from opsd.queue import StreamNames
 from tests.deploy_tools import BAD_REDIS_PASSWORDS, GOOD_REDIS_PASSWORD, ROOT, run_redis_start_script, run_tool, tool
@@ -460,10 +461,17 @@ def test_each_role_runs_its_module_with_probes_env_and_service(build, role):
     assert c["command"] == ["python", "-m", f"services.{role}"]
     assert importlib.util.find_spec(f"services.{role}.__main__") is not None
     assert {"name": "http", "containerPort": 8000} in c["ports"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    # Ready = the model loaded and answered a probe request (startup and readiness); live = the loop progresses.
+    # /health answers as soon as the HTTP thread is up: no probe may use it (opsd/service.py, opsd/probes.py).
+    for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/livez")):
+        assert c[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+        assert path in OPEN_PATHS, f"{path} needs a token: the kubelet sends none"
     startup = c["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading takes minutes"
+    # Sized to model load (k8s/README.md, Probes): a 7B model and vLLM's start; the trainer also reads its checkpoint.
+    least = {"embedder": 600, "rollout": 900, "teacher": 900, "trainer": 1200}[role]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= least, "model loading takes minutes"
+    live = c["livenessProbe"]
+    assert live["timeoutSeconds"] >= 5 and live["failureThreshold"] >= 2, "a busy worker answers late, not never"
     env = build.env(c)
     assert (env["OPSD_PORT"], env["OPSD_BIND_HOST"], env["OPSD_CACHE"]) == ("8000", "0.0.0.0", "/cache")
     assert "emptyDir" in mount(w, "/cache"), "a per-pod cache, not flock over a network filesystem"
