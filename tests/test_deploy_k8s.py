@@ -5,17 +5,23 @@ core kinds against the bundled Kubernetes schemas (strict: unknown fields fail).
 schema for the CRDs (KEDA ScaledObject/TriggerAuthentication, the Prometheus Operator's
 PodMonitor), so the tests below check their required fields and that they point at objects
 the same build contains. NetworkPolicies are checked by evaluating the flows the roles need
-(and some they must not get) against them.
+(and some they must not get) against them. Two runs rendered from k8s/README.md's run
+parameters must not refer to each other; the trainer pods' start scripts and the model
+wait script run for real under /bin/sh.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import math
 import os
 import re
+import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,17 +40,24 @@ CRD_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "TriggerAuthentication": "keda.
              "PodMonitor": "monitoring.coreos.com/v1"}
 NAMESPACE = "opsd"
 ROLES = ("embedder", "rollout", "teacher", "trainer")
+GPU_ROLES = ("rollout", "teacher", "trainer", "trainer-workers")  # the embedder computes on CPU in the gpu overlay
+TRAINER_JOBS = ("trainer", "trainer-workers")  # node rank 0 (run volume, Services), node ranks 1.. (none)
 SCALED = {"rollout": "tasks", "teacher": "rollouts"}  # role -> the StreamNames attribute of its input
 REDIS_USERS = ("rollout", "teacher", "trainer")  # the embedder never talks to Redis
 TOKEN_USERS = ("embedder", "teacher", "rollout")  # the embedder requires it; /correspond and Search's /retrieve send it
 EMBEDDER_CLIENTS = ("teacher", "rollout")
 WORKERS = ("rollout", "teacher", "trainer")  # a SIGTERM lets them finish a job: long grace period
 SECRET = "opsd-secrets"  # created by the user (k8s/README.md), never in the repo
-SECRET_KEYS = {"redis-password", "api-token"}
+SECRET_KEYS = {"redis-password", "api-token", "hf-token"}  # hf-token: optional, Job model-fetch only
 GPU = "nvidia.com/gpu"
 CLUSTER_SCOPED = {"Namespace"}
 # The components that need CRDs: an overlay without them must still build (k8s/README.md).
 CRD_COMPONENTS = ("../../components/keda", "../../components/monitoring")
+# Switched on by a line in an overlay (k8s/README.md, "Scheduling" and "Models in").
+OPTIONS = ("runtime-class", "gpu-model", "priority", "model-fetch")
+# The sysctls the restricted Pod Security level allows (baseline's safe set); the trainer pins its ports with one.
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports"}
 
 _built: dict[str, str] = {}
 
@@ -78,10 +91,11 @@ class Build:
         return found[0]
 
     def workloads(self) -> list[dict]:
-        return self.of("Deployment") + self.of("StatefulSet")
+        return self.of("Deployment") + self.of("StatefulSet") + self.of("Job")
 
     def role(self, role: str) -> dict:
-        kind = "StatefulSet" if role == "trainer" else "Deployment"
+        """The workload of `role`: a Deployment, or Job trainer / trainer-workers (the trainer's node ranks)."""
+        kind = "Job" if role in TRAINER_JOBS else "Deployment"
         w = self.get(kind, role)
         assert w is not None, f"no {kind} {role}"
         return w
@@ -100,6 +114,11 @@ class Build:
             else:
                 env[e["name"]] = e["value"]
         return env
+
+    def args(self, container: dict) -> list[str]:
+        """A container's args with $(VAR) expanded from its environment, as the kubelet does."""
+        env = self.env(container)
+        return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in container.get("args", [])]
 
 
 @pytest.fixture(scope="module", params=BUILDS)
@@ -130,6 +149,12 @@ def selects(selector: dict, labels: dict) -> bool:
         if not ok:
             return False
     return True
+
+
+def sysctl(w: dict, name: str) -> str:
+    """The value the workload's pods set for sysctl `name`."""
+    (value,) = [s["value"] for s in pod_spec(w)["securityContext"].get("sysctls", []) if s["name"] == name]
+    return value
 
 
 def mount(w: dict, path: str) -> dict:
@@ -173,16 +198,12 @@ def test_yamllint():
 # --- run config and streams --------------------------------------------------------------------
 
 
-def test_the_base_run_config_is_the_quickstart_with_an_explicit_stream_prefix():
+def test_the_base_run_config_is_the_quickstart_without_a_stream_prefix():
+    """The roles derive the prefix from their run directory, which OPSD_RUN_NAME names (one parameter)."""
     ours = yaml.safe_load((K8S / "base" / "run.yaml").read_text())
     quickstart = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
-    prefix = ours["redis"].pop("stream_prefix")
-    if not ours["redis"]:
-        del ours["redis"]
     assert ours == quickstart
-    # The prefix a role would derive from its run dir (opsd/service.py), written out for KEDA.
-    assert prefix == "opsd:quickstart"
-    assert RunConfig.load(K8S / "base" / "run.yaml").redis.stream_prefix == prefix
+    assert RunConfig.load(K8S / "base" / "run.yaml").redis.stream_prefix is None
 
 
 def run_config(build: Build, tmp_path: Path) -> RunConfig:
@@ -192,10 +213,52 @@ def run_config(build: Build, tmp_path: Path) -> RunConfig:
     return RunConfig.load(config)
 
 
-def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
+# A role's own start (opsd/service.py RoleProcess.start) with the build's config and a run directory.
+DERIVE_PREFIX = """
+import sys
+from opsd.service import RoleProcess
+print(RoleProcess.start("rollout", sys.argv[1], sys.argv[2]).cfg.redis.stream_prefix)
+"""
+
+
+def derived_prefix(build: Build, tmp_path: Path, run_dir: str) -> str:
+    """The stream prefix a role started with the build's run config and `run_dir` uses (a real start, in a subprocess)."""
+    config = tmp_path / "derive.yaml"
+    config.write_text(build.generated("opsd-config")["data"]["run.yaml"])
+    env = {k: v for k, v in os.environ.items() if k not in ("OPSD_PORT", "OPSD_PARENT_PID")}
+    p = subprocess.run([sys.executable, "-c", DERIVE_PREFIX, str(config), run_dir], capture_output=True, text=True,
+                       cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+def run_dir_of(build: Build, role: str) -> str:
+    """The --run-dir a role's pod gets (its args with $(VAR) expanded); the trainer's: its script's, the same string."""
+    c = container(build.role(role))
+    if role in TRAINER_JOBS:
+        script = c["args"][0]
+        quoted = re.search(r'--run-dir "([^"]+)"', script).group(1)
+        return quoted.replace("$OPSD_RUN_NAME", build.env(c)["OPSD_RUN_NAME"])
+    args = build.args(c)
+    return args[args.index("--run-dir") + 1]
+
+
+def triggers(scaled_object: dict) -> dict[str, dict]:
+    """A ScaledObject's triggers by type (one of each)."""
+    found = {t["type"]: t for t in scaled_object["spec"]["triggers"]}
+    assert len(found) == len(scaled_object["spec"]["triggers"]), scaled_object["metadata"]["name"]
+    return found
+
+
+def test_keda_scales_on_the_streams_and_the_marker_of_the_run(build, tmp_path):
     cfg = run_config(build, tmp_path)
-    assert cfg.redis.stream_prefix, "the deployed config must name its stream prefix (KEDA needs it)"
-    names = StreamNames(cfg.redis.stream_prefix)
+    run_dirs = {run_dir_of(build, role) for role in ROLES + ("trainer-workers",)}
+    assert len(run_dirs) == 1, f"every role must get the same run directory: {run_dirs}"
+    (run_dir,) = run_dirs
+    run_name = build.generated("opsd-run")["data"]["OPSD_RUN_NAME"]
+    assert run_dir == f"/data/runs/{run_name}"
+    names = StreamNames(derived_prefix(build, tmp_path, run_dir))
+    assert names.prefix == f"opsd:{run_name}"
     scaled = build.of("ScaledObject")
     # The base holds core kinds only; the overlays add k8s/components/keda.
     assert sorted(s["spec"]["scaleTargetRef"]["name"] for s in scaled) == ([] if build.path == "base" else sorted(SCALED))
@@ -207,32 +270,38 @@ def test_keda_scales_on_the_streams_of_the_run_config(build, tmp_path):
         target = build.get("Deployment", role)
         assert target is not None, f"ScaledObject {s['metadata']['name']} targets a missing Deployment {role}"
         assert "replicas" not in target["spec"], f"{role}: KEDA owns the replica count"
-        assert spec["minReplicaCount"] == 1 and spec["maxReplicaCount"] >= 1 and spec["cooldownPeriod"] > 0
-        (trigger,) = spec["triggers"]
-        meta = trigger["metadata"]
-        assert trigger["type"] == "redis-streams"
-        assert meta["stream"] == getattr(names, SCALED[role])
+        # Zero after DONE; the marker's trigger keeps one pod during the run.
+        assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1 and spec["cooldownPeriod"] > 0
+        by_type = triggers(s)
+        assert set(by_type) == {"redis-streams", "redis"}, s["metadata"]["name"]
+        backlog = by_type["redis-streams"]["metadata"]
+        assert backlog["stream"] == getattr(names, SCALED[role])
         # No consumerGroup: KEDA reads XLEN, the backlog (waiting + in flight) whatever the ack order
         # (tests/test_keda_backlog.py); one pod's share is the groups it holds at once.
-        assert "consumerGroup" not in meta and "lagCount" not in meta
-        assert meta["streamLength"] == str(cfg.groups_in_flight(role))
-        # Activation only decides 0 <-> 1 pods (minReplicaCount is 1); "0" or "1" (kedacore/keda#6478).
-        assert meta["activationLagCount"] in ("0", "1")
-        assert re.fullmatch(r"[\w.-]+:\d+", meta["address"]), meta["address"]
-        auth = build.get("TriggerAuthentication", trigger["authenticationRef"]["name"])
-        assert auth is not None and auth["apiVersion"] == CRD_KINDS["TriggerAuthentication"]
-        refs = {r["parameter"]: (r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]}
-        assert refs["password"] == (SECRET, "redis-password")
-    # The roles read that same config file, and the run dir the prefix names.
-    for role in ROLES:
+        assert "consumerGroup" not in backlog and "lagCount" not in backlog
+        assert backlog["streamLength"] == str(cfg.groups_in_flight(role))
+        # Activation decides 0 <-> 1 pods; "0" or "1" (kedacore/keda#6478).
+        assert backlog["activationLagCount"] in ("0", "1")
+        # KEDA's redis scaler: LLEN of the list (0 for a missing key), one pod per listLength, active above
+        # activationListLength (default 0): the trainer's marker of length 1 = one pod until DONE deletes it.
+        marker = by_type["redis"]["metadata"]
+        assert marker["listName"] == f"{names.prefix}:active"
+        assert marker["listLength"] == "1" and marker.get("activationListLength", "0") == "0"
+        for trigger in by_type.values():
+            meta = trigger["metadata"]
+            assert re.fullmatch(r"[\w.-]+:\d+", meta["address"]), meta["address"]
+            auth = build.get("TriggerAuthentication", trigger["authenticationRef"]["name"])
+            assert auth is not None and auth["apiVersion"] == CRD_KINDS["TriggerAuthentication"]
+            refs = {r["parameter"]: (r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]}
+            assert refs["password"] == (SECRET, "redis-password")
+    # The roles read that same config file.
+    for role in ROLES + ("trainer-workers",):
         w = build.role(role)
-        args = container(w)["args"]
-        config_path = Path(args[args.index("--config") + 1])
+        script = " ".join(container(w)["args"])
+        config_path = Path(re.search(r'--config\s+"?([^\s"]+)', script).group(1))
         volume = mount(w, str(config_path.parent))
         assert volume["configMap"]["name"] == build.generated("opsd-config")["metadata"]["name"]
         assert config_path.name in build.generated("opsd-config")["data"]
-        run_dir = Path(args[args.index("--run-dir") + 1])
-        assert run_dir.is_relative_to("/data") and f"opsd:{run_dir.name}" == cfg.redis.stream_prefix
 
 
 def test_keda_scale_out_is_reachable(build, tmp_path):
@@ -245,7 +314,7 @@ def test_keda_scale_out_is_reachable(build, tmp_path):
     cfg = run_config(build, tmp_path)
     max_lag = cfg.env.num_games * (cfg.run.max_staleness + 1)
     for s in build.of("ScaledObject"):
-        per_pod = int(s["spec"]["triggers"][0]["metadata"]["streamLength"])
+        per_pod = int(triggers(s)["redis-streams"]["metadata"]["streamLength"])
         wanted = math.ceil(max_lag / per_pod)
         assert wanted >= 2, (f"{s['metadata']['name']}: at most {max_lag} entries / streamLength {per_pod} "
                              f"= {wanted} pod: raise env.num_games or run.max_staleness")
@@ -258,9 +327,9 @@ def test_keda_and_the_roles_use_one_redis_address(build):
     assert data["scheme"] in ("redis", "rediss")
     assert data["tls"] == ("true" if data["scheme"] == "rediss" else "false")
     for s in build.of("ScaledObject"):
-        meta = s["spec"]["triggers"][0]["metadata"]
-        assert meta["address"] == data["address"], s["metadata"]["name"]
-        assert meta["enableTLS"] == data["tls"], s["metadata"]["name"]
+        for trigger in s["spec"]["triggers"]:
+            assert trigger["metadata"]["address"] == data["address"], s["metadata"]["name"]
+            assert trigger["metadata"]["enableTLS"] == data["tls"], s["metadata"]["name"]
     service = build.get("Service", "redis")
     if service is not None:  # in-cluster Redis: a name the KEDA operator (another namespace) resolves too
         port = service["spec"]["ports"][0]["port"]
@@ -270,6 +339,8 @@ def test_keda_and_the_roles_use_one_redis_address(build):
         assert env["REDIS_ADDRESS"] == data["address"] and env["REDIS_SCHEME"] == data["scheme"]
         assert env["REDIS_PASSWORD"] == f"<secret:{SECRET}/redis-password>"
         assert env["REDIS_URL"] == "$(REDIS_SCHEME)://:$(REDIS_PASSWORD)@$(REDIS_ADDRESS)/0"
+    # Ranks > 0 take everything from rank 0 over the process group: no Redis.
+    assert "REDIS_URL" not in build.env(container(build.role("trainer-workers")))
 
 
 def readme_block(heading: str) -> dict:
@@ -289,10 +360,11 @@ def overlay_copy(tmp_path: Path, overlay: str = "gpu", drop: tuple[str, ...] = (
     kept = [line for line in lines if line.strip().removeprefix("- ") not in drop]
     assert len(lines) - len(kept) == len(drop), f"not every line of {drop} is in the overlay"
     k = yaml.safe_load("\n".join(kept))
-    k["resources"] = [os.path.relpath((source / r).resolve(), tmp_path) for r in k["resources"]]
-    k["components"] = [os.path.relpath((source / c).resolve(), tmp_path) for c in k.get("components", [])]
+    for key in ("resources", "components", "transformers"):
+        k[key] = [os.path.relpath((source / r).resolve(), tmp_path) for r in k.get(key, [])]
     for key, value in (add or {}).items():
         k[key] = k.get(key, []) + value  # the README's entries go after the overlay's own
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(k))
     return Build(run_tool([tool("kubectl"), "kustomize", str(tmp_path)]).stdout, f"copy of overlays/{overlay}")
 
@@ -307,8 +379,9 @@ def test_switching_to_an_external_redis_is_one_file(overlay, tmp_path):
     address = literals["address"]
     assert b.get("Deployment", "redis") is None and b.get("Service", "redis") is None
     assert b.get("NetworkPolicy", "redis-ingress") is None
-    assert [s["spec"]["triggers"][0]["metadata"]["address"] for s in b.of("ScaledObject")] == [address] * len(SCALED)
-    assert {s["spec"]["triggers"][0]["metadata"]["enableTLS"] for s in b.of("ScaledObject")} == {literals["tls"]}
+    # The address is the one given, on every trigger: the run's namespace does not rewrite it.
+    assert [t["metadata"]["address"] for s in b.of("ScaledObject") for t in s["spec"]["triggers"]] == [address] * 2 * len(SCALED)
+    assert {t["metadata"]["enableTLS"] for s in b.of("ScaledObject") for t in s["spec"]["triggers"]} == {literals["tls"]}
     env = b.env(container(b.role("trainer")))
     assert (env["REDIS_SCHEME"], env["REDIS_ADDRESS"]) == (literals["scheme"], address)
     # The patch lets exactly the Redis users reach the endpoint, on its port, and nothing else outside.
@@ -357,6 +430,7 @@ def test_the_overlays_include_the_components_and_pin_the_images():
     for overlay, tag in (("cpu-demo", "0.1.0"), ("gpu", "0.1.0-cuda")):
         k = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
         assert k["components"] == ["../../components/redis", *CRD_COMPONENTS], overlay
+        assert k["transformers"] == ["../../run"] and "replacements" not in k, overlay  # k8s/run, after the patches
         images = {i["name"]: i for i in k["images"]}
         assert set(images) == {f"ghcr.io/opsd-project/opsd-{role}" for role in ROLES}, overlay
         assert {i.get("newTag") for i in images.values()} == {tag}, overlay
@@ -408,6 +482,10 @@ def test_every_workload_is_hardened_and_references_what_exists(build):
             if "configMap" in v:
                 assert v["configMap"]["name"] in configmaps, (name, v)
             assert set(v) - {"name"} <= {"persistentVolumeClaim", "configMap", "emptyDir"}, (name, v)
+        for sysctl in sc.get("sysctls", []):
+            assert sysctl["name"] in SAFE_SYSCTLS, f"{name}: {sysctl['name']} needs more than the restricted level"
+        if w["kind"] == "Job":  # podFailurePolicy needs Never: every retry is a new pod the Job counts
+            assert spec["restartPolicy"] == "Never", name
         assert spec["containers"]
         for c in spec["containers"] + spec.get("initContainers", []) + spec.get("ephemeralContainers", []):
             csc = c["securityContext"]
@@ -449,6 +527,12 @@ def test_every_workload_is_hardened_and_references_what_exists(build):
             for arg in c.get("args", []):
                 for var in re.findall(r"\$\((\w+)\)", arg):
                     assert var in defined, f"{name}: argument uses undefined $({var})"
+            if c.get("command", [])[:2] == ["sh", "-c"]:  # the shell's own $VAR and $((VAR + 1)) expansions
+                script = " ".join(c["command"][2:] + c.get("args", []))
+                used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", script)) | set(re.findall(r"\$\(\((\w+)", script))
+                indexed = w["kind"] == "Job" and w["spec"].get("completionMode") == "Indexed"
+                injected = {"JOB_COMPLETION_INDEX"} if indexed else set()  # set by the Job controller
+                assert used <= defined | injected, f"{name}: the script uses undefined {sorted(used - defined - injected)}"
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -456,9 +540,13 @@ def test_each_role_runs_its_module_with_probes_env_and_service(build, role):
     w = build.role(role)
     labels = {"app.kubernetes.io/name": role, "app.kubernetes.io/component": role, "app.kubernetes.io/part-of": "opsd"}
     assert w["metadata"]["labels"] == labels and pod_labels(w) == labels
-    assert selects(w["spec"]["selector"], pod_labels(w))
     c = container(w)
-    assert c["command"] == ["python", "-m", f"services.{role}"]
+    if role in TRAINER_JOBS:  # a Job's selector is its own; torchrun starts the module (test_the_trainer_pods_...)
+        assert "selector" not in w["spec"]
+        assert c["command"] == ["sh", "-c"] and " -m services.trainer " in c["args"][0]
+    else:
+        assert selects(w["spec"]["selector"], pod_labels(w))
+        assert c["command"] == ["python", "-m", f"services.{role}"]
     assert importlib.util.find_spec(f"services.{role}.__main__") is not None
     assert {"name": "http", "containerPort": 8000} in c["ports"]
     # Ready = the model loaded and answered a probe request (startup and readiness); live = the loop progresses.
@@ -484,8 +572,7 @@ def test_each_role_runs_its_module_with_probes_env_and_service(build, role):
     service = build.get("Service", role)
     assert service is not None and selects({"matchLabels": service["spec"]["selector"]}, pod_labels(w))
     assert {"name": "http", "port": 8000, "targetPort": "http"} in service["spec"]["ports"]
-    if role == "trainer":
-        assert w["spec"]["replicas"] == 1 and w["spec"]["serviceName"] == "trainer"
+    if role == "trainer":  # rank 0's pod; the ranks find each other through trainer-peers (test_the_trainer_jobs)
         assert service["spec"]["clusterIP"] == "None"
 
 
@@ -532,18 +619,25 @@ def test_gpu_requests_by_overlay(path):
                     assert GPU not in c["resources"].get(kind, {}), (w["metadata"]["name"], kind)
         assert max_replicas == {2}
         return
-    for role in ROLES:
+    toleration = {"key": GPU, "operator": "Exists", "effect": "NoSchedule"}
+    for role in ROLES + ("trainer-workers",):
         w = b.role(role)
-        assert int(container(w)["resources"]["limits"][GPU]) == 1, role
+        gpus = int(container(w)["resources"]["limits"].get(GPU, 0))
+        # The gpu overlay runs the embedder (MiniLM, FAISS on CPU) without a GPU, off the tainted GPU nodes.
+        assert gpus == (0 if (role, path) == ("embedder", "overlays/gpu") else 1), role
         if path == "overlays/gpu":
-            assert container(w)["image"] == f"ghcr.io/opsd-project/opsd-{role}:0.1.0-cuda"
-            assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod_spec(w)["tolerations"]
+            image = "opsd-trainer" if role in TRAINER_JOBS else f"opsd-{role}"
+            assert container(w)["image"] == f"ghcr.io/opsd-project/{image}:0.1.0-cuda"
+            assert (toleration in pod_spec(w).get("tolerations", [])) == (role in GPU_ROLES), role
+        if role in GPU_ROLES:  # NCCL and vLLM's workers need more than the 64 MiB a container gets
+            shm = mount(w, "/dev/shm")["emptyDir"]
+            assert shm["medium"] == "Memory" and shm["sizeLimit"] == "8Gi", role
     if path == "overlays/gpu":
         # The component's own values (a Component does not build alone).
         shipped = yaml.safe_load_all((K8S / "components" / "keda" / "keda.yaml").read_text())
         base = {s["spec"]["maxReplicaCount"] for s in shipped if s["kind"] == "ScaledObject"}
         assert min(max_replicas) > max(base)
-        for role in ("rollout", "teacher", "trainer"):
+        for role in ("rollout", "teacher", "trainer", "trainer-workers"):
             def gib(build, role=role):
                 return int(container(build.role(role))["resources"]["limits"]["memory"].removesuffix("Gi"))
             assert gib(b) > gib(Build(kustomize("k8s/base"))), f"{role}: the gpu overlay raises the limits"
@@ -598,7 +692,8 @@ def _port_matches(rule: dict, dst: Pod, port: int, protocol: str) -> bool:
         return True
     for p in rule["ports"]:
         number = dst.ports.get(p["port"]) if isinstance(p.get("port"), str) else p.get("port")
-        if p.get("protocol", "TCP") == protocol and (p.get("port") is None or number == port):
+        last = p.get("endPort", number)  # a range number..endPort (numbers only)
+        if p.get("protocol", "TCP") == protocol and (p.get("port") is None or (number is not None and number <= port <= last)):
             return True
     return False
 
@@ -638,7 +733,7 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
                 assert peer.get("ipBlock", {}).get("cidr") != "0.0.0.0/0", p["metadata"]["name"]
 
     def pod(w):
-        return Pod(NAMESPACE, pod_labels(w), {p["name"]: p["containerPort"] for p in container(w)["ports"]})
+        return Pod(NAMESPACE, pod_labels(w), {p["name"]: p["containerPort"] for p in container(w).get("ports", [])})
 
     roles = {r: pod(build.role(r)) for r in ROLES}
     redis_w = build.get("Deployment", "redis")
@@ -668,6 +763,29 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
     assert not flow_allowed(policies, roles["embedder"], roles["rollout"], 8000)
     assert not flow_allowed(policies, roles["embedder"], roles["teacher"], 8000)
     assert not flow_allowed(policies, roles["rollout"], roles["teacher"], 8000)
+    # The trainer's ranks: torchrun's rendezvous at rank 0 and NCCL/gloo's listening ports (the pods' ephemeral
+    # range, pinned by a sysctl), between the trainer's pods only, every way.
+    workers = pod(build.role("trainer-workers"))
+    ranges = {sysctl(build.role(job), "net.ipv4.ip_local_port_range") for job in TRAINER_JOBS}
+    assert len(ranges) == 1, ranges
+    low, high = map(int, ranges.pop().split())
+    assert 1024 < low < high and high - low >= 1000
+    rendezvous = int(build.env(container(build.role("trainer")))["MASTER_PORT"])
+    peers = ((roles["trainer"], workers), (workers, roles["trainer"]), (workers, workers))
+    for port in (rendezvous, low, high):
+        assert all(flow_allowed(policies, a, b, port) for a, b in peers), port
+    for port in (low - 1, high + 1, 22, 8000):
+        assert not flow_allowed(policies, workers, roles["trainer"], port), port
+        assert not flow_allowed(policies, roles["trainer"], workers, port), port
+    for name, p in roles.items():
+        if name != "trainer":
+            assert not flow_allowed(policies, p, roles["trainer"], rendezvous), f"{name} -> the rendezvous"
+            assert not flow_allowed(policies, p, workers, low) and not flow_allowed(policies, workers, p, 8000), name
+    assert not flow_allowed(policies, stranger, roles["trainer"], rendezvous) and not flow_allowed(policies, stranger, workers, low)
+    assert flow_allowed(policies, workers, dns, 53, "UDP")
+    assert not _side_allows(policies, workers, redis, "Egress", redis, 6379, "TCP"), "ranks > 0 need no Redis"
+    for host in INTERNET:
+        assert not flow_allowed(policies, workers, host, 443) and not flow_allowed(policies, host, workers, low)
     if redis_w is not None:
         assert flow_allowed(policies, keda, redis, 6379), "the KEDA operator polls the streams"
         assert not flow_allowed(policies, stranger, redis, 6379)
@@ -682,7 +800,12 @@ def test_the_readme_says_how_to_create_the_secret_and_switch_redis():
                    "kubectl apply -k k8s/overlays/gpu", "opsd-redis", "streamLength", "KEDA 2.11",
                    "components/keda", "components/monitoring", "docker build -f services/<role>/Dockerfile",
                    "kind load docker-image", "minikube image load", "linux/amd64", "10001", "169.254.20.10",
-                   "openshift-dns", "release", "reclaim_idle_ms", "num_games", "max_staleness", "model.threads"):
+                   "openshift-dns", "release", "reclaim_idle_ms", "num_games", "max_staleness", "model.threads",
+                   # the trainer across nodes, models in, a run as a parameter, scheduling, what ran here
+                   "publishNotReadyAddresses", "podFailurePolicy", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_IB_HCA",
+                   "IPC_LOCK", "hostNetwork", "enforce: privileged", "Multus", "HF_HUB_OFFLINE=1", "hf-token",
+                   "Air-gapped", "OPSD_RUN_NAME", "OPSD_TRAINER_WORKER_NODES", "Helm", "priorityclass.yaml",
+                   "commit 8b4f083", "redis_scaler.go", "Never run here"):
         assert needle in text, needle
     for block in re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S):
         yaml.safe_load(block)  # what users copy must at least parse
@@ -714,7 +837,9 @@ def test_the_weights_http_component_leaves_rollout_and_teacher_without_the_run_v
     for role in ("rollout", "teacher"):
         w = b.role(role)
         assert "emptyDir" in mount(w, "/data") and "persistentVolumeClaim" not in mount(w, "/data"), role
-        assert not [v for v in pod_spec(w)["volumes"] if "persistentVolumeClaim" in v], role
+        # No run volume; the model cache (HF_HOME), read-only, is the only claim left.
+        claims = [v["persistentVolumeClaim"] for v in pod_spec(w)["volumes"] if "persistentVolumeClaim" in v]
+        assert claims == [{"claimName": "opsd-models", "readOnly": True}], role
         env = b.env(container(w))
         assert env["OPSD_WEIGHTS_TRANSPORT"] == "http" and env["OPSD_WEIGHTS_URL"] == "http://trainer:8000", role
         assert env["OPSD_API_TOKEN"] == "<secret:opsd-secrets/api-token>", role
@@ -732,3 +857,306 @@ def test_the_weights_http_component_leaves_rollout_and_teacher_without_the_run_v
     assert not flow_allowed(policies, Pod("default", {"app": "curious"}), pods["trainer"], 8000)
     out = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, "-"], stdin=b.text).stdout
     assert not [line for line in out.splitlines() if line.startswith(("ERROR", "FATAL"))], out
+
+
+# --- the trainer across nodes ------------------------------------------------------------------
+
+
+def run_copy(tmp_path: Path, namespace: str, name: str, worker_nodes: int, overlay: str = "gpu") -> Build:
+    """A run as k8s/README.md ("A run is a parameter") writes one, at k8s/runs/<x>/, with its namespace and
+    opsd-run literals replaced: built from `tmp_path`."""
+    k = readme_block("A run is a parameter")
+    home = K8S / "runs" / "example"  # where the README puts it: its paths are relative to that directory
+    assert k["resources"] == ["../../overlays/gpu"] and k["transformers"] == ["../../run"], k
+    k["namespace"] = namespace
+    k["resources"] = [os.path.relpath((home / f"../../overlays/{overlay}").resolve(), tmp_path)]
+    k["transformers"] = [os.path.relpath((home / t).resolve(), tmp_path) for t in k["transformers"]]
+    (generator,) = k["configMapGenerator"]
+    assert generator["name"] == "opsd-run" and generator["behavior"] == "merge"
+    literals = dict(x.split("=", 1) for x in generator["literals"])
+    assert set(literals) == {"OPSD_RUN_NAME", "OPSD_TRAINER_WORKER_NODES"}, literals
+    generator["literals"] = [f"OPSD_RUN_NAME={name}", f"OPSD_TRAINER_WORKER_NODES={worker_nodes}"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(k))
+    return Build(run_tool([tool("kubectl"), "kustomize", str(tmp_path)]).stdout, f"run {name} in {namespace}")
+
+
+def validate(text: str) -> None:
+    """kubernetes-validate (strict) of a build: no error; only the CRD kinds go unchecked."""
+    out = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, "-"], stdin=text).stdout
+    assert not [line for line in out.splitlines() if line.startswith(("ERROR", "FATAL"))], out
+    unchecked = set(re.findall(r"Couldn't find schema for kind (\S+) with api version (\S+)", out))
+    assert unchecked <= set(CRD_KINDS.items()), out
+
+
+def test_the_trainer_jobs(build):
+    """Rank 0 (Job trainer) and ranks > 0 (Job trainer-workers): Indexed Jobs that complete at DONE, fail on
+    FATAL_EXIT, rendezvous at rank 0's pod through a headless Service that publishes it before it is ready."""
+    rank0, workers = build.role("trainer"), build.role("trainer-workers")
+    nodes = int(build.generated("opsd-run")["data"]["OPSD_TRAINER_WORKER_NODES"])
+    assert (rank0["spec"]["completions"], rank0["spec"]["parallelism"]) == (1, 1)
+    assert workers["spec"]["completions"] == workers["spec"]["parallelism"] == nodes  # all at once: a rendezvous
+    for job in (rank0, workers):
+        spec = job["spec"]
+        assert spec["completionMode"] == "Indexed" and 1 <= spec["backoffLimit"] <= 10
+        fail, ignore = spec["podFailurePolicy"]["rules"]
+        assert fail == {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [3]}}
+        assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+        assert container(job)["name"] == "trainer"
+        env = build.env(container(job))
+        assert env["OPSD_EXIT_WHEN_DONE"] == "1" and env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert mount(job, "/models")["persistentVolumeClaim"] == {"claimName": "opsd-models", "readOnly": True}
+    from opsd.service import FATAL_EXIT  # the code the Jobs fail on
+
+    assert FATAL_EXIT == 3
+    # MASTER_ADDR = <job>-<index 0>.<subdomain>: the hostname an Indexed Job gives its pod, published by a
+    # headless Service that selects rank 0 only and lists it before it is ready.
+    env = build.env(container(rank0))
+    peers = build.get("Service", pod_spec(rank0)["subdomain"])
+    assert env["MASTER_ADDR"] == f"{rank0['metadata']['name']}-0.{peers['metadata']['name']}"
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
+    assert selects({"matchLabels": peers["spec"]["selector"]}, pod_labels(rank0))
+    assert not selects({"matchLabels": peers["spec"]["selector"]}, pod_labels(workers))
+    (port,) = peers["spec"]["ports"]
+    assert port["port"] == int(env["MASTER_PORT"])
+    assert {"name": port["targetPort"], "containerPort": port["port"]} in container(rank0)["ports"]
+    # Ranks > 0: no run volume (the checkpoint comes from rank 0 over the process group), no Service, no port.
+    assert not [v for v in pod_spec(workers)["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == "opsd-data"]
+    assert "emptyDir" in mount(workers, "/data") and "ports" not in container(workers)
+    assert mount(rank0, "/data")["persistentVolumeClaim"]["claimName"] == "opsd-data"
+    # Both protected from drains while they run (a Job's pods: minAvailable, a number).
+    budgets = {p["metadata"]["name"]: p for p in build.of("PodDisruptionBudget")}
+    assert budgets["trainer"]["spec"]["minAvailable"] == 1 and selects(budgets["trainer"]["spec"]["selector"], pod_labels(rank0))
+    assert budgets["trainer-workers"]["spec"]["minAvailable"] == nodes
+    assert selects(budgets["trainer-workers"]["spec"]["selector"], pod_labels(workers))
+    for role in ("rollout", "teacher"):
+        assert budgets[role]["spec"]["maxUnavailable"] == 1 and selects(budgets[role]["spec"]["selector"], pod_labels(build.role(role)))
+    assert "embedder" not in budgets  # one replica: a budget would block every drain or allow all
+    for budget in budgets.values():
+        assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        assert sum(selects(budget["spec"]["selector"], pod_labels(w)) for w in build.workloads()) == 1, budget
+
+
+def trainer_argv(build: Build, job: str, tmp_path: Path, index: int | None = None) -> list[str]:
+    """What the Job's container runs: its `sh -c` script under /bin/sh with the pod's environment (a fake
+    python first on PATH prints its arguments)."""
+    c = container(build.role(job))
+    assert c["command"] == ["sh", "-c"] and len(c["args"]) == 1
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    env = {k: v for k, v in build.env(c).items() if not v.startswith("<secret:")}
+    env["PATH"] = f"{bin_dir}:/usr/bin:/bin"
+    if index is not None:
+        env["JOB_COMPLETION_INDEX"] = str(index)  # the Job controller's, in an Indexed Job's pods
+    p = subprocess.run(["/bin/sh", "-c", c["args"][0]], capture_output=True, text=True, env=env, timeout=30)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+@pytest.mark.parametrize("worker_nodes", [0, 2])
+def test_the_trainer_pods_start_torchrun_with_their_node_rank(tmp_path, worker_nodes):
+    """Each pod's script gives torchrun (its own argument parser) the node count, its node rank, the rendezvous
+    and the run directory of the run's name; one node by default."""
+    from torch.distributed.run import parse_args
+
+    b = run_copy(tmp_path / "run", "team-t", "tnodes", worker_nodes)
+    pods = [("trainer", 0, None)] + [("trainer-workers", i + 1, i) for i in range(b.role("trainer-workers")["spec"]["completions"])]
+    assert len(pods) == worker_nodes + 1
+    for job, rank, index in pods:
+        argv = trainer_argv(b, job, tmp_path / f"{job}-{index}", index)
+        assert argv[:2] == ["-m", "services.trainer.torchrun"] and importlib.util.find_spec("services.trainer.torchrun")
+        args = parse_args(argv[2:])
+        assert (args.nnodes, args.node_rank, args.nproc_per_node) == (str(worker_nodes + 1), rank, "1"), (job, index)
+        assert (args.master_addr, args.master_port) == ("trainer-0.trainer-peers", 29500)
+        assert args.module and args.training_script == "services.trainer"
+        assert args.training_script_args == ["--config", "/etc/opsd/run.yaml", "--run-dir", "/data/runs/tnodes"]
+
+
+# --- one run, one parameter set ----------------------------------------------------------------
+
+
+def test_two_runs_in_two_namespaces_render_apart(tmp_path):
+    """Two runs from the README's run parameters: every object of each lives in its namespace, and nothing
+    (Redis address, KEDA's addresses and streams, selectors, Service names, volumes) names the other run or
+    the defaults (namespace opsd, run quickstart); both validate."""
+    runs = {"team-kestrel": ("kestrel7", 0), "team-osprey": ("osprey9", 2)}  # names no other text contains
+    builds = {ns: run_copy(tmp_path / ns, ns, name, nodes) for ns, (name, nodes) in runs.items()}
+    allowed_namespaces = {"kube-system", "monitoring", "keda"}  # DNS, Prometheus, the KEDA operator
+    for ns, b in builds.items():
+        name, nodes = runs[ns]
+        other_ns, (other_name, _) = next((n, r) for n, r in runs.items() if n != ns)
+        validate(b.text)
+        assert [d["metadata"]["name"] for d in b.of("Namespace")] == [ns]
+        for d in b.docs:
+            if d["kind"] not in CLUSTER_SCOPED:
+                assert d["metadata"]["namespace"] == ns, (d["kind"], d["metadata"]["name"])
+        # No text of the run names the other one or the defaults (the run config is a user's file: its own).
+        for d in b.docs:
+            if d["metadata"]["name"] != b.generated("opsd-config")["metadata"]["name"]:
+                text = yaml.safe_dump(d)
+                for word in (other_ns, other_name, "quickstart", ".opsd.svc", "redis.opsd"):
+                    assert word not in text, (ns, d["kind"], d["metadata"]["name"], word)
+        address = f"redis.{ns}.svc:6379"
+        assert b.generated("opsd-redis")["data"]["address"] == address
+        run_dir = run_dir_of(b, "rollout")
+        assert {run_dir_of(b, role) for role in ROLES + ("trainer-workers",)} == {f"/data/runs/{name}"}
+        names = StreamNames(derived_prefix(b, tmp_path / ns, run_dir))  # what the roles derive from it
+        for s in b.of("ScaledObject"):
+            by_type = triggers(s)
+            assert {t["metadata"]["address"] for t in by_type.values()} == {address}
+            assert by_type["redis-streams"]["metadata"]["stream"] == getattr(names, SCALED[s["metadata"]["name"]])
+            assert by_type["redis"]["metadata"]["listName"] == f"{names.prefix}:active"
+        assert b.role("trainer-workers")["spec"]["completions"] == nodes
+        assert b.get("PodDisruptionBudget", "trainer-workers")["spec"]["minAvailable"] == nodes
+        # Selectors: pods of this namespace, or the few cluster services by namespace name.
+        for p in b.of("NetworkPolicy"):
+            for rule in p["spec"].get("ingress", []) + p["spec"].get("egress", []):
+                for peer in rule.get("from", []) + rule.get("to", []):
+                    if "namespaceSelector" in peer:
+                        (value,) = peer["namespaceSelector"]["matchLabels"].values()
+                        assert value in allowed_namespaces, (p["metadata"]["name"], value)
+        # Service names in the pods' settings are relative (resolved in the pod's own namespace); only the
+        # Redis address, which the KEDA operator resolves from its namespace, names one: this run's.
+        claims = b.names("PersistentVolumeClaim")
+        for w in b.workloads():
+            spec = pod_spec(w)
+            assert spec.get("serviceAccountName", "default") == "default", w["metadata"]["name"]
+            for c in spec["containers"] + spec.get("initContainers", []):
+                for key, value in b.env(c).items():
+                    assert ".svc" not in value or value == address, (w["metadata"]["name"], key, value)
+            for v in spec["volumes"]:
+                if "persistentVolumeClaim" in v:
+                    assert v["persistentVolumeClaim"]["claimName"] in claims
+    ids = [{(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in b.docs} for b in builds.values()]
+    assert not ids[0] & ids[1], "two runs share an object"
+
+
+# --- options: scheduling, models in ------------------------------------------------------------
+
+
+def with_option(tmp_path: Path, option: str, overlay: str = "gpu") -> Build:
+    """The overlay with one more components line, as k8s/README.md says to add it."""
+    line = f"../../components/{option}"
+    assert line in (K8S / "README.md").read_text() and f"#   - {line}" in (K8S / "overlays/gpu/kustomization.yaml").read_text()
+    return overlay_copy(tmp_path, overlay, add={"components": [os.path.relpath(K8S / "components" / option, tmp_path)]})
+
+
+@pytest.mark.parametrize("option", ["runtime-class", "gpu-model", "priority"])
+def test_the_scheduling_options(option, tmp_path):
+    b = with_option(tmp_path, option)
+    validate(b.text)
+    field, value = {"runtime-class": ("runtimeClassName", "nvidia"),
+                    "gpu-model": ("nodeSelector", {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),
+                    "priority": ("priorityClassName", "opsd-run")}[option]
+    for w in b.workloads():
+        # Every pod of the run gets its priority; the GPU settings go to the GPU roles' pods only.
+        wanted = option == "priority" or w["metadata"]["name"] in GPU_ROLES
+        assert pod_spec(w).get(field) == (value if wanted else None), (option, w["metadata"]["name"])
+    if option == "priority":  # cluster-wide, applied once apart from any run: not in the build
+        assert not b.of("PriorityClass")
+        text = (K8S / "components" / "priority" / "priorityclass.yaml").read_text()
+        validate(text)
+        pc = yaml.safe_load(text)
+        assert (pc["kind"], pc["metadata"]["name"], pc["globalDefault"]) == ("PriorityClass", value, False)
+        assert 0 < pc["value"] < 1_000_000_000  # above the default, below the system's classes
+
+
+def test_the_readme_embedder_gpu_patch(tmp_path):
+    """k8s/README.md, "The embedder on a GPU": one patch gives it a GPU and lets it on the GPU nodes."""
+    b = overlay_copy(tmp_path, "gpu", add=readme_block("The embedder on a GPU"))
+    validate(b.text)
+    w = b.role("embedder")
+    assert int(container(w)["resources"]["limits"][GPU]) == 1
+    assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod_spec(w)["tolerations"]
+
+
+def test_the_model_fetch_option(tmp_path):
+    """Job model-fetch: `opsd prepare` online into the HF cache the roles mount read-only, the optional token,
+    HTTPS egress for it alone; the trainer's pods wait for the model offline."""
+    b = with_option(tmp_path, "model-fetch")
+    validate(b.text)
+    job = b.get("Job", "model-fetch")
+    c = container(job)
+    assert c["command"] == ["opsd", "prepare", "/etc/opsd/run.yaml"]
+    assert importlib.util.find_spec("opsd.cli") is not None
+    env = b.env(c)
+    assert env["HF_HOME"] == "/models/hf" and env["HF_HUB_OFFLINE"] == "0"
+    (token,) = [e for e in c["env"] if e["name"] == "HF_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": SECRET, "key": "hf-token", "optional": True}
+    assert mount(job, "/models")["persistentVolumeClaim"] == {"claimName": "opsd-models"}
+    assert not [m for m in c["volumeMounts"] if m["mountPath"] == "/models" and m.get("readOnly")]
+    for role in GPU_ROLES:  # the roles: the same cache, read-only, never downloading
+        w = b.role(role)
+        assert mount(w, "/models")["persistentVolumeClaim"] == {"claimName": "opsd-models", "readOnly": True}
+        assert b.env(container(w))["HF_HUB_OFFLINE"] == "1" and b.env(container(w))["HF_HOME"] == "/models/hf"
+        inits = pod_spec(w).get("initContainers", [])
+        assert [i["name"] for i in inits] == (["wait-for-model"] if role in TRAINER_JOBS else []), role
+        for i in inits:
+            assert i["image"] == container(w)["image"] and b.env(i)["HF_HUB_OFFLINE"] == "1"
+    policies = b.of("NetworkPolicy")
+    fetch = Pod(NAMESPACE, pod_labels(job))
+    for host in INTERNET[:2]:  # a public address, v4 and v6
+        assert flow_allowed(policies, fetch, host, 443), host.ip
+        assert not flow_allowed(policies, fetch, host, 80) and not flow_allowed(policies, host, fetch, 443)
+    for private in ("10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "fd00::1"):
+        assert not flow_allowed(policies, fetch, Pod(None, {}, ip=private), 443), private
+    assert flow_allowed(policies, fetch, Pod("kube-system", {"k8s-app": "kube-dns"}), 53, "UDP")
+    for role in ROLES + ("trainer-workers",):  # nobody else leaves the cluster
+        src = Pod(NAMESPACE, pod_labels(b.role(role)))
+        assert not any(flow_allowed(policies, src, host, 443) for host in INTERNET), role
+
+
+def test_the_wait_for_model_script_waits_for_a_complete_snapshot_and_writes_nothing_to_the_cache(tmp_path):
+    """The trainer pods' init container (component model-fetch), run under /bin/sh with the pod's settings: it
+    loops, saying why, while the HF cache lacks the model, and exits 0 once the snapshot is there, leaving
+    the cache as it was (the roles mount it read-only)."""
+    from opsd.config import ModelSection
+    from opsd.models.hf import ensure_model
+    from tests.hub_cache import cache_model
+
+    (init,) = pod_spec(with_option(tmp_path / "build", "model-fetch").role("trainer"))["initContainers"]
+    script = init["args"][0]
+    assert init["command"] == ["sh", "-c"] and script.count("/etc/opsd/run.yaml") == 1
+    model_id, commit = "opsd-test/k8s-tiny", "0123456789abcdef0123456789abcdef01234567"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"name": model_id, "revision": commit}, "env": {"game_pool": 2}}))
+    hf_home = tmp_path / "models" / "hf"
+    hf_home.mkdir(parents=True)
+    pod_env = Build(kustomize("k8s/overlays/gpu")).generated("opsd-env")["data"]
+    assert pod_env["HF_HOME"] == "/models/hf" and pod_env["HF_HUB_OFFLINE"] == "1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "OPSD_", "TRANSFORMERS_"))}
+    env.update(pod_env, HF_HOME=str(hf_home), OPSD_CACHE=str(tmp_path / "cache"), HOME=str(tmp_path),
+               HF_MODULES_CACHE=str(tmp_path / "modules"), PYTHONPATH=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # `opsd`, the console script
+    command = ["/bin/sh", "-c", script.replace("/etc/opsd/run.yaml", str(config))]
+    waiting = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    watchdog = threading.Timer(300, os.killpg, (waiting.pid, signal.SIGKILL))  # a hang fails, never blocks
+    watchdog.start()
+    try:
+        lines = []
+        for line in waiting.stdout:  # the first attempt's refusal, then the loop's own line
+            lines.append(line)
+            if "waiting for Job model-fetch" in line:
+                break
+        assert waiting.poll() is None, "".join(lines)
+        out = "".join(lines)
+        assert f"'{model_id}' revision '{commit}' is not available: HF_HUB_OFFLINE is set" in out, out
+    finally:
+        watchdog.cancel()
+        os.killpg(waiting.pid, signal.SIGKILL)
+        waiting.wait()
+
+    cache_model(hf_home, model_id, ensure_model(ModelSection(name="tiny-random")), commit, refs=("main",))
+
+    def tree() -> dict[str, tuple[int, int]]:
+        return {str(f.relative_to(hf_home)): (f.lstat().st_size, f.lstat().st_mtime_ns) for f in hf_home.rglob("*")}
+
+    before = tree()
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"model {model_id} revision {commit}: commit {commit}" in done.stdout, done.stdout
+    assert "waiting for Job model-fetch" not in done.stdout
+    assert tree() == before, "the roles' cache is read-only: nothing may be written there"

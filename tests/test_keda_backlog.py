@@ -58,13 +58,28 @@ def test_xlen_counts_waiting_and_in_flight_work_when_jobs_finish_out_of_order(re
     assert redis_client.xlen(names.tasks) == 0  # no work, no pods wanted beyond minReplicaCount
 
 
-def test_the_shipped_scaled_objects_read_the_stream_length():
-    """The triggers name no consumer group (so KEDA issues XLEN, the test above) and aim at one pod per
-    `streamLength` entries (tests/test_deploy_k8s.py ties it to the run config's groups in flight)."""
+def test_the_shipped_scaled_objects_read_the_stream_length_and_the_run_marker():
+    """The backlog trigger names no consumer group (so KEDA issues XLEN, the test above) and aims at one pod per
+    `streamLength` entries (tests/test_deploy_k8s.py ties it to the run config's groups in flight); the marker
+    trigger reads the list <prefix>:active, one pod per entry."""
     docs = [d for d in yaml.safe_load_all((ROOT / "k8s/components/keda/keda.yaml").read_text())
             if d["kind"] == "ScaledObject"]
     assert {d["metadata"]["name"] for d in docs} == {"rollout", "teacher"}
     for d in docs:
-        (trigger,) = d["spec"]["triggers"]
-        assert trigger["type"] == "redis-streams"
-        assert "consumerGroup" not in trigger["metadata"] and int(trigger["metadata"]["streamLength"]) >= 1
+        backlog, marker = d["spec"]["triggers"]
+        assert backlog["type"] == "redis-streams"
+        assert "consumerGroup" not in backlog["metadata"] and int(backlog["metadata"]["streamLength"]) >= 1
+        assert marker["type"] == "redis" and marker["metadata"]["listName"].endswith(":active")
+        assert marker["metadata"]["listLength"] == "1" and d["spec"]["minReplicaCount"] == 0
+
+
+def test_the_marker_trigger_reads_one_while_the_list_exists_and_zero_once_it_is_gone(redis_client, stream_prefix):
+    """KEDA v2.20's redis scaler (pkg/scalers/redis_scaler.go) runs a script of TYPE, then LLEN for a list or a
+    missing key, and counts the trigger active while that is above activationListLength (0): on a real Redis,
+    a list of one entry wants one pod; a deleted one reads 0, and the workers may go to zero."""
+    key = f"{stream_prefix}:active"
+    assert redis_client.type(key) == b"none" and redis_client.llen(key) == 0  # before the trainer starts
+    redis_client.rpush(key, "trainer")
+    assert redis_client.type(key) == b"list" and redis_client.llen(key) == 1  # the run is active: 1 pod
+    redis_client.delete(key)  # DONE
+    assert redis_client.type(key) == b"none" and redis_client.llen(key) == 0
