@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm tokenizer-files java chromium gpu-check clean compose-env compose-check bench bench-quick redis-tools
+.PHONY: demo test test-main test-vllm install install-vllm tokenizer-files java chromium gpu-check clean compose-env compose-check cuda-images bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
 # targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
@@ -123,6 +123,13 @@ compose-env:
 compose-check: $(STAMP)
 	$(PY) scripts/compose_check.py
 	$(PY) scripts/compose_check.py --skip-build --weights http
+
+# The four CUDA role images (opsd-<role>:0.1.0-cuda, docker-compose.gpu.yml) built for real on this machine's Docker
+# with a local Debian base (no registry), then checked without a GPU: sizes, pip check, each role's --help,
+# torch/vLLM/FAISS imports, /dev/shm of the GPU compose file (README, Deploy). As root; downloads several GB from
+# the package index: not part of `make test` nor CI.
+cuda-images: $(STAMP)
+	$(PY) scripts/cuda_images.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .hypothesis

@@ -516,6 +516,24 @@ def test_gpu_override_puts_each_role_on_its_own_gpu():
     assert dcgm["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
 
 
+@pytest.mark.parametrize("shm", [None, "16g"], ids=["default", "OPSD_SHM_SIZE"])
+def test_every_gpu_role_gets_shm_and_unlimited_memlock_as_compose_merges_it(shm, tmp_path):
+    """Docker's 64 MiB /dev/shm breaks NCCL and vLLM: every role that reserves a GPU gets OPSD_SHM_SIZE (2g) and an
+    unlimited memlock, in the config docker-compose itself merges from the two files (scripts/cuda_images.py
+    checks both inside real containers)."""
+    env = secret_env(tmp_path)
+    if shm:
+        env.write_text(env.read_text() + f"OPSD_SHM_SIZE={shm}\n")
+    p = run_tool([tool("docker-compose"), "--env-file", str(env), "-f", str(COMPOSE), "-f", str(COMPOSE_GPU), "config"])
+    services = yaml.safe_load(p.stdout)["services"]
+    with_gpu = {name for name, s in services.items() if s.get("deploy", {}).get("resources", {}).get("reservations")}
+    assert with_gpu == set(ROLES) | {"dcgm-exporter"}
+    for role in ROLES:
+        assert services[role]["shm_size"] == (shm or "2g"), role
+        assert services[role]["ulimits"] == {"memlock": -1}, role
+    assert "shm_size" not in services["redis"] and "shm_size" not in services["dcgm-exporter"]
+
+
 def test_http_override_gives_rollout_and_teacher_no_trainer_volume(tmp_path):
     """docker-compose.http.yml as compose merges it: rollout and teacher mount a /data of their own and fetch
     weights from the trainer's API with the run's token; the trainer keeps the run directory and needs the token."""

@@ -2,10 +2,14 @@
 
 The Dockerfiles install exactly this (`... > req.txt; uv pip install -r req.txt`), so pyproject.toml
 stays the one place where versions are pinned. Stdlib only: it runs before anything is installed.
+`requirements.py VARIANT --write-pyproject` instead writes the variant's list into pyproject.toml's
+[project].dependencies (the build's copy, just before opsd itself is installed), so that the installed opsd
+declares what the image holds and `pip check` holds there too.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tomllib
@@ -57,17 +61,42 @@ def requirements(variant: str, pyproject: Path = PYPROJECT, extras: tuple[str, .
     return lines + list(overrides.values())
 
 
+def with_dependencies(pyproject_text: str, lines: list[str]) -> str:
+    """pyproject.toml's text with its [project].dependencies array replaced by `lines`, everything else unchanged.
+
+    Raises ValueError when the text has no single `dependencies = [` ... `]` block or the result does not read
+    back as `lines`.
+    """
+    block = re.compile(r"^dependencies = \[\n.*?^\]\n", re.M | re.S)
+    if len(block.findall(pyproject_text)) != 1:
+        raise ValueError("pyproject.toml: expected one `dependencies = [` block closed by a `]` line")
+    new_block = "dependencies = [\n" + "".join(f"    {json.dumps(line)},\n" for line in lines) + "]\n"
+    text = block.sub(lambda _: new_block, pyproject_text)
+    if tomllib.loads(text)["project"]["dependencies"] != lines:
+        raise ValueError("pyproject.toml: the rewritten dependencies do not read back")
+    return text
+
+
 def main(argv: list[str]) -> int:
     extras = tuple(a.split("=", 1)[1] for a in argv[1:] if a.startswith("--extra="))
-    if not argv or argv[0] not in VARIANTS or len(extras) != len(argv) - 1:
-        print(f"usage: requirements.py {{{'|'.join(VARIANTS)}}} [--extra=NAME ...] (got {' '.join(argv) or 'nothing'})",
-              file=sys.stderr)
+    write = "--write-pyproject" in argv[1:]
+    if not argv or argv[0] not in VARIANTS or len(extras) + write != len(argv) - 1:
+        print(f"usage: requirements.py {{{'|'.join(VARIANTS)}}} [--extra=NAME ...] [--write-pyproject] "
+              f"(got {' '.join(argv) or 'nothing'})", file=sys.stderr)
         return 2
     try:
-        print("\n".join(requirements(argv[0], extras=extras)))
+        lines = requirements(argv[0], extras=extras)
     except KeyError as e:
         print(f"requirements.py: no optional dependency group {e}", file=sys.stderr)
         return 2
+    if write:
+        try:
+            PYPROJECT.write_text(with_dependencies(PYPROJECT.read_text(), lines))
+        except ValueError as e:
+            print(f"requirements.py: {e}", file=sys.stderr)
+            return 2
+    else:
+        print("\n".join(lines))
     return 0
 
 
