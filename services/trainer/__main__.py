@@ -12,9 +12,10 @@ restart after a crash), it resumes from it by itself: weights, optimizer,
 RNG, counters and the applied groups, at the checkpoint's step. After the
 last step it writes <run_dir>/DONE and keeps serving /metrics until stopped.
 
-Several GPUs: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`.
-Rank 0 does all of the above; ranks > 0 only take part in each PPO update
-(FSDP2 on CUDA, DDP on CPU; services/trainer/distributed.py).
+Several GPUs: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`; several
+nodes: add `--nnodes M --node-rank R --master-addr A --master-port P` on each (node rank 0 holds the
+run dir). Rank 0 does all of the above; ranks > 0 only take part in each PPO update
+(FSDP2 on CUDA, DDP on CPU; services/trainer/distributed.py) and need no run dir.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
 from opsd.weights_http import weights_transport
 from services.trainer.checkpoint import (
-    Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, load_checkpoint, resume_checkpoint, save_checkpoint,
+    Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, resume_checkpoint, save_checkpoint,
 )
 from services.trainer.controller import (
     Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
 )
-from services.trainer.distributed import init_from_env, parallelize, share_checkpoint
+from services.trainer.distributed import init_from_env, parallelize, share_resume
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
@@ -146,7 +147,7 @@ def train() -> None:
     if local != cfg.trainer.nproc_per_node:  # a silent single process would train N times slower
         fatal(ROLE, f"trainer.nproc_per_node is {cfg.trainer.nproc_per_node} but {local} rank(s) run on this node: "
                     f"start it as `torchrun --nproc-per-node {cfg.trainer.nproc_per_node} -m services.trainer ...` "
-                    "(`opsd run` does)")
+                    "(`opsd run` does; several nodes: add --nnodes, --node-rank, --master-addr, --master-port)")
     world = init_from_env(cfg.model.device)  # torchrun's ranks; a plain process is rank 0 of 1
     main = world.rank == 0
     if main:
@@ -192,11 +193,12 @@ def train() -> None:
     if main:  # the newest checkpoint that loads (a corrupt newer one falls back to an older kept one)
         ckpt, resumed = resume_checkpoint(run_dir, model, optimizer, hashed)
         state = resumed or state
-    ckpt = share_checkpoint(world, ckpt)  # every other rank loads rank 0's
-    if ckpt is not None:
-        if not main:
-            state = load_checkpoint(ckpt, model, optimizer, hashed)
-        log.info("resuming from %s at step %d (policy version %d)", ckpt, state.step, state.policy_version)
+        if ckpt is not None:
+            log.info("resuming from %s at step %d (policy version %d)", ckpt, state.step, state.policy_version)
+    # Ranks > 0 get rank 0's weights and optimizer state over the process group: they need no run dir (other nodes).
+    shared_step = share_resume(world, model, optimizer, state.step if ckpt is not None else None, config_hash(hashed))
+    if not main and shared_step is not None:
+        log.info("rank %d: resumed rank 0's checkpoint of step %d over the process group", world.rank, shared_step)
     ema = None
     if main and cfg.teacher_ema is not None:  # the teacher's moving average of the policy (services/trainer/ema.py)
         ema = PolicyEMA(model, cfg.teacher_ema)
