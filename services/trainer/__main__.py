@@ -44,7 +44,7 @@ from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
 from opsd.footprint import checkpoint_interval
-from opsd.models import ModelUnavailableError, load_backend, served_dtype
+from opsd.models import ModelUnavailableError, load_backend, resolve_model, served_dtype
 from opsd.queue import StreamNames
 from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
@@ -166,6 +166,12 @@ def train() -> None:
         fatal(ROLE, f"trainer.nproc_per_node is {cfg.trainer.nproc_per_node} but {local} rank(s) run on this node: "
                     f"start it as `torchrun --nproc-per-node {cfg.trainer.nproc_per_node} -m services.trainer ...` "
                     "(`opsd run` does; several nodes: add --nnodes, --node-rank, --master-addr, --master-port)")
+    try:
+        # The model's files before the process group: transformers (5.x) writes a model only on rank 0 of a world,
+        # so a rank > 0 converting a packaged model (its own node's cache) would leave it without config or weights.
+        resolve_model(cfg.model)
+    except ModelUnavailableError as e:  # a Hub model this machine cannot have: a restart cannot help
+        fatal(ROLE, str(e))
     world = init_from_env(cfg.model.device)  # torchrun's ranks; a plain process is rank 0 of 1
     main = world.rank == 0
     if main:
