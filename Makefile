@@ -118,11 +118,13 @@ compose-env:
 	python3 scripts/compose_env.py
 
 # The images built and the compose stack run on a real Docker engine (as root: installs docker.io and starts
-# dockerd if none runs), then one table of checks; logs in runs/compose-check/ (README, Deploy). Twice: weights
-# from the shared volume, then (same images) over the trainer's API with docker-compose.http.yml.
+# dockerd if none runs), then one table of checks; logs in runs/compose-check/ (README, Deploy). Three times:
+# weights from the shared volume, then (same images) over the trainer's API with docker-compose.http.yml, then
+# the trainer as two containers in one torchrun world (gloo) with docker-compose.multinode.yml.
 compose-check: $(STAMP)
 	$(PY) scripts/compose_check.py
 	$(PY) scripts/compose_check.py --skip-build --weights http
+	$(PY) scripts/compose_check.py --skip-build --trainer-nodes 2
 
 # The four CUDA role images (opsd-<role>:0.1.0-cuda, docker-compose.gpu.yml) built for real on this machine's Docker
 # with a local Debian base (no registry), then checked without a GPU: sizes, pip check, each role's --help,

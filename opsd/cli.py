@@ -55,7 +55,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opsd.config import RunConfig, read_yaml
-from opsd.service import FATAL_EXIT, read_port, service_url
+from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, read_port, service_url
 
 # Plain click help: typer's rich help prints a type for every option, so flags such as --dump-credit and --help
 # read as if they took a <bool> value.
@@ -232,6 +232,7 @@ class Services:
         self.env = {**os.environ, "REDIS_URL": redis_url, "OPSD_API_TOKEN": api_token, "PYTHONUNBUFFERED": "1",
                     "OPSD_PARENT_PID": str(os.getpid())}
         self.env.pop("OPSD_PORT", None)  # a container's fixed port: here every role picks its own
+        self.env.pop(EXIT_WHEN_DONE_ENV, None)  # a Job's setting: here the supervisor stops the trainer after DONE
         self.max_restarts = max_restarts
         self.command = command or self.role_command
         self.procs: dict[str, subprocess.Popen] = {}

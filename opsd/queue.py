@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StreamNames:
-    """The keys of one run: streams `<prefix>:tasks|rollouts|scored|dead`, hash `<prefix>:counts`, strings `owner`, `config_hash`."""
+    """The keys of one run: streams `<prefix>:tasks|rollouts|scored|dead`, hash `<prefix>:counts`, strings `owner`,
+    `config_hash`, list `active`."""
 
     prefix: str
 
@@ -80,6 +81,12 @@ class StreamNames:
     def config_hash(self) -> str:
         """String: the trainer's `opsd.config.config_hash`; workers with another config refuse jobs."""
         return f"{self.prefix}:config_hash"
+
+    @property
+    def active(self) -> str:
+        """List of exactly one entry (the run id) while the run's trainer has not finished, absent after DONE:
+        KEDA's `redis` list scaler reads its LLEN to keep workers up during a run and scale them to zero after."""
+        return f"{self.prefix}:active"
 
 
 @dataclass(frozen=True)

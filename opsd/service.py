@@ -55,6 +55,9 @@ BIND_HOST_ENV = "OPSD_BIND_HOST"  # 0.0.0.0 inside containers; loopback by defau
 PORT_ENV = "OPSD_PORT"  # containers: every role serves on one fixed port (8000), whatever the config says
 _STATUS_LOCK = threading.Lock()  # proc.status counters updated by job threads
 PARENT_PID_ENV = "OPSD_PARENT_PID"  # set by `opsd run`: its roles stop when it dies (see `die_with_parent`)
+# "1": the trainer exits 0 after writing DONE instead of serving on (a Kubernetes Job completes and frees its GPUs).
+# A platform setting, not a run's (never hashed or resumed); `opsd run` removes it: its supervisor needs the trainer up.
+EXIT_WHEN_DONE_ENV = "OPSD_EXIT_WHEN_DONE"
 
 
 def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, Any]], *,

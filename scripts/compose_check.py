@@ -1,7 +1,7 @@
 """`make compose-check`: build the images and run the docker compose stack on a real Docker engine, then check it.
 
     .venv/bin/python scripts/compose_check.py [--skip-build | --build-only] [--rebuild-base] [--memory 8g] [--out DIR]
-                                              [--weights file|http]
+                                              [--weights file|http] [--trainer-nodes 2]
 
 From nothing but a Debian 12 machine with Debian's archive and a package index (PyPI or a mirror) and
 no image registry, as root:
@@ -27,7 +27,11 @@ no image registry, as root:
     returns data from Prometheus over the run, or has a reason it cannot (NO_DATA_REASONS).
     With `--weights http` the stack also gets docker-compose.http.yml: rollout and teacher fetch every policy
     version from the trainer's API and mount volumes of their own, not the trainer's; checked on their
-    mounts and their logs (`check_weights_over_http`). `make compose-check` runs both modes.
+    mounts and their logs (`check_weights_over_http`).
+    With `--trainer-nodes 2` the stack gets docker-compose.multinode.yml instead of the checks above: the
+    trainer as two containers ("nodes", one rank each) in one torchrun world, gloo over the compose network,
+    `trainer-1` without the run volume; a run of MULTINODE_STEPS steps (`multinode_config`), checked from the
+    logs, metrics.jsonl and Redis (`check_trainer_nodes`). `make compose-check` runs all three modes.
  5. `down` (no container left), `down -v` (no volume left).
 
 Prints one table (check, pass/FAIL, seconds, detail) and writes it with every log to --out
@@ -80,6 +84,9 @@ REASON_HOLDS = {
 # Memory limits of the containers (compose mem_limit), a bound on a runaway one: the first role converts the
 # packaged SmolLM2 (the tiny model's tokenizer source) once. dockerd's cgroup caps their sum (--memory).
 MEM_LIMITS = {"embedder": "3g", "rollout": "3g", "teacher": "3g", "trainer": "3g", "redis": "512m", "prometheus": "1g"}
+# --trainer-nodes 2: two steps, so that the workers run a job of policy version 1 (the first one the two ranks
+# trained) before DONE removes the per-version files.
+MULTINODE_STEPS = 2
 
 
 def check_config() -> dict:
@@ -97,6 +104,16 @@ def check_config() -> dict:
     cfg["teacher"]["thinking_max_new_tokens"] = 8
     cfg["trainer"].update(micro_batch_size=4, threads=1)
     cfg["redis"] = {"reclaim_idle_ms": 10_000}
+    return cfg
+
+
+def multinode_config() -> dict:
+    """`check_config` for the two-node trainer: MULTINODE_STEPS steps of 2 games, DDP across the two containers
+    (trainer.data_parallel ddp; nproc_per_node 1 = one rank per container)."""
+    cfg = check_config()
+    cfg["run"]["steps"] = MULTINODE_STEPS
+    cfg["env"].update(num_games=2, game_pool=4)
+    cfg["trainer"].update(data_parallel="ddp", nproc_per_node=1)
     return cfg
 
 
@@ -121,6 +138,7 @@ class Context:
     redis_password: str = ""
     started_dockerd: subprocess.Popen | None = None
     weights: str = "file"  # weights.transport of the stack: http adds docker-compose.http.yml
+    trainer_nodes: int = 1  # 2: docker-compose.multinode.yml, `check_trainer_nodes`
     cgroup: Path | None = None
 
     def add(self, check: str, ok: bool | None, seconds: float, detail: str) -> None:
@@ -394,7 +412,8 @@ def write_stack_files(ctx: Context) -> None:
     """The env file (fresh secrets), the run's config and an override: configs mounted from there, memory limits."""
     configs = ctx.out / "configs"
     configs.mkdir(exist_ok=True)
-    (configs / CONFIG_NAME).write_text(yaml.safe_dump(check_config(), sort_keys=False))
+    cfg = multinode_config() if ctx.trainer_nodes == 2 else check_config()
+    (configs / CONFIG_NAME).write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = ctx.out / "compose.env"
     ctx.redis_password = secrets.token_urlsafe(32)
     env.write_text("".join(f"{k}={v}\n" for k, v in {
@@ -402,8 +421,9 @@ def write_stack_files(ctx: Context) -> None:
         "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(32), "OPSD_CONFIG": CONFIG_NAME, "OPSD_RUN": RUN_NAME,
         "OPSD_DEBIAN_BASE": BASE_IMAGE}.items()))
     env.chmod(0o600)
-    services = {name: {"mem_limit": limit} for name, limit in MEM_LIMITS.items()}
-    for role in ROLES:
+    limits = {**MEM_LIMITS, "trainer-1": MEM_LIMITS["trainer"]} if ctx.trainer_nodes == 2 else MEM_LIMITS
+    services = {name: {"mem_limit": limit} for name, limit in limits.items()}
+    for role in [*ROLES, "trainer-1"] if ctx.trainer_nodes == 2 else ROLES:
         services[role]["volumes"] = [f"{configs}:/app/configs:ro"]
     (ctx.out / "compose.check.yml").write_text(yaml.safe_dump({"services": services}, sort_keys=False))
     ctx.compose += ["--env-file", str(env), "-f", str(ctx.out / "compose.check.yml")]
@@ -525,6 +545,25 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
+def check_books(ctx: Context, cfg: dict, runner: list[str] | None = None) -> None:
+    """The finished run's books (`python -m services.trainer.books` in the trainer container, or through `runner`,
+    a command prefix that runs it where the run volume is): every group of the run (`cfg`: its config) trained
+    exactly once."""
+    runner = runner or [ctx.docker, "exec", *containers(ctx, "trainer")]
+    p = subprocess.run([*runner, "python", "-m", "services.trainer.books", "--run-dir",
+                        f"/data/runs/{RUN_NAME}", "--config", f"/app/configs/{CONFIG_NAME}"],
+                       capture_output=True, text=True, timeout=300)
+    (ctx.out / "books.json").write_text(p.stdout + p.stderr)
+    books = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {}
+    expected = cfg["run"]["steps"] * cfg["env"]["num_games"]
+    ok = p.returncode == 0 and books.get("trained") == books.get("applied_entries") == expected
+    ctx.add("every group trained once (trainer's books)", ok, 0,
+            f"trained {books.get('trained')}/{expected}, applied {books.get('applied_entries')}, "
+            f"produced {books.get('produced')}, dead {books.get('dead_lettered')}, "
+            f"duplicates dropped {books.get('redeliveries_deduplicated', {}).get('checkpoint')}, "
+            f"violations {books.get('violations', p.stderr.strip()[-300:])}")
+
+
 def check_stack(ctx: Context) -> None:
     compose = ctx.compose
     t_up = time.time()
@@ -575,20 +614,7 @@ def check_stack(ctx: Context) -> None:
     ctx.add("run reaches DONE", True, time.time() - t_up, f"{steps_logged(ctx)} steps in metrics.jsonl, "
             f"{time.time() - t_up:.0f} s after `up`")
 
-    (trainer,) = containers(ctx, "trainer")
-    p = subprocess.run([ctx.docker, "exec", trainer, "python", "-m", "services.trainer.books", "--run-dir",
-                        f"/data/runs/{RUN_NAME}", "--config", f"/app/configs/{CONFIG_NAME}"],
-                       capture_output=True, text=True, timeout=300)
-    (ctx.out / "books.json").write_text(p.stdout + p.stderr)
-    books = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {}
-    cfg = check_config()
-    expected = cfg["run"]["steps"] * cfg["env"]["num_games"]
-    ok = p.returncode == 0 and books.get("trained") == books.get("applied_entries") == expected
-    ctx.add("every group trained once (trainer's books)", ok, 0,
-            f"trained {books.get('trained')}/{expected}, applied {books.get('applied_entries')}, "
-            f"produced {books.get('produced')}, dead {books.get('dead_lettered')}, "
-            f"duplicates dropped {books.get('redeliveries_deduplicated', {}).get('checkpoint')}, "
-            f"violations {books.get('violations', p.stderr.strip()[-300:])}")
+    check_books(ctx, check_config())
 
     # Both replicas did work (their own /metrics: groups finished).
     shares = {}
@@ -684,6 +710,104 @@ def check_weights_over_http(ctx: Context) -> None:
             time.monotonic() - t0, f"versions loaded over http {loaded}; mounting {shared}: {mounting or 'none'}")
 
 
+# `services.trainer.distributed.init_from_env`'s and `services.trainer.update.ppo_update`'s log lines.
+RANK_LINE = re.compile(r"rank (\d+) of (\d+) on (\S+) \((\w+)\), host ([^,\s]+)")
+SHARE_LINE = re.compile(r"rank (\d+) of 2: my share of the update: (\d+) of (\d+) sequences, (\d+) of (\d+) loss tokens")
+
+
+def container_log(ctx: Context, cid: str) -> str:
+    p = run([ctx.docker, "logs", cid], check=False)
+    return p.stdout + p.stderr
+
+
+def check_trainer_nodes(ctx: Context) -> None:
+    """docker-compose.multinode.yml: the trainer as two containers (node ranks 0 and 1, one rank each) in one
+    torchrun world over the compose network, ending as a Kubernetes Job's does (OPSD_EXIT_WHEN_DONE=1). Checked:
+    both containers exit 0 at DONE, the world (two ranks, gloo, two host names), each rank's share of every update
+    in its own log, `trainer-1` without the run volume, the versions published and loaded by rollout and teacher,
+    the KEDA marker <prefix>:active during the run and gone after, the books. The run directory is read through
+    `compose run` of the (exited) trainer's service, which mounts its volume."""
+    compose = ctx.compose
+    t_up = time.time()
+    t0 = time.monotonic()
+    run([*compose, "up", "-d", "--no-build", "redis", *ROLES, "trainer-1"], log_to=ctx.out / "compose.log", timeout=900)
+    (node0,), (node1,) = containers(ctx, "trainer", all_=True), containers(ctx, "trainer-1", all_=True)
+    client = redis_client(ctx)
+    active = f"opsd:{RUN_NAME}:active"
+
+    def exited(cid: str) -> bool:
+        return inspect(ctx, cid)["State"]["Status"] == "exited"
+
+    # Rank 0 writes the marker once both nodes are in and the model is loaded; it deletes it at DONE, then exits.
+    during = wait_for(f"{active} or the trainer's exit", lambda: client.lrange(active, 0, -1) or exited(node0), 900, 0.5)
+    wait_for("both trainer containers to exit", lambda: exited(node0) and exited(node1), 1800, 2)
+    states = {name: inspect(ctx, cid) for name, cid in (("trainer", node0), ("trainer-1", node1))}
+    ok = all(i["State"]["ExitCode"] == 0 and i["RestartCount"] == 0 for i in states.values())
+    ctx.add("two-node trainer: both containers exit 0 at DONE (OPSD_EXIT_WHEN_DONE=1)", ok, time.monotonic() - t0,
+            "; ".join(f"{n}: exit code {i['State']['ExitCode']}, restarts {i['RestartCount']}" for n, i in states.items())
+            + f"; {time.time() - t_up:.0f} s after `up`")
+
+    def run_file(name: str) -> str:
+        p = run([*compose, "run", "--rm", "--no-deps", "-T", "trainer", "cat", f"/data/runs/{RUN_NAME}/{name}"], check=False)
+        return p.stdout if p.returncode == 0 else ""
+
+    records = [json.loads(line) for line in run_file("metrics.jsonl").splitlines() if line.strip()]
+    versions = [r.get("policy_version") for r in records]
+    published = int(client.get(f"opsd:{RUN_NAME}:policy_version") or -1)
+    ok = versions == list(range(1, MULTINODE_STEPS + 1)) and published == MULTINODE_STEPS and bool(run_file("DONE"))
+    ctx.add(f"two-node trainer: {MULTINODE_STEPS} steps trained, versions published, DONE", ok, 0,
+            f"metrics.jsonl policy versions {versions}; Redis policy_version {published}")
+
+    logs = {name: container_log(ctx, cid) for name, cid in (("trainer", node0), ("trainer-1", node1))}
+    for name, text in logs.items():
+        (ctx.out / f"{name}.log").write_text(text)
+    ranks = {name: RANK_LINE.findall(text) for name, text in logs.items()}
+    hosts = {name: i["Config"]["Hostname"] for name, i in states.items()}
+    ok = ([r[:4] for r in ranks["trainer"]] == [("0", "2", "cpu", "gloo")]
+          and [r[:4] for r in ranks["trainer-1"]] == [("1", "2", "cpu", "gloo")]
+          and all(ranks[name][0][4] == hosts[name] for name in hosts) and hosts["trainer"] != hosts["trainer-1"])
+    ctx.add("two-node trainer: one world of 2 ranks, gloo, one rank per container", ok, 0,
+            f"rank lines {ranks}; container host names {hosts}")
+
+    shares = {name: SHARE_LINE.findall(text) for name, text in logs.items()}
+    pairs = list(zip(shares["trainer"], shares["trainer-1"]))
+    ok = (len(shares["trainer"]) == len(shares["trainer-1"]) == MULTINODE_STEPS
+          and all(r0[0] == "0" and r1[0] == "1" and int(r1[1]) > 0 and r0[2] == r1[2]
+                  and int(r0[1]) + int(r1[1]) == int(r0[2]) and int(r0[3]) + int(r1[3]) == int(r0[4]) == int(r1[4])
+                  for r0, r1 in pairs))
+    ctx.add("two-node trainer: each rank trained its share of every update", ok, 0,
+            "per step (rank 0 | rank 1): " + "; ".join(
+                f"{r0[1]}+{r1[1]} of {r0[2]} sequences, {r0[3]}+{r1[3]} of {r0[4]} loss tokens" for r0, r1 in pairs))
+
+    mounts = states["trainer-1"]["Mounts"]
+    ok = not any(m.get("Destination") == "/data" or m.get("Name") == f"{PROJECT}_opsd-data" for m in mounts)
+    shown = [f"{m.get('Name') or m.get('Source')}:{m.get('Destination')}" for m in mounts]
+    ctx.add("two-node trainer: trainer-1 mounts no run volume", ok, 0, f"mounts {shown}")
+
+    loaded = {}
+    for role in ("rollout", "teacher"):
+        for cid in containers(ctx, role):
+            loaded[f"{role} {cid[:12]}"] = sorted({int(v) for v in re.findall(r"loaded policy version (\d+) from",
+                                                                                container_log(ctx, cid))})
+    ok = all(any(1 in v for k, v in loaded.items() if k.startswith(role)) for role in ("rollout", "teacher"))
+    ctx.add("two-node trainer: rollout and teacher loaded version 1 (trained by both ranks)", ok, 0,
+            f"versions loaded {loaded}")
+
+    after = client.llen(active)
+    ok = during == [run_file("run_id").strip().encode()] and after == 0
+    ctx.add(f"KEDA marker {active}: one entry during the run, none after DONE", ok, 0,
+            f"during the run {during!r} (the run id); after DONE LLEN {after}")
+    check_books(ctx, multinode_config(), [*compose, "run", "--rm", "--no-deps", "-T", "trainer"])
+
+    t0 = time.monotonic()
+    run([*compose, "logs", "--no-color"], log_to=ctx.out / "stack.log", check=False, timeout=300)
+    run([*compose, "down", "-v"], log_to=ctx.out / "compose.log", timeout=600)
+    left = run([ctx.docker, "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"]).stdout.split()
+    volumes = run([ctx.docker, "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"]).stdout.split()
+    ctx.add("`down -v` leaves no container and no volume", not left and not volumes, time.monotonic() - t0,
+            f"containers left: {len(left)}; volumes left: {volumes}")
+
+
 # ------------------------------------------------------------------------------------------ report
 
 
@@ -706,13 +830,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", choices=("file", "http"), default="file",
                     help="how rollout and teacher get policy versions: the shared volume, or the trainer's API "
                          "(docker-compose.http.yml)")
+    ap.add_argument("--trainer-nodes", type=int, choices=(1, 2), default=1,
+                    help="2: the trainer as two containers in one torchrun world (docker-compose.multinode.yml), "
+                         "checked by check_trainer_nodes instead of the single-trainer checks")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("compose-check runs as root (it installs packages and starts dockerd)", file=sys.stderr)
         return 2
     out = args.out or ROOT / "runs" / "compose-check" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(out=out.resolve(), weights=args.weights)
+    ctx = Context(out=out.resolve(), weights=args.weights, trainer_nodes=args.trainer_nodes)
     started = time.monotonic()
     failed = None
 
@@ -726,12 +853,17 @@ def main(argv: list[str] | None = None) -> int:
                        "-f", str(ROOT / "docker-compose.debian.yml")]
         if ctx.weights == "http":
             ctx.compose += ["-f", str(ROOT / "docker-compose.http.yml")]
+        if ctx.trainer_nodes == 2:
+            ctx.compose += ["-f", str(ROOT / "docker-compose.multinode.yml")]
         write_stack_files(ctx)
         if not args.skip_build:
             base_image(ctx, args.rebuild_base)
             build_images(ctx)
         if not args.build_only:
-            check_stack(ctx)
+            if ctx.trainer_nodes == 2:
+                check_trainer_nodes(ctx)
+            else:
+                check_stack(ctx)
     except (Exception, KeyboardInterrupt) as e:  # the table shows where it stopped; the stack is taken down
         failed = f"{type(e).__name__}: {e}"
         ctx.add("stopped", False, 0, failed)

@@ -118,6 +118,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def stop_sessions(procs, grace_s: float = 60.0) -> None:
+    """SIGTERM the session (process group) of each live `subprocess.Popen` in `procs` (started with
+    start_new_session), wait up to `grace_s` for each, then SIGKILL its session."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def wait_until(pred: Callable[[], object], timeout_s: float, what: str, run: "OpsdRun | None" = None, poll_s: float = 0.05):
     """Poll `pred()` until it returns a truthy value (returned).
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import redis
 import yaml
 
 from opsd.redis_server import LocalRedis
-from tests.soak import wait_until
+from tests.soak import stop_sessions, wait_until
 from tests.tiny_model import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,12 +142,5 @@ def test_the_compose_roles_train_a_step_as_plain_processes(tmp_path):
         assert client.get("opsd:standalone:owner").decode() == (run_dir / "run_id").read_text().strip()
         assert client.get("opsd:standalone:config_hash")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_sessions(procs.values())
         redis_server.stop()

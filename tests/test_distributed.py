@@ -10,13 +10,16 @@ lengths and loss-token counts (the token-mean over both ranks matters), and a 1-
 rank trains nothing but must still join every collective). Each scenario runs two steps: step 1 with
 both ranks calling ppo_update, step 2 as the trainer does it (rank 0 sends the sequences, rank 1
 `follow`s), then rank 0 gathers the full weights and optimizer state (FSDP2: all-gathered) and stops
-rank 1.
+rank 1. Then a resume as on two nodes: rank 0 loads a checkpoint only it is told of and deletes it, and
+rank 1 (no run dir) gets its weights and AdamW state over the process group (`share_resume`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,6 +58,7 @@ SCENARIOS = {  # name: (strategy, batch, resume, optimizer)
     "fsdp2-resume": ("fsdp2", "odd", True, "adamw"),
 }
 TRAINER = {"micro_batch_size": 2, "ppo_epochs": 2, "entropy_coef": 0.01, "truncated_is": True}
+RESUME_ENV = "OPSD_TEST_RESUME_RUN_DIR"  # rank 0's environment only: the run dir holding the checkpoint to resume
 
 
 def run_config():
@@ -119,6 +123,7 @@ def worker(out: Path) -> None:
     from services.trainer.update import follow
 
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO)  # the rank's log lines, which scripts/compose_check.py reads
     print(f"{time.perf_counter() - T0:.1f}s: imported", flush=True)
     world = init_from_env("cpu")
     assert world.distributed and world.device.type == "cpu"
@@ -174,8 +179,68 @@ def worker(out: Path) -> None:
     except RuntimeError as e:
         outcome = str(e)
     (out / f"mismatch.rank{world.rank}.json").write_text(json.dumps(outcome))
+
+    resume_on_two_nodes(world, out)
     torch.distributed.destroy_process_group()
     print(f"{time.perf_counter() - T0:.1f}s: done", flush=True)
+
+
+def resume_on_two_nodes(world, out: Path) -> None:
+    """Rank 0 resumes the checkpoint in $RESUME_ENV and deletes it; rank 1, never told of it, gets it through
+    `share_resume`, writes what it holds, then its FSDP2 shards of it; then a rank with another config is refused."""
+    from safetensors.torch import save_file
+
+    from opsd.config import config_hash, hashed_config
+    from services.trainer.checkpoint import resume_checkpoint
+    from services.trainer.distributed import parallelize, share_resume
+
+    hashed = hashed_config(run_config())
+    model = tiny_model()
+    opt = optimizer_of(model, "adamw")
+    step = None
+    if world.rank == 0:
+        run_dir = Path(os.environ[RESUME_ENV])
+        _, state = resume_checkpoint(run_dir, model, opt, hashed)
+        shutil.rmtree(run_dir)  # the only copy rank 0 was given: rank 1 cannot read it from disk
+        step = state.step
+    else:
+        assert RESUME_ENV not in os.environ
+    got = share_resume(world, model, opt, step, config_hash(hashed))
+    if world.rank == 1:
+        save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, str(out / "resume.rank1.safetensors"))
+        save_file(flat_state(opt.state_dict()), str(out / "resume.rank1.opt.safetensors"))
+        (out / "resume.rank1.json").write_text(json.dumps({"step": got, "param_groups": opt.state_dict()["param_groups"]}))
+    parallelize(world, model, opt, "fsdp2")  # FSDP2 shards what the share put on each rank, in place
+    if world.rank == 1:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        save_file({n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+                  | {f"{i}.{k}": v.to_local().clone() for i, p in enumerate(params) for k, v in opt.state[p].items()
+                     if k != "step"}, str(out / "resume.rank1.fsdp2.safetensors"))
+    other = tiny_model()
+    try:  # rank 1 runs another config: every rank refuses, none waits in a broadcast
+        share_resume(world, other, optimizer_of(other, "adamw"), 1 if world.rank == 0 else None,
+                     config_hash(hashed) if world.rank == 0 else "f" * 64)
+        outcome = "no error"
+    except RuntimeError as e:
+        outcome = str(e)
+    (out / f"resume-refused.rank{world.rank}.json").write_text(json.dumps(outcome))
+
+
+def write_resume_checkpoint(out: Path) -> Path:
+    """A checkpoint of step 1 (one AdamW update of the tiny model) in out/resume-ref/, the untouched reference;
+    returns a copy of its run dir for rank 0 alone."""
+    from opsd.config import config_hash, hashed_config
+    from services.trainer.checkpoint import TrainerState, save_checkpoint
+
+    cfg = run_config()
+    model = tiny_model()
+    opt = optimizer_of(model, "adamw")
+    update(model, opt, batch("odd", 1))
+    state = TrainerState(step=1, policy_version=1, method=cfg.run.method, config_hash=config_hash(hashed_config(cfg)),
+                         applied=["s00000-tw-0001@v0"], counts={"trained": 1, "dropped_stale": 0, "dropped_duplicate": 0})
+    save_checkpoint(out / "resume-ref", model, opt, state, hashed_config(cfg), [])
+    shutil.copytree(out / "resume-ref", out / "resume-rank0")
+    return out / "resume-rank0"
 
 
 # ---------------------------------------------------------------------------
@@ -192,12 +257,16 @@ def free_port() -> int:
 def world_run(tmp_path_factory) -> tuple[Path, float]:
     """Run the 2-rank world once; returns (its output dir, its wall time in s). Fails on a deadlock or a crash."""
     out = tmp_path_factory.mktemp("world")
+    resume_dir = write_resume_checkpoint(out)
     port = free_port()
     procs = []
     t0 = time.perf_counter()
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env.pop(RESUME_ENV, None)
+        if rank == 0:
+            env[RESUME_ENV] = str(resume_dir)
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_distributed", "--worker", str(out)], cwd=REPO, env=env,
                                       stdout=open(out / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
     deadline = time.monotonic() + WORLD_TIMEOUT_S
@@ -284,6 +353,62 @@ def test_ranks_given_different_batches_all_raise(world_run):
     out, _ = world_run
     for rank in range(2):
         assert "different batches" in json.loads((out / f"mismatch.rank{rank}.json").read_text())
+
+
+def test_a_rank_without_the_run_dir_resumes_rank_0s_checkpoint_over_the_process_group(world_run):
+    from safetensors.torch import load_file
+
+    out, _ = world_run
+    ref = out / "resume-ref" / "checkpoint"
+    assert not (out / "resume-rank0").exists()  # rank 0 deleted the only copy it was given before sharing
+    saved, got = load_file(str(ref / "model.safetensors")), load_file(str(out / "resume.rank1.safetensors"))
+    assert saved and set(saved) <= set(got)  # the file leaves out the tied lm_head.weight
+    assert all(torch.equal(saved[k], got[k]) for k in saved)
+    assert torch.equal(got["lm_head.weight"], saved["model.embed_tokens.weight"])  # still tied
+    initial = tiny_model().state_dict()
+    assert max(float((saved[k] - initial[k]).abs().max()) for k in saved) > 1e-4  # the checkpoint is not the start
+    saved_opt, got_opt = load_file(str(ref / "optimizer.safetensors")), load_file(str(out / "resume.rank1.opt.safetensors"))
+    assert set(saved_opt) == set(got_opt) and {k.split(".", 1)[1] for k in saved_opt} == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(torch.equal(saved_opt[k], got_opt[k]) and saved_opt[k].dtype == got_opt[k].dtype for k in saved_opt)
+    assert all(float(v) == TRAINER["ppo_epochs"] for k, v in got_opt.items() if k.endswith(".step"))  # an update's AdamW steps
+    meta = json.loads((out / "resume.rank1.json").read_text())
+    assert meta["step"] == 1
+    assert meta["param_groups"] == json.loads((ref / "optimizer.json").read_text())["param_groups"]
+
+
+def test_fsdp2_shards_the_resumed_state_on_a_rank_without_the_run_dir(world_run):
+    from safetensors.torch import load_file
+
+    out, _ = world_run
+    ref = out / "resume-ref" / "checkpoint"
+    saved, saved_opt = load_file(str(ref / "model.safetensors")), load_file(str(ref / "optimizer.safetensors"))
+    shards = load_file(str(out / "resume.rank1.fsdp2.safetensors"))
+    names = [n for n, _ in tiny_model().named_parameters()]  # the optimizer's parameter order
+    for i, name in enumerate(names):  # FSDP2 shards dim 0 in world-size chunks: rank 1 holds the second
+        assert torch.equal(shards[name], torch.chunk(saved[name], 2, dim=0)[1]), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(shards[f"{i}.{moment}"], torch.chunk(saved_opt[f"{i}.{moment}"], 2, dim=0)[1]), (name, moment)
+
+
+def test_a_rank_with_another_config_refuses_the_resume_and_every_rank_raises(world_run):
+    out, _ = world_run
+    outcomes = [json.loads((out / f"resume-refused.rank{r}.json").read_text()) for r in range(2)]
+    assert "every node must run the same config file" in outcomes[1]
+    assert "another rank refused" in outcomes[0]
+
+
+def test_the_compose_checks_patterns_match_each_ranks_real_log_lines(world_run):
+    """scripts/compose_check.py --trainer-nodes 2 proves the two-node world from these lines of each rank's log."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import compose_check
+
+    out, _ = world_run
+    for rank in range(2):
+        text = (out / f"rank{rank}.log").read_text()
+        (line,) = compose_check.RANK_LINE.findall(text)
+        assert line == (str(rank), "2", "cpu", "gloo", socket.gethostname())
+        shares = compose_check.SHARE_LINE.findall(text)
+        assert shares and all(s[0] == str(rank) and int(s[1]) <= int(s[2]) and int(s[3]) <= int(s[4]) for s in shares)
 
 
 def test_a_message_survives_the_broadcast(world_run):

@@ -10,11 +10,15 @@ and the last) -> metrics.jsonl.
 Started on a run dir that holds a checkpoint (`opsd run --resume`, or a
 restart after a crash), it resumes from it by itself: weights, optimizer,
 RNG, counters and the applied groups, at the checkpoint's step. After the
-last step it writes <run_dir>/DONE and keeps serving /metrics until stopped.
+last step it writes <run_dir>/DONE, deletes the Redis list <prefix>:active it
+set at start (KEDA's signal that the run is active), and keeps serving
+/metrics until stopped; with OPSD_EXIT_WHEN_DONE=1 it exits 0 instead (a
+Kubernetes Job completes and frees its GPUs).
 
-Several GPUs: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`.
-Rank 0 does all of the above; ranks > 0 only take part in each PPO update
-(FSDP2 on CUDA, DDP on CPU; services/trainer/distributed.py).
+Several GPUs: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`; several
+nodes: add `--nnodes M --node-rank R --master-addr A --master-port P` on each (node rank 0 holds the
+run dir). Rank 0 does all of the above; ranks > 0 only take part in each PPO update
+(FSDP2 on CUDA, DDP on CPU; services/trainer/distributed.py) and need no run dir.
 """
 
 from __future__ import annotations
@@ -41,20 +45,21 @@ from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
 from opsd.footprint import checkpoint_interval
-from opsd.models import ModelUnavailableError, load_backend, served_dtype
+from opsd.models import ModelUnavailableError, load_backend, resolve_model, served_dtype
 from opsd.queue import StreamNames
-from opsd.service import FATAL_EXIT, RoleProcess, fatal
+from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
 from opsd.weights_http import weights_transport
 from services.trainer.checkpoint import (
-    Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, load_checkpoint, resume_checkpoint, save_checkpoint,
+    Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, resume_checkpoint, save_checkpoint,
 )
 from services.trainer.controller import (
-    Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, step_tasks, wait_for_groups,
+    Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, mark_active, step_tasks,
+    wait_for_groups,
 )
-from services.trainer.distributed import init_from_env, parallelize, share_checkpoint
+from services.trainer.distributed import init_from_env, parallelize, share_resume
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
@@ -130,6 +135,16 @@ def trainer_max_deliveries(cfg) -> int:
     return cfg.redis.max_deliveries + cfg.run.max_restarts + 1
 
 
+def exit_when_done() -> bool:
+    """OPSD_EXIT_WHEN_DONE: "1"/"true" -> exit 0 after DONE (a Kubernetes Job), "0"/"false"/unset -> serve on.
+
+    Raises ValueError naming the variable for any other value."""
+    value = os.environ.get(EXIT_WHEN_DONE_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true"):
+        raise ValueError(f"{EXIT_WHEN_DONE_ENV}={value!r}: expected 1 or 0 (true or false)")
+    return value in ("1", "true")
+
+
 def main() -> None:
     try:
         train()
@@ -143,11 +158,21 @@ def main() -> None:
 def train() -> None:
     proc = RoleProcess.from_argv(ROLE, __doc__)
     cfg, run_dir = proc.cfg, proc.run_dir
+    try:
+        exit_at_done = exit_when_done()
+    except ValueError as e:
+        fatal(ROLE, str(e))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
     if local != cfg.trainer.nproc_per_node:  # a silent single process would train N times slower
         fatal(ROLE, f"trainer.nproc_per_node is {cfg.trainer.nproc_per_node} but {local} rank(s) run on this node: "
                     f"start it as `torchrun --nproc-per-node {cfg.trainer.nproc_per_node} -m services.trainer ...` "
-                    "(`opsd run` does)")
+                    "(`opsd run` does; several nodes: add --nnodes, --node-rank, --master-addr, --master-port)")
+    try:
+        # The model's files before the process group: transformers (5.x) writes a model only on rank 0 of a world,
+        # so a rank > 0 converting a packaged model (its own node's cache) would leave it without config or weights.
+        resolve_model(cfg.model)
+    except ModelUnavailableError as e:  # a Hub model this machine cannot have: a restart cannot help
+        fatal(ROLE, str(e))
     world = init_from_env(cfg.model.device)  # torchrun's ranks; a plain process is rank 0 of 1
     main = world.rank == 0
     if main:
@@ -194,11 +219,12 @@ def train() -> None:
     if main:  # the newest checkpoint that loads (a corrupt newer one falls back to an older kept one)
         ckpt, resumed = resume_checkpoint(run_dir, model, optimizer, hashed)
         state = resumed or state
-    ckpt = share_checkpoint(world, ckpt)  # every other rank loads rank 0's
-    if ckpt is not None:
-        if not main:
-            state = load_checkpoint(ckpt, model, optimizer, hashed)
-        log.info("resuming from %s at step %d (policy version %d)", ckpt, state.step, state.policy_version)
+        if ckpt is not None:
+            log.info("resuming from %s at step %d (policy version %d)", ckpt, state.step, state.policy_version)
+    # Ranks > 0 get rank 0's weights and optimizer state over the process group: they need no run dir (other nodes).
+    shared_step = share_resume(world, model, optimizer, state.step if ckpt is not None else None, config_hash(hashed))
+    if not main and shared_step is not None:
+        log.info("rank %d: resumed rank 0's checkpoint of step %d over the process group", world.rank, shared_step)
     ema = None
     if main and cfg.teacher_ema is not None:  # the teacher's moving average of the policy (services/trainer/ema.py)
         ema = PolicyEMA(model, cfg.teacher_ema)
@@ -234,7 +260,9 @@ def train() -> None:
                             max_deliveries=trainer_max_deliveries(cfg))
     client = queue.client
     backoff = Backoff(ROLE, proc.stop, beat=proc.liveness.beat)
-    claim_prefix(client, streams, run_dir, config_hash(hashed), backoff)
+    run_id = claim_prefix(client, streams, run_dir, config_hash(hashed), backoff)
+    if state.step < cfg.run.steps:  # KEDA keeps the workers up while this list holds the run (k8s/)
+        mark_active(client, streams, run_id, backoff)
     issuer = TaskIssuer(client, cfg, games, cfg.redis.max_message_bytes)
     collector = Collector(queue, cfg.run.max_staleness, state.applied, state.counts, ROLE,
                           newest_published=max([*published_versions(run_dir), state.policy_version]))
@@ -354,8 +382,13 @@ def train() -> None:
         log.info("trainer.keep_optimizer_state false: dropped the optimizer state (%.2f GB) from the finished run's "
                  "checkpoint", freed / 1e9)
     (run_dir / "DONE").write_text(json.dumps({"steps": cfg.run.steps, "policy_version": version}))
+    mark_active(client, streams, None, backoff)  # after DONE: a crash in between leaves it for the restart to delete
     proc.status["finished"] = True
     log.info("finished %d steps; final checkpoint in %s", cfg.run.steps, run_dir / "checkpoint")
+    if exit_at_done:
+        log.info("%s: exiting at DONE", EXIT_WHEN_DONE_ENV)
+        lock.close()
+        return
     while not proc.stop.wait(1.0):
         proc.liveness.beat()
     lock.close()

@@ -215,6 +215,25 @@ def claim_prefix(client: redis.Redis, names: StreamNames, run_dir: Path, config_
     return run_id
 
 
+
+def mark_active(client: redis.Redis, names: StreamNames, run_id: str | None, backoff: "Backoff") -> None:
+    """`run_id`: make `names.active` a list of exactly one entry, `run_id`; None: delete it (the run is DONE).
+
+    KEDA's `redis` list scaler reads LLEN of this key (k8s/): 1 keeps the workers up while the run trains,
+    0 lets them scale to zero after DONE. Written as DEL + RPUSH in one MULTI/EXEC, so no reader ever sees
+    0 or 2 entries from a restarted trainer writing it again. Redis connection errors are ridden out with
+    `backoff` (given up once the trainer is stopping: the next start writes it again).
+    """
+    def write():
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(names.active)
+        if run_id is not None:
+            pipe.rpush(names.active, run_id)
+        pipe.execute()
+
+    backoff.retry(write)
+
+
 class DeadLetters:
     """The groups the run's dead-letter stream reports (field `group_id`, set by `StreamQueue.dead_letter`).
 

@@ -1,11 +1,19 @@
 """Data-parallel trainer across torchrun ranks: process group, model wrapping, batch sharding, rank 0's messages.
 
-Launch: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D`.
+Launch, one node: `torchrun --nproc-per-node N -m services.trainer --config C --run-dir D` (`opsd run`
+does it, `--standalone`, when trainer.nproc_per_node N > 1). Several nodes: the same on each node with
+`--nnodes M --node-rank R --master-addr A --master-port P` (static rendezvous: node rank 0, on host A,
+holds the run directory), or through `python -m services.trainer.torchrun` (same arguments; a rank's
+FATAL_EXIT becomes the node's exit code). N = trainer.nproc_per_node ranks per node, one per GPU
+(cuda:LOCAL_RANK); WORLD_SIZE = M * N.
 Rank 0 is the trainer service (Redis, credit assignment, checkpoints,
 publishing, /metrics). Ranks > 0 run `follow` (services/trainer/update.py): they receive each step's
 sequences from rank 0, run their share of the PPO update (`ppo_update` with
 a `World`), and take part in gathering the full weights when rank 0 saves or
-publishes. Without torchrun (WORLD_SIZE unset or 1) no process group starts:
+publishes. They never read or write the run directory: on a resume rank 0 sends them its checkpoint's
+weights and optimizer state over the process group (`share_resume`), so a node without the run volume
+(ReadWriteOnce on a cluster) trains as well. They need the model (its files or HF cache) and the same
+config. Without torchrun (WORLD_SIZE unset or 1) no process group starts:
 the trainer is the plain single process it always was.
 
 Wrapping (`wrap_model`): FSDP2 (`fully_shard`, parameters sharded across
@@ -16,14 +24,20 @@ ranks), so the sum is the single-process gradient.
 
 Wire: rank 0's messages are msgpack (never pickle) in a uint8 tensor,
 broadcast over a gloo group (`World.control`) as length, then payload.
-Arrays travel as raw bytes + dtype + shape.
+Arrays travel as raw bytes + dtype + shape; a resume's tensors follow their message as broadcasts of the
+default group (nccl on GPUs, gloo on CPUs). Across nodes gloo and nccl pick the interface whose address
+the host name resolves to: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name it where that is the wrong one.
+Run for real here: two CPU containers with gloo over a compose network (`make compose-check`,
+docker-compose.multinode.yml); nccl across real nodes has not run.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -118,7 +132,8 @@ def init_from_env(device: str = "auto") -> World:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    log.info("rank %d of %d on %s (%s)", rank, size, dev, dist.get_backend())
+    log.info("rank %d of %d on %s (%s), host %s, local rank %d of %s", rank, size, dev, dist.get_backend(),
+             socket.gethostname(), local_rank, os.environ.get("LOCAL_WORLD_SIZE", "?"))
     return World(rank=rank, size=size, local_rank=local_rank, device=dev, control=control)
 
 
@@ -165,8 +180,8 @@ def shard(seqs: list[Sequence], rank: int, world_size: int) -> list[Sequence]:
 @dataclass
 class Message:
     """What rank 0 tells the other ranks: op "update" (run ppo_update on `seqs`), "gather"
-    (collect the full weights, and the optimizer state when args["optimizer"]), "checkpoint"
-    (args["path"]: the checkpoint dir to resume from, or None) or "stop"."""
+    (collect the full weights, and the optimizer state when args["optimizer"]), "resume"
+    (`share_resume`: the step, config hash and tensor list of rank 0's resume point) or "stop"."""
 
     op: str
     seqs: list[Sequence] = field(default_factory=list)
@@ -255,19 +270,122 @@ def receive(world: World) -> Message:
     return decode_message(broadcast_bytes(None, world))
 
 
-def share_checkpoint(world: World, path: os.PathLike | None):
-    """Rank 0's resume checkpoint on every rank: each loads the same one (run_dir must be visible to all ranks)."""
-    from pathlib import Path
+# Tensor dtypes a resume message may name (torch's names): what model weights and optimizer states hold.
+_RESUME_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8", "bool")}
 
+
+def _resume_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """What a resume moves, in one order on every rank: "model.<name>" (state_dict) and "optimizer.<index>.<name>"
+    (the tensors of optimizer.state_dict()["state"], the checkpoint's keys). References, no copies."""
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for idx, entry in optimizer.state_dict()["state"].items():
+        out.update({f"optimizer.{idx}.{k}": v for k, v in entry.items() if torch.is_tensor(v)})
+    return out
+
+
+def _resume_problem(args: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config_hash: str) -> str | None:
+    """Why rank 0's "resume" header (`share_resume`) does not fit this rank's model and optimizer, or None."""
+    if args.get("config_hash") != config_hash:
+        return (f"rank 0 trains config {str(args.get('config_hash'))[:12]}, this rank's config is {config_hash[:12]}: "
+                "every node must run the same config file")
+    if args.get("step") is None:
+        return None
+    own = model.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = args.get("param_groups")
+    live = optimizer.state_dict()["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(live) or any(
+            not isinstance(g, dict) or set(g) != set(ref) or g["params"] != ref["params"] for g, ref in zip(groups, live)):
+        return "its optimizer param groups are not this rank's"
+    names = set()
+    for item in args.get("tensors") or []:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and item[1] in _RESUME_DTYPES
+                and isinstance(item[2], list) and all(type(n) is int and n >= 0 for n in item[2])):
+            return f"malformed tensor entry {item!r}"
+        name, dtype, shape = item[0], _RESUME_DTYPES[item[1]], tuple(item[2])
+        names.add(name)
+        if name.startswith("model."):
+            ref = own.get(name.removeprefix("model."))
+            if ref is None or ref.shape != shape or ref.dtype != dtype:
+                return f"{name} is {dtype}{list(shape)}, this rank's model has {'none' if ref is None else f'{ref.dtype}{list(ref.shape)}'}"
+            continue
+        idx, _, field_name = name.removeprefix("optimizer.").partition(".")
+        if not name.startswith("optimizer.") or not idx.isdigit() or int(idx) >= len(params) or not field_name:
+            return f"{name} names no parameter of this rank's optimizer ({len(params)} parameters)"
+        p = params[int(idx)]
+        if (shape, dtype) != (tuple(p.shape), p.dtype) and math.prod(shape) != 1:  # moments, or a scalar (`step`)
+            return f"{name} is {dtype}{list(shape)}, parameter {idx} is {p.dtype}{list(p.shape)}"
+    scalars = args.get("scalars")
+    if not isinstance(scalars, dict) or any(
+            not (isinstance(v, (int, float)) and math.isfinite(v)) or not k.partition(".")[0].isdigit()
+            or int(k.partition(".")[0]) >= len(params) or not k.partition(".")[2] for k, v in scalars.items()):
+        return f"malformed non-tensor optimizer state {scalars!r}"
+    missing = {f"model.{k}" for k in own} - names
+    return f"rank 0 sends no {sorted(missing)[:3]}" if missing else None
+
+
+def share_resume(world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int | None,
+                 config_hash: str) -> int | None:
+    """Rank 0's resume point on every rank, sent as tensors over the process group: ranks > 0 need no run dir.
+
+    Rank 0 has loaded its checkpoint into `model` and `optimizer` and passes its `step` (None: a fresh run,
+    nothing to share but the config check); ranks > 0 pass None and get rank 0's step back. Every rank passes
+    its own `config_hash` (opsd.config.config_hash): nodes read their own config files, and one that differs
+    is refused. Wire: one "resume" message (msgpack over `world.control`: the step, the config hash, the
+    optimizer's param_groups and non-tensor state, then each tensor's name, dtype and shape, never pickle);
+    every rank checks it against its own model and optimizer (names, shapes, dtypes) and all ranks agree
+    (an all-reduce) before any tensor moves; then each tensor is broadcast from rank 0 over the default group
+    (nccl: on world.device; gloo: on the CPU), flat, one at a time (peak extra memory: the largest tensor),
+    and copied in place into the model; the optimizer state goes through `optimizer.load_state_dict`.
+    Call it before `parallelize` (the model still whole on every rank: DDP and FSDP2 alike).
+    A collective. Raises RuntimeError on every rank when a rank refuses the header (its log names why).
+    """
     if not world.distributed:
-        return path
+        return step
     if world.rank == 0:
-        send(world, Message("checkpoint", args={"path": None if path is None else str(path)}))
-        return path
-    msg = receive(world)
-    if msg.op != "checkpoint":
-        raise RuntimeError(f"rank {world.rank}: expected the checkpoint message, got {msg.op!r}")
-    return None if msg.args["path"] is None else Path(msg.args["path"])
+        args: dict[str, Any] = {"step": step, "config_hash": config_hash}
+        tensors = _resume_tensors(model, optimizer) if step is not None else {}
+        if step is not None:
+            sd = optimizer.state_dict()
+            args["param_groups"] = sd["param_groups"]
+            args["scalars"] = {f"{i}.{k}": v for i, e in sd["state"].items() for k, v in e.items() if not torch.is_tensor(v)}
+            args["tensors"] = [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]
+        send(world, Message("resume", args=args))
+        problem = None
+    else:
+        msg = receive(world)
+        if msg.op != "resume":
+            raise RuntimeError(f"rank {world.rank}: expected rank 0's resume message, got {msg.op!r}")
+        args = msg.args
+        problem = _resume_problem(args, model, optimizer, config_hash)
+    if all_reduce([1.0 if problem else 0.0], "max", world)[0] > 0:  # every rank raises, none waits in a broadcast
+        raise RuntimeError(f"rank {world.rank}: " + (problem or "another rank refused rank 0's resume point (see its log)"))
+    if args["step"] is None:
+        return None
+    dev = world.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    if world.rank == 0:
+        for t in tensors.values():
+            dist.broadcast(t.detach().reshape(-1).to(dev).contiguous(), src=0)
+        return step
+    own = model.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for name, dtype, shape in args["tensors"]:
+        buf = torch.empty(math.prod(shape), dtype=_RESUME_DTYPES[dtype], device=dev)
+        dist.broadcast(buf, src=0)
+        if name.startswith("model."):
+            with torch.no_grad():
+                own[name.removeprefix("model.")].copy_(buf.view(shape))
+        else:
+            idx, _, field_name = name.removeprefix("optimizer.").partition(".")
+            state.setdefault(int(idx), {})[field_name] = buf.view(shape).to(params[int(idx)].device if shape else "cpu")
+    for key, value in args["scalars"].items():
+        idx, _, field_name = key.partition(".")
+        state.setdefault(int(idx), {})[field_name] = value
+    live = optimizer.state_dict()["param_groups"]
+    groups = [{k: tuple(v) if isinstance(ref[k], tuple) else v for k, v in g.items()} for g, ref in zip(args["param_groups"], live)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return args["step"]
 
 
 # ---------------------------------------------------------------------------

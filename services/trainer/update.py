@@ -14,6 +14,7 @@ one process would.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import numpy as np
 import torch
@@ -25,6 +26,8 @@ from opsd.credit.policy_loss import (
 )
 from opsd.models.hf import autocast
 from services.trainer.distributed import Parallel, Sequence, World, all_reduce, receive, shard
+
+log = logging.getLogger("trainer")
 
 
 def _pad(seqs: list[Sequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -122,10 +125,13 @@ def ppo_update(
     if parallel:
         # The token-mean's denominator: all ranks' loss tokens. Each rank also holds the whole step, so each
         # must count the same total; the max/min check catches ranks given different batches.
-        (summed,) = all_reduce([sum(float(s.loss_mask_S.sum()) for s in local)], "sum", world)
+        own_tokens = sum(float(s.loss_mask_S.sum()) for s in local)
+        (summed,) = all_reduce([own_tokens], "sum", world)
         n_micro, hi, neg_lo = all_reduce([len(micro), total_tokens, -total_tokens], "max", world)
         if not hi == -neg_lo == summed:  # every rank sees it: all raise, none is left waiting in a collective
             raise RuntimeError(f"the ranks were given different batches ({-neg_lo} to {hi} loss tokens, {summed} summed)")
+        log.info("rank %d of %d: my share of the update: %d of %d sequences, %d of %d loss tokens", world.rank,
+                 world.size, len(local), len(seqs), own_tokens, summed)
         total_tokens = summed
         micro += [[_placeholder(use_sdar)]] * (int(n_micro) - len(micro))
     if total_tokens == 0:
