@@ -400,7 +400,9 @@ def write_stack_files(ctx: Context) -> None:
     env.write_text("".join(f"{k}={v}\n" for k, v in {
         "REDIS_PASSWORD": ctx.redis_password, "OPSD_API_TOKEN": secrets.token_urlsafe(32),
         "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(32), "OPSD_CONFIG": CONFIG_NAME, "OPSD_RUN": RUN_NAME,
-        "OPSD_DEBIAN_BASE": BASE_IMAGE}.items()))
+        "OPSD_DEBIAN_BASE": BASE_IMAGE,
+        # Redis's maxmemory is 3/4 of this (docker-compose.yml): the same limit as its mem_limit below.
+        "OPSD_REDIS_MEMORY_MB": str(parse_size(MEM_LIMITS["redis"]) >> 20)}.items()))
     env.chmod(0o600)
     services = {name: {"mem_limit": limit} for name, limit in MEM_LIMITS.items()}
     for role in ROLES:

@@ -414,7 +414,8 @@ def test_redis_needs_its_password_and_keeps_an_append_only_file():
     assert re.fullmatch(r"redis:7\.\d+\.\d+(-alpine)?", redis["image"]), redis["image"]
     command = "\n".join(as_list(redis["command"]))
     assert "requirepass" in command
-    assert "--appendonly yes" in command and "--appendfsync always" in command
+    # maxmemory/noeviction and the append-only file: tests/test_redis_memory.py runs the script and its config.
+    assert "appendonly yes" in command and "appendfsync always" in command and "maxmemory-policy noeviction" in command
     assert not variables(command), "compose would put a value (the password?) on the command line"
     env = env_of(redis)
     assert env["REDISCLI_AUTH"] == "${REDIS_PASSWORD:?run make compose-env}"  # the healthcheck's redis-cli uses it
@@ -432,7 +433,7 @@ def test_the_redis_start_script_refuses_a_password_unsafe_in_a_url(tmp_path):
     assert p.returncode == 0, p.stderr
     args, config = p.stdout.split("CONFIG:\n")
     assert f'requirepass "{GOOD_REDIS_PASSWORD}"' in config and GOOD_REDIS_PASSWORD not in args
-    assert "--appendonly yes" in args and "--dir /data" in args
+    assert "appendonly yes\n" in config and "dir /data\n" in config
     for i, bad in enumerate(BAD_REDIS_PASSWORDS):
         p, conf = run_redis_start_script(script, bad, tmp_path / f"bad{i}")
         assert p.returncode == 1 and not conf.exists() and "ARGS" not in p.stdout, (bad, p.stdout, p.stderr)
