@@ -464,7 +464,7 @@ def test_every_variable_is_documented_in_env_example_and_secrets_are_required():
             assert all(u.startswith(":?") for u in uses), f"{secret}: {uses}"
 
 
-def test_prometheus_scrapes_each_role_and_dcgm():
+def test_prometheus_scrapes_each_role_redis_and_dcgm():
     prometheus = load(COMPOSE)["services"]["prometheus"]
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
@@ -475,7 +475,12 @@ def test_prometheus_scrapes_each_role_and_dcgm():
             targets |= {(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1])) for t in sc["targets"]}
         for sd in job.get("dns_sd_configs", []):
             targets |= {(n, sd["port"]) for n in sd["names"]}
-    assert targets == {(role, 8000) for role in ROLES} | {("dcgm-exporter", 9400)}
+    assert targets == {(role, 8000) for role in ROLES} | {("dcgm-exporter", 9400), ("redis-exporter", 9121)}
+    exporter = load(COMPOSE)["services"]["redis-exporter"]  # as the k8s sidecar: pinned, the .env password, no /scrape
+    assert exporter["image"] == "oliver006/redis_exporter:v1.88.0" and not exporter.get("ports")
+    assert env_of(exporter) == {"REDIS_ADDR": "redis://redis:6379", "REDIS_PASSWORD": "${REDIS_PASSWORD:?run make compose-env}",
+                                "REDIS_EXPORTER_DISABLE_SCRAPE_ENDPOINT": "true"}
+    assert exporter["read_only"] is True and exporter["cap_drop"] == ["ALL"]
 
 
 def test_grafana_provisioning_is_mounted_from_deploy():
