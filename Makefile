@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm tokenizer-files java chromium gpu-check clean compose-env compose-check cuda-images bench bench-quick redis-tools
+.PHONY: demo test test-main test-vllm install install-vllm tokenizer-files promtool java chromium gpu-check clean compose-env compose-check cuda-images bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
 # targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
@@ -65,6 +65,17 @@ $(TOKENIZER_FILES): $(STAMP)
 
 tokenizer-files: $(TOKENIZER_FILES)
 
+# Tests only (tests/test_dashboard_promql.py): promtool evaluates the dashboard's queries with Prometheus's own
+# engine. It comes from Debian's prometheus package (the version docker-compose.debian.yml runs), unpacked beside
+# the venv's python; the package is not installed (it would start a Prometheus on :9090).
+PROMTOOL = $(VENV)/bin/promtool
+$(PROMTOOL): | $(STAMP)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && cd "$$tmp" && \
+	  { apt-get download -q 'prometheus=2.42.*' || { apt-get update -q && apt-get download -q 'prometheus=2.42.*'; }; } && \
+	  dpkg-deb -x prometheus_*.deb x && cp x/usr/bin/promtool $(abspath $(PROMTOOL))
+
+promtool: $(PROMTOOL)
+
 $(VLLM_STAMP): export PATH := $(abspath $(VLLM_VENV))/bin:$(PATH)
 $(VLLM_STAMP): pyproject.toml deploy/docker/requirements.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
@@ -86,7 +97,7 @@ demo: $(STAMP)
 
 test: test-main test-vllm
 
-test-main: $(STAMP) $(TOKENIZER_FILES) | java chromium
+test-main: $(STAMP) $(TOKENIZER_FILES) $(PROMTOOL) | java chromium
 	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
 
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).

@@ -9,6 +9,10 @@ A consumer acknowledges an input only together with writing its output
 (`produce_then_ack`), so a crash replays work and never loses it, and an input
 re-claimed by another consumer yields one output, not two.
 
+A Redis at `maxmemory` with policy noeviction refuses every write that
+would add memory (acks and deletes still pass): the writes here then raise
+`RedisFullError` having written nothing, so the caller may retry them.
+
 Bad entries (undecodable, oversized, delivered too often) go to the
 dead-letter stream with the error and the raw bytes, and are acknowledged:
 they never crash or stall a worker.
@@ -42,6 +46,26 @@ DELETED_ERROR = "entry deleted from the stream while pending (XDEL/XTRIM/MAXLEN)
 DEAD_MAXLEN = 1000  # dead letters kept (approximately); they hold whole raw messages
 RECLAIM_SCAN_ROUNDS = 100  # XAUTOCLAIM calls per reclaim(): bounds one scan of a long pending list
 log = logging.getLogger(__name__)
+
+
+class RedisFullError(redis.OutOfMemoryError):
+    """Redis refused a write because its memory is at `maxmemory` (policy noeviction); nothing was written.
+
+    Safe to retry: readers free memory as they acknowledge (acks and deletes are never refused).
+    """
+
+
+def _full(e: redis.ResponseError, what: str) -> redis.ResponseError:
+    """`e` as a RedisFullError naming `what` was refused, if it is Redis's OOM refusal; else `e` itself.
+
+    Redis replies OOM (redis-py's OutOfMemoryError), except Redis 6.2 from inside a script: an ERR quoting it.
+    """
+    if not isinstance(e, redis.OutOfMemoryError) and "OOM command not allowed" not in str(e):
+        return e
+    return RedisFullError(
+        f"Redis is full (used memory over maxmemory, policy noeviction): {what} was refused, nothing was "
+        f"written. It passes once readers acknowledge (which frees memory); if it lasts, give Redis more "
+        f"memory or hold fewer groups in flight (k8s/README.md, 'Redis memory and disk'). Redis said: {e}")
 
 
 @dataclass(frozen=True)
@@ -171,10 +195,14 @@ end
 def produce_message(client: redis.Redis, stream: str, msg: Any, max_bytes: int) -> str:
     """Encode `msg` and append it to `stream` (field `data`); returns the new entry id.
 
-    Raises WireError (invalid, or more than `max_bytes` bytes: nothing written)
-    or redis.RedisError.
+    Raises WireError (invalid, or more than `max_bytes` bytes: nothing written),
+    RedisFullError (Redis at maxmemory: nothing written) or redis.RedisError.
     """
-    return _s(client.xadd(stream, {"data": wire.encode(msg, max_bytes)}))
+    data = wire.encode(msg, max_bytes)
+    try:
+        return _s(client.xadd(stream, {"data": data}))
+    except redis.ResponseError as e:
+        raise _full(e, f"adding an entry to {stream}") from e
 
 
 def _s(value: bytes | str) -> str:
@@ -408,7 +436,8 @@ class StreamQueue:
         entry_id, role, group, consumer). Both happen in one server-side step
         and only while this consumer owns the entry, so a retry after a lost
         reply adds no second dead letter. Returns False, changing nothing, if
-        the entry is not pending for this consumer. Raises redis.RedisError.
+        the entry is not pending for this consumer. Raises RedisFullError (Redis
+        at maxmemory: nothing written, the entry stays pending) or redis.RedisError.
         """
         fields = {
             "source_stream": self.stream, "entry_id": entry_id, "error": error[:2000], "reason": reason,
@@ -424,7 +453,7 @@ class StreamQueue:
         except redis.ResponseError as e:
             if self._lost_group(e):
                 return False
-            raise
+            raise _full(e, f"dead-lettering {self.stream}'s entry {entry_id} (it stays pending)") from e
         if done:
             MESSAGES_REJECTED.labels(role=self.role, stream=self.stream, reason=reason).inc()
         return bool(done)
@@ -463,7 +492,9 @@ class StreamQueue:
         reply; either way its output exists or will). With a counts key, the
         same step adds 1 to its field `produced:<out_stream>`. Work streams
         are never trimmed here. Raises WireError (invalid/oversized `msg`,
-        nothing written) or redis.RedisError (nothing written or counted).
+        nothing written), RedisFullError (Redis at maxmemory: nothing written
+        or counted, the input stays pending: retry it) or redis.RedisError
+        (nothing written or counted).
         """
         data = wire.encode(msg, self.max_bytes)
         keys = [self.stream, out_stream] + ([self.counts_key] if self.counts_key else [])
@@ -474,7 +505,7 @@ class StreamQueue:
         except redis.ResponseError as e:
             if self._lost_group(e):
                 return None
-            raise
+            raise _full(e, f"writing to {out_stream} (input {entry_id} of {self.stream} stays pending)") from e
         return _s(out_id) if done else None
 
     def keep_alive(self, entry_ids: list[str]) -> int:

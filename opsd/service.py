@@ -40,7 +40,7 @@ from opsd import metrics
 from opsd.config import RunConfig, config_hash, hashed_config
 from opsd.metrics import REDIS_RECONNECTS
 from opsd.probes import Liveness
-from opsd.queue import StreamNames
+from opsd.queue import RedisFullError, StreamNames
 from opsd.types import MessageLimits
 from opsd.weights import StalePolicyError
 from opsd.wire import WireError
@@ -411,9 +411,9 @@ def consume_forever(
     job to the dead-letter stream at once (reason "stale_policy_version").
     A lost Redis connection (reading, acking, writing) is retried with backoff
     until it comes back (REDIS_RECONNECTS{role} counts each outage); a
-    computed output is never dropped because Redis blinked: writing it is
-    retried until it succeeds or the process is told to stop, and then the
-    input stays pending and is replayed.
+    computed output is never dropped because Redis blinked or was full
+    (maxmemory): writing it is retried until it succeeds or the process is
+    told to stop, and then the input stays pending and is replayed.
 
     Liveness (/livez): the loop beats every round and while it waits for room
     or for Redis; each job's `handle` runs under a guard of probes.job_s.
@@ -556,6 +556,10 @@ def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bo
     attempt; each wait is a liveness beat. Returns (False, None) if `proc.stop` is set while waiting. Any
     other exception propagates, redis.AuthenticationError included. `fn` must
     be safe to repeat (its effect may have happened with only the reply lost).
+    opsd.queue.RedisFullError (Redis at maxmemory refused a write, nothing was
+    written) is waited out the same way, not counted as an outage: readers
+    free memory as they acknowledge, and a computed output is kept, not
+    dropped and recomputed.
     """
     log = logging.getLogger(proc.role)
     delay = REDIS_RETRY_FIRST_S
@@ -565,8 +569,8 @@ def retry_redis(proc: RoleProcess, what: str, fn: Callable[[], Any]) -> tuple[bo
             return True, fn()
         except redis.AuthenticationError:  # a ConnectionError subclass, but retrying cannot fix it
             raise
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            if first:
+        except (redis.ConnectionError, redis.TimeoutError, RedisFullError) as e:
+            if first and not isinstance(e, RedisFullError):
                 REDIS_RECONNECTS.labels(role=proc.role).inc()
                 first = False
             log.warning("redis unavailable while %s (%s); retrying in %.1fs", what, e, delay)

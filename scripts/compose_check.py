@@ -68,11 +68,13 @@ WHEELS = ROOT / "deploy" / "docker" / "wheels"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 PROMETHEUS = "http://127.0.0.1:9090"  # docker-compose.yml publishes it on loopback
 # Grafana's $__rate_interval with Prometheus's 15 s scrape interval: max(4 x 15 s, step + 15 s) = 1 m.
-TEMPLATE_VALUES = {"$__rate_interval": "1m", "$__interval": "15s", "$role": ".*", "${role}": ".*"}
+TEMPLATE_VALUES = {"$__rate_interval": "1m", "$__interval": "15s", "$role": ".*", "${role}": ".*",
+                   "$namespace": ".*", "${namespace}": ".*"}  # "All"; compose's series have no namespace
 # Dashboard queries that cannot return data in this stack, and why (any other empty query fails the check).
 NO_DATA_REASONS = {
     "DCGM_FI_DEV_GPU_UTIL": "GPU metric of NVIDIA's dcgm-exporter (docker-compose.gpu.yml): no GPU here",
     "DCGM_FI_DEV_FB_USED": "GPU metric of NVIDIA's dcgm-exporter (docker-compose.gpu.yml): no GPU here",
+    "redis_errors_total": "Redis lists an error type only once one was replied: none was in this run",
     "opsd_privileged_signal": "set once a step has turns that played the privileged hint's next command (and "
                               "others): the tiny random model played none (metrics.jsonl: hint_match_turns 0 at every step)",
 }
@@ -83,7 +85,8 @@ REASON_HOLDS = {
 }
 # Memory limits of the containers (compose mem_limit), a bound on a runaway one: the first role converts the
 # packaged SmolLM2 (the tiny model's tokenizer source) once. dockerd's cgroup caps their sum (--memory).
-MEM_LIMITS = {"embedder": "3g", "rollout": "3g", "teacher": "3g", "trainer": "3g", "redis": "512m", "prometheus": "1g"}
+MEM_LIMITS = {"embedder": "3g", "rollout": "3g", "teacher": "3g", "trainer": "3g", "redis": "512m", "redis-exporter": "128m",
+              "prometheus": "1g"}
 # --trainer-nodes 2: two steps, so that the workers run a job of policy version 1 (the first one the two ranks
 # trained) before DONE removes the per-version files.
 MULTINODE_STEPS = 2
@@ -397,10 +400,11 @@ def build_images(ctx: Context) -> None:
     # The images the new ones replaced (same tag), and nothing else: dangling ones with our label.
     run([ctx.docker, "image", "prune", "-f", "--filter", "label=org.opencontainers.image.version=0.1.0"], check=False)
     t0 = time.monotonic()
-    run([*ctx.compose, "build", "redis", "prometheus"], log_to=ctx.out / "build-debian.log", timeout=1800,
-        env={**os.environ, "OPSD_DEBIAN_BASE": BASE_IMAGE})
-    ctx.add("build redis, prometheus (Debian packages)", True, time.monotonic() - t0,
+    run([*ctx.compose, "build", "redis", "redis-exporter", "prometheus"], log_to=ctx.out / "build-debian.log",
+        timeout=1800, env={**os.environ, "OPSD_DEBIAN_BASE": BASE_IMAGE})
+    ctx.add("build redis, redis-exporter, prometheus (Debian packages)", True, time.monotonic() - t0,
             f"opsd-redis-debian:7.0 {image_size(ctx, 'opsd-redis-debian:7.0')}, "
+            f"opsd-redis-exporter-debian:1.45 {image_size(ctx, 'opsd-redis-exporter-debian:1.45')}, "
             f"opsd-prometheus-debian:2.42 {image_size(ctx, 'opsd-prometheus-debian:2.42')}; Grafana: not built "
             "(no image without a registry, no Debian package)")
 
@@ -419,7 +423,9 @@ def write_stack_files(ctx: Context) -> None:
     env.write_text("".join(f"{k}={v}\n" for k, v in {
         "REDIS_PASSWORD": ctx.redis_password, "OPSD_API_TOKEN": secrets.token_urlsafe(32),
         "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(32), "OPSD_CONFIG": CONFIG_NAME, "OPSD_RUN": RUN_NAME,
-        "OPSD_DEBIAN_BASE": BASE_IMAGE}.items()))
+        "OPSD_DEBIAN_BASE": BASE_IMAGE,
+        # Redis's maxmemory is 3/4 of this (docker-compose.yml): the same limit as its mem_limit below.
+        "OPSD_REDIS_MEMORY_MB": str(parse_size(MEM_LIMITS["redis"]) >> 20)}.items()))
     env.chmod(0o600)
     limits = {**MEM_LIMITS, "trainer-1": MEM_LIMITS["trainer"]} if ctx.trainer_nodes == 2 else MEM_LIMITS
     services = {name: {"mem_limit": limit} for name, limit in limits.items()}
@@ -539,7 +545,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
             expr = target.get("expr", "")
             for name, value in sorted(TEMPLATE_VALUES.items(), key=lambda kv: -len(kv[0])):
                 expr = expr.replace(name, value)
-            if "$" in expr:
+            if re.search(r"\$(?!\d)", expr):  # $1 & co. are label_replace's capture groups
                 raise RuntimeError(f"{panel.get('title')}: a template variable the check does not know: {expr}")
             out.append((panel.get("title", "?"), expr))
     return out
@@ -664,7 +670,7 @@ def check_stack(ctx: Context) -> None:
         n = len(r["data"]["result"]) if r.get("status") == "success" else -1
         results.append({"panel": title, "expr": expr, "series": n, "error": r.get("error")})
         if n <= 0:
-            metrics = set(re.findall(r"\b(opsd_[a-z_]+|DCGM_[A-Z_]+)", expr))
+            metrics = set(re.findall(r"\b(opsd_[a-z_]+|redis_[a-z_]+|DCGM_[A-Z_]+)", expr))
             reason = "; ".join(sorted({NO_DATA_REASONS[m] for m in metrics if m in NO_DATA_REASONS
                                        and REASON_HOLDS.get(m, lambda _: True)(records)}))
             (empty if reason else unexplained).append(f"{title}: {reason or 'no data, no known reason'} [{expr}]")

@@ -47,9 +47,12 @@ BAD_REDIS_PASSWORDS = ("a/b", 'a"b', "a\\b", "a b", "", "a:b", "a@b", "a%b", "a$
                        "Zq7/secret-xK9")
 
 
-def run_redis_start_script(script: str, password: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+def run_redis_start_script(script: str, password: str, tmp_path: Path,
+                           memory_limit_mb: str = "4096") -> tuple[subprocess.CompletedProcess, Path]:
     """Run a Redis start script with /bin/sh, a fake redis-server first on PATH, the config file in `tmp_path`.
 
+    `memory_limit_mb` is the container's memory limit as the script gets it (REDIS_MEMORY_LIMIT_MB: the
+    Kubernetes downward API's limits.memory in Mi, compose's OPSD_REDIS_MEMORY_MB).
     The fake prints its arguments, then `CONFIG:` and the file it was given. Returns the run and that file.
     """
     bin_dir = tmp_path / "bin"
@@ -59,7 +62,8 @@ def run_redis_start_script(script: str, password: str, tmp_path: Path) -> tuple[
     fake.chmod(0o755)
     conf = tmp_path / "redis.conf"
     assert script.count("/tmp/redis.conf") == 2, script  # written, then given to redis-server
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "REDIS_PASSWORD": password, "REDISCLI_AUTH": password}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "REDIS_PASSWORD": password, "REDISCLI_AUTH": password,
+           "REDIS_MEMORY_LIMIT_MB": memory_limit_mb}
     p = subprocess.run(["/bin/sh", "-c", script.replace("/tmp/redis.conf", str(conf))], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=30)
     if p.returncode == 0:

@@ -415,7 +415,8 @@ def test_redis_needs_its_password_and_keeps_an_append_only_file():
     assert re.fullmatch(r"redis:7\.\d+\.\d+(-alpine)?", redis["image"]), redis["image"]
     command = "\n".join(as_list(redis["command"]))
     assert "requirepass" in command
-    assert "--appendonly yes" in command and "--appendfsync always" in command
+    # maxmemory/noeviction and the append-only file: tests/test_redis_memory.py runs the script and its config.
+    assert "appendonly yes" in command and "appendfsync always" in command and "maxmemory-policy noeviction" in command
     assert not variables(command), "compose would put a value (the password?) on the command line"
     env = env_of(redis)
     assert env["REDISCLI_AUTH"] == "${REDIS_PASSWORD:?run make compose-env}"  # the healthcheck's redis-cli uses it
@@ -433,7 +434,7 @@ def test_the_redis_start_script_refuses_a_password_unsafe_in_a_url(tmp_path):
     assert p.returncode == 0, p.stderr
     args, config = p.stdout.split("CONFIG:\n")
     assert f'requirepass "{GOOD_REDIS_PASSWORD}"' in config and GOOD_REDIS_PASSWORD not in args
-    assert "--appendonly yes" in args and "--dir /data" in args
+    assert "appendonly yes\n" in config and "dir /data\n" in config
     for i, bad in enumerate(BAD_REDIS_PASSWORDS):
         p, conf = run_redis_start_script(script, bad, tmp_path / f"bad{i}")
         assert p.returncode == 1 and not conf.exists() and "ARGS" not in p.stdout, (bad, p.stdout, p.stderr)
@@ -464,7 +465,7 @@ def test_every_variable_is_documented_in_env_example_and_secrets_are_required():
             assert all(u.startswith(":?") for u in uses), f"{secret}: {uses}"
 
 
-def test_prometheus_scrapes_each_role_and_dcgm():
+def test_prometheus_scrapes_each_role_redis_and_dcgm():
     prometheus = load(COMPOSE)["services"]["prometheus"]
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
@@ -475,7 +476,12 @@ def test_prometheus_scrapes_each_role_and_dcgm():
             targets |= {(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1])) for t in sc["targets"]}
         for sd in job.get("dns_sd_configs", []):
             targets |= {(n, sd["port"]) for n in sd["names"]}
-    assert targets == {(role, 8000) for role in ROLES} | {("dcgm-exporter", 9400)}
+    assert targets == {(role, 8000) for role in ROLES} | {("dcgm-exporter", 9400), ("redis-exporter", 9121)}
+    exporter = load(COMPOSE)["services"]["redis-exporter"]  # as the k8s sidecar: pinned, the .env password, no /scrape
+    assert exporter["image"] == "oliver006/redis_exporter:v1.88.0" and not exporter.get("ports")
+    assert env_of(exporter) == {"REDIS_ADDR": "redis://redis:6379", "REDIS_PASSWORD": "${REDIS_PASSWORD:?run make compose-env}",
+                                "REDIS_EXPORTER_DISABLE_SCRAPE_ENDPOINT": "true"}
+    assert exporter["read_only"] is True and exporter["cap_drop"] == ["ALL"]
 
 
 def test_grafana_provisioning_is_mounted_from_deploy():

@@ -3,7 +3,7 @@
 Every PromQL expression is parsed (a small parser for the PromQL the
 dashboard may use, below): each metric name it references must be a sample
 name that the services' Prometheus registry exports (or a listed
-dcgm-exporter name), each label it matches on, groups by or names in a
+dcgm-exporter or redis_exporter name), each label it matches on, groups by or names in a
 legend must exist where it is used, and every metric of opsd/metrics.py is
 shown somewhere. Each sample's value is also followed by its registry TYPE:
 counters only through rate/irate/increase (or resets), gauges never through
@@ -25,18 +25,27 @@ from tests.deploy_tools import ROOT
 DASHBOARD = ROOT / "deploy/grafana/dashboards/opsd.json"
 SERVICE_MODULES = ("opsd.metrics", "services.rollout.__main__", "services.teacher.__main__", "services.embedder.app",
                    "services.embedder.__main__", "services.trainer.__main__")
-ROWS = ["Throughput", "Engine", "Queues", "Policy & staleness", "Trainer", "Learning signal", "Reliability", "GPU"]
+ROWS = ["Throughput", "Engine", "Queues", "Policy & staleness", "Trainer", "Learning signal", "Reliability", "Redis", "GPU"]
 DATASOURCE = "${datasource}"
 # Metrics of opsd/metrics.py the dashboard deliberately leaves out (name -> why). Keep it empty if possible.
 OMITTED: dict[str, str] = {}
 
-# NVIDIA dcgm-exporter (default counters), the only non-opsd series the dashboard may query, and its labels
-# (pod/namespace/container appear with its Kubernetes pod mapping).
+# NVIDIA dcgm-exporter (default counters), a non-opsd source the dashboard may query, and its labels: pod,
+# namespace and container of the pod holding the GPU come with its Kubernetes pod mapping; scraped with
+# honorLabels false (its Helm chart's default) Prometheus renames them exported_* (the target's own win).
 DCGM_METRICS = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_MEM_COPY_UTIL",
                 "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_GPU_TEMP"}
-DCGM_LABELS = frozenset({"gpu", "UUID", "device", "modelName", "Hostname", "pci_bus_id", "pod", "namespace", "container"})
-# Prometheus adds these to every sample it scrapes.
-TARGET_LABELS = frozenset({"job", "instance"})
+DCGM_LABELS = frozenset({"gpu", "UUID", "device", "modelName", "Hostname", "pci_bus_id", "pod", "namespace", "container",
+                         "exported_pod", "exported_namespace", "exported_container"})
+# oliver006/redis_exporter (the k8s sidecar v1.88.0, compose's Debian 1.45): the series the Redis row may query,
+# as exporter/exporter.go names them (INFO field -> metric) with their type and own labels.
+REDIS_METRICS = {"redis_up": ("gauge", ()), "redis_memory_used_bytes": ("gauge", ()),
+                 "redis_memory_max_bytes": ("gauge", ()), "redis_connected_clients": ("gauge", ()),
+                 "redis_commands_processed_total": ("counter", ()), "redis_errors_total": ("counter", ("err",)),
+                 "redis_evicted_keys_total": ("counter", ())}
+# Prometheus adds these to every sample it scrapes; through a PodMonitor the Prometheus Operator adds the pod's
+# namespace, pod, container and endpoint (absent in compose, where a `=~".*"` matcher still matches).
+TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "container", "endpoint"})
 
 # ------------------------------------------------------------------ PromQL
 # The full PromQL vocabulary (Prometheus 2.x/3.x), so that a misspelt function is reported, not taken for a metric.
@@ -387,7 +396,8 @@ def exported() -> dict[str, frozenset]:
 
 @pytest.fixture(scope="module")
 def catalog(exported) -> dict[str, frozenset]:
-    return {**exported, **{m: DCGM_LABELS | TARGET_LABELS for m in DCGM_METRICS}}
+    return {**exported, **{m: DCGM_LABELS | TARGET_LABELS for m in DCGM_METRICS},
+            **{m: frozenset(labels) | TARGET_LABELS for m, (_, labels) in REDIS_METRICS.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -395,7 +405,7 @@ def kinds(exported) -> dict[str, str]:
     """Sample name -> kind of value, from the registry families' .type (the listed DCGM fields are all gauges)."""
     from prometheus_client import REGISTRY
 
-    out = {m: "gauge" for m in DCGM_METRICS}
+    out = {m: "gauge" for m in DCGM_METRICS} | {m: kind for m, (kind, _) in REDIS_METRICS.items()}
     for fam in REGISTRY.collect():
         if fam.name.startswith("opsd_"):
             out |= {fam.name + suffix: kind for suffix, _, kind in SAMPLE_SUFFIXES[fam.type]}
@@ -483,18 +493,45 @@ def test_every_query_references_only_exported_metrics_labels_and_types(exported,
         names, found = check(target["expr"], catalog, target.get("legendFormat", ""), kinds)
         referenced |= names
         problems += [f"{title}: {p}" for p in found]
-        for name in names:  # opsd names from the registry, anything else from the dcgm-exporter list only
-            if not (name in exported if name.startswith("opsd_") else name in DCGM_METRICS):
-                problems.append(f"{title}: {name} is neither an opsd sample nor a listed DCGM metric")
+        for name in names:  # opsd names from the registry, anything else from the exporters' lists only
+            if not (name in exported if name.startswith("opsd_") else name in DCGM_METRICS | set(REDIS_METRICS)):
+                problems.append(f"{title}: {name} is neither an opsd sample nor a listed DCGM or Redis metric")
     assert not problems, "\n".join(problems)
-    assert {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"} <= referenced
+    assert {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "redis_memory_used_bytes", "redis_memory_max_bytes",
+            "redis_commands_processed_total", "redis_connected_clients"} <= referenced
 
 
-def test_the_role_variable_queries_an_exported_label(catalog):
-    definition = {v["name"]: v for v in load()["templating"]["list"]}["role"]["query"]
-    m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", definition)
-    assert m, definition
-    assert m[1] in catalog and m[2] in catalog[m[1]], definition
+@pytest.mark.parametrize("name", ["role", "namespace"])
+def test_the_variables_query_an_exported_label_and_all_matches_compose(catalog, name):
+    variable = {v["name"]: v for v in load()["templating"]["list"]}[name]
+    m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variable["query"])
+    assert m, variable["query"]
+    assert m[1] in catalog and m[2] in catalog[m[1]], variable["query"]
+    # All = .*, which also matches a series without the label (compose has no namespace): never an empty union.
+    assert variable["includeAll"] and variable["allValue"] == ".*" and variable["current"]["value"] == ["$__all"]
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric name, its matchers' text) of every opsd_/redis_/DCGM_ selector in an expression."""
+    return re.findall(r"\b(opsd_\w+|redis_\w+|DCGM_\w+)(?:\{([^}]*)\})?", re.sub(r'"[^"]*"', '""', expr))
+
+
+def test_every_opsd_and_redis_query_is_filtered_to_the_chosen_runs():
+    unfiltered = [(title, name) for title, t in queries(load()) for name, matchers in selectors(t["expr"])
+                  if not name.startswith("DCGM_") and 'namespace=~""' not in matchers.replace("$namespace", "")]
+    assert not unfiltered, f"selectors without namespace=~\"$namespace\": {unfiltered}"
+
+
+def test_the_gpu_panels_show_only_the_gpus_of_opsd_pods():
+    """Each DCGM series is kept only if an opsd series of the chosen namespace and roles has its (namespace, pod):
+    the GPUs of the run's pods, not every GPU of the cluster (tests/test_dashboard_promql.py evaluates it)."""
+    gpu = [(title, t["expr"]) for title, t in queries(load()) if "DCGM_" in t["expr"]]
+    assert len(gpu) >= 2
+    for title, expr in gpu:
+        assert re.search(r'\) and on \(namespace, pod\) opsd_groups_total\{namespace=~"\$namespace", role=~"\$role"\}\)$',
+                         expr), title
+        for label in ("namespace", "pod"):
+            assert f'"{label}", "$1", "exported_{label}", "(.+)"' in expr, (title, label)
 
 
 def test_every_opsd_metric_is_on_the_dashboard(catalog):

@@ -101,7 +101,8 @@ class Build:
         return w
 
     def env(self, container: dict) -> dict[str, str]:
-        """A container's environment as Kubernetes would set it (Secret values as <secret:NAME/KEY>)."""
+        """A container's environment as Kubernetes would set it (Secret values as <secret:NAME/KEY>, downward API
+        resource values as <resource:NAME>)."""
         env: dict[str, str] = {}
         for src in container.get("envFrom", []):
             env.update(self.get("ConfigMap", src["configMapRef"]["name"])["data"])
@@ -111,6 +112,8 @@ class Build:
                 env[e["name"]] = f"<secret:{ref['secretKeyRef']['name']}/{ref['secretKeyRef']['key']}>"
             elif "configMapKeyRef" in ref:
                 env[e["name"]] = self.get("ConfigMap", ref["configMapKeyRef"]["name"])["data"][ref["configMapKeyRef"]["key"]]
+            elif "resourceFieldRef" in ref:
+                env[e["name"]] = f"<resource:{ref['resourceFieldRef']['resource']}>"
             else:
                 env[e["name"]] = e["value"]
         return env
@@ -446,7 +449,8 @@ def test_the_podmonitor_scrapes_every_role(build):
     if build.path == "base":  # the overlays add k8s/components/monitoring
         assert not build.of("PodMonitor")
         return
-    (pm,) = build.of("PodMonitor")
+    assert build.names("PodMonitor") == {"opsd", "opsd-redis"}
+    pm = build.get("PodMonitor", "opsd")
     assert pm["apiVersion"] == CRD_KINDS["PodMonitor"]
     selector = pm["spec"]["selector"]
     assert selector["matchLabels"]["app.kubernetes.io/part-of"] == "opsd"
@@ -458,6 +462,15 @@ def test_the_podmonitor_scrapes_every_role(build):
             assert ep["port"] in ports and ep["path"] == "/metrics"
     redis = build.get("Deployment", "redis")
     assert redis is None or not selects(selector, pod_labels(redis))  # no /metrics there
+    # Redis's own: its exporter sidecar's port (with an external Redis, no pod: it selects nothing).
+    redis_pm = build.get("PodMonitor", "opsd-redis")
+    if redis is not None:
+        assert selects(redis_pm["spec"]["selector"], pod_labels(redis))
+        ports = {p["name"] for c in pod_spec(redis)["containers"] for p in c.get("ports", [])}
+        assert [(ep["port"], ep["path"]) for ep in redis_pm["spec"]["podMetricsEndpoints"]] == [("metrics", "/metrics")]
+        assert "metrics" in ports
+    for role in ROLES:
+        assert not selects(redis_pm["spec"]["selector"], pod_labels(build.role(role)))
 
 
 # --- workloads ---------------------------------------------------------------------------------
@@ -519,6 +532,8 @@ def test_every_workload_is_hardened_and_references_what_exists(build):
                 elif "configMapKeyRef" in ref:
                     cm = build.get("ConfigMap", ref["configMapKeyRef"]["name"])
                     assert cm is not None and ref["configMapKeyRef"]["key"] in cm["data"], (name, e)
+                elif "resourceFieldRef" in ref:  # the downward API: this container's own resources
+                    assert ref["resourceFieldRef"]["containerName"] == c["name"], (name, e)
                 else:
                     # $(VAR) expands only from variables defined before it.
                     for var in re.findall(r"\$\((\w+)\)", e["value"]):
@@ -587,9 +602,11 @@ def test_the_in_cluster_redis(build):
     assert major and int(major.group(1)) >= 7, "opsd's streams need Redis 7 (XAUTOCLAIM's deleted-entry list)"
     script = c["command"][-1]
     assert c["command"][:2] == ["sh", "-c"] and "args" not in c
-    assert "--appendonly yes --appendfsync always" in script
+    # maxmemory/noeviction and the append-only file: tests/test_redis_memory.py runs the script and its config.
+    assert "maxmemory-policy noeviction" in script and "appendfsync always" in script
     # The password reaches redis-server through a private config file, never its command line.
-    assert "umask 077" in script and 'requirepass "%s"' in script and '"$REDIS_PASSWORD" > /tmp/redis.conf' in script
+    assert "umask 077" in script and 'requirepass "%s"' in script
+    assert re.search(r'^\' "\$REDIS_PASSWORD" .*> /tmp/redis\.conf$', script, re.M), "printf's argument, not its format"
     assert "--requirepass" not in script and "$(REDIS_PASSWORD)" not in script
     assert "exec redis-server /tmp/redis.conf" in script
     assert build.env(c)["REDIS_PASSWORD"] == f"<secret:{SECRET}/redis-password>"
@@ -597,6 +614,16 @@ def test_the_in_cluster_redis(build):
     assert mount(redis, "/data")["persistentVolumeClaim"]["claimName"] == "redis-data"
     assert redis["spec"]["strategy"]["type"] == "Recreate"
     assert build.get("Service", "redis")["spec"]["ports"][0]["port"] == 6379
+    # The exporter sidecar: pinned, the password from the Secret, Redis over the pod's loopback, no /scrape.
+    (exporter,) = [x for x in pod_spec(redis)["containers"] if x["name"] == "exporter"]
+    assert exporter["image"] == "oliver006/redis_exporter:v1.88.0"
+    env = build.env(exporter)
+    assert env["REDIS_PASSWORD"] == f"<secret:{SECRET}/redis-password>"
+    assert env["REDIS_ADDR"] == "redis://localhost:6379" and env["REDIS_EXPORTER_DISABLE_SCRAPE_ENDPOINT"] == "true"
+    assert [(p["name"], p["containerPort"]) for p in exporter["ports"]] == [("metrics", 9121)]
+    assert exporter["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    tmp = {x["name"]: next(m["name"] for m in x["volumeMounts"] if m["mountPath"] == "/tmp") for x in (c, exporter)}
+    assert tmp["redis"] != tmp["exporter"], "redis.conf in redis's /tmp holds the password"
 
 
 def test_the_shared_volume(build):
@@ -733,7 +760,8 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
                 assert peer.get("ipBlock", {}).get("cidr") != "0.0.0.0/0", p["metadata"]["name"]
 
     def pod(w):
-        return Pod(NAMESPACE, pod_labels(w), {p["name"]: p["containerPort"] for p in container(w).get("ports", [])})
+        return Pod(NAMESPACE, pod_labels(w), {p["name"]: p["containerPort"] for c in pod_spec(w)["containers"]
+                                              for p in c.get("ports", [])})
 
     roles = {r: pod(build.role(r)) for r in ROLES}
     redis_w = build.get("Deployment", "redis")
@@ -789,6 +817,8 @@ def test_network_policies_allow_the_flows_and_nothing_more(build):
     if redis_w is not None:
         assert flow_allowed(policies, keda, redis, 6379), "the KEDA operator polls the streams"
         assert not flow_allowed(policies, stranger, redis, 6379)
+        assert flow_allowed(policies, prometheus, redis, 9121), "Prometheus scrapes the Redis exporter"
+        assert not flow_allowed(policies, stranger, redis, 9121) and not flow_allowed(policies, keda, redis, 9121)
         assert not flow_allowed(policies, prometheus, redis, 6379)
         for host in INTERNET:
             assert not flow_allowed(policies, host, redis, 6379) and not flow_allowed(policies, redis, host, 443)
@@ -819,7 +849,7 @@ def test_the_redis_start_script_refuses_a_password_unsafe_in_a_url(tmp_path):
     assert p.returncode == 0, p.stderr
     args, config = p.stdout.split("CONFIG:\n")
     assert f'requirepass "{GOOD_REDIS_PASSWORD}"' in config and GOOD_REDIS_PASSWORD not in args
-    assert "--appendonly yes --appendfsync always --dir /data" in args
+    assert "appendonly yes\nappendfsync always\n" in config and "dir /data\n" in config
     for i, bad in enumerate(BAD_REDIS_PASSWORDS):
         p, conf = run_redis_start_script(script, bad, tmp_path / f"bad{i}")
         assert p.returncode == 1 and not conf.exists() and "ARGS" not in p.stdout, (bad, p.stdout, p.stderr)

@@ -31,12 +31,13 @@ import redis
 
 from opsd import metrics, wire
 from opsd.config import REDIS_RETRY_WAIT_MAX_S
-from opsd.queue import Delivery, StreamNames, StreamQueue
+from opsd.queue import Delivery, RedisFullError, StreamNames, StreamQueue
 from opsd.envs import task_group
 from opsd.types import TaskGroup
 
 log = logging.getLogger("trainer")
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# A lost connection, or a full Redis (maxmemory) that refused a write, writing nothing: both pass with time.
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, RedisFullError)
 
 
 def group_id(step: int, task_id: str) -> str:
@@ -407,7 +408,7 @@ class Collector:
 
 
 class Backoff:
-    """Waits after a Redis connection failure: 1 s, doubling to 30 s; `reset` after a success.
+    """Waits after a Redis connection failure or a full Redis: 1 s, doubling to 30 s; `reset` after a success.
 
     beat: called before each wait (the trainer's `Liveness.beat`): riding out a Redis outage is not a hang.
     """
@@ -418,9 +419,10 @@ class Backoff:
         self.delay = first_s
 
     def wait(self, error: Exception) -> None:
-        """Log and count the failure, then sleep (returns early when `stop` is set)."""
+        """Log and count the failure (a full Redis is no reconnect), then sleep (returns early when `stop` is set)."""
         self.beat()
-        metrics.REDIS_RECONNECTS.labels(self.role).inc()
+        if not isinstance(error, RedisFullError):
+            metrics.REDIS_RECONNECTS.labels(self.role).inc()
         log.warning("redis unavailable (%s: %s); retrying in %.0fs", type(error).__name__, error, self.delay)
         self.stop.wait(self.delay)
         self.delay = min(self.delay * 2, self.max_s)
