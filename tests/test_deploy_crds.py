@@ -58,7 +58,7 @@ def render(overlay: str, component: str | None, tmp: Path) -> list[dict]:
         k = yaml.safe_load((source / "kustomization.yaml").read_text())
         work = tmp / f"{overlay}+{component}"
         work.mkdir(parents=True)
-        for key in ("resources", "components"):
+        for key in ("resources", "components", "transformers"):
             k[key] = [os.path.relpath((source / p).resolve(), work) for p in k.get(key, [])]
         k["components"].append(os.path.relpath(K8S / "components" / component, work))
         (work / "kustomization.yaml").write_text(yaml.safe_dump(k))
