@@ -13,21 +13,17 @@ prove each check can fail.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from functools import cache
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
 
-from tests.deploy_tools import ROOT, run_tool, tool
+from tests.deploy_tools import CRDS, ROOT, check, crd_errors, crd_schemas, run_tool, tool
 
 K8S = ROOT / "k8s"
-CRDS = K8S / "crds"
-K8S_VERSION = "1.34.0"  # a recent release that kubernetes-validate 1.37 bundles (as tests/test_deploy_k8s.py)
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").is_file())
 # A wrong type (or format) per custom kind: a field path in the gpu overlay's object, and a value the CRD refuses.
@@ -72,66 +68,6 @@ def tmp(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------ the CRD schemas
-@cache
-def crd_schemas() -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> the vendored file's content, for every k8s/crds/*.json."""
-    out = {}
-    for path in sorted(CRDS.glob("*.json")):
-        crd = json.loads(path.read_text())
-        out[(f"{crd['group']}/{crd['version']}", crd["kind"])] = crd
-    assert out, "no CRD schema in k8s/crds (scripts/crd_schemas.py writes them)"
-    return out
-
-
-def structural(schema):
-    """A CRD's openAPIV3Schema as JSON Schema with the API server's rules: an object that lists its properties
-    takes no other field (unless x-kubernetes-preserve-unknown-fields), `nullable` admits null."""
-    if isinstance(schema, list):
-        return [structural(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "properties":
-            out[key] = {name: structural(sub) for name, sub in value.items()}
-        elif key in ("items", "additionalProperties", "not", "allOf", "anyOf", "oneOf"):
-            out[key] = structural(value)
-        else:
-            out[key] = value
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
-        out["additionalProperties"] = False
-    if out.get("nullable") and "type" in out:
-        out["type"] = [out["type"], "null"]
-    return out
-
-
-def crd_errors(obj: dict) -> list[str]:
-    """What the pinned CRD's schema finds wrong with custom resource `obj` ([] = valid)."""
-    schema = structural(crd_schemas()[(obj["apiVersion"], obj["kind"])]["openAPIV3Schema"])
-    validator = jsonschema.Draft4Validator(schema)  # OpenAPI 3.0's schema objects are JSON Schema draft 4's
-    return [f"{obj['kind']}/{obj['metadata']['name']} at {'.'.join(map(str, e.absolute_path)) or '(root)'}: "
-            f"{e.message}" for e in validator.iter_errors(obj)]
-
-
-def core_errors(objs: list[dict]) -> list[str]:
-    """kubernetes-validate --strict over `objs`: its errors, and any object it has no schema for."""
-    if not objs:
-        return []
-    out = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, "-"],
-                   stdin=yaml.safe_dump_all(objs)).stdout
-    problems = [line for line in out.splitlines() if line.startswith(("ERROR", "FATAL"))]
-    problems += [f"no schema for {kind} {version}: a custom resource? pin its CRD in k8s/crds/pins.yaml"
-                 for kind, version in re.findall(r"Couldn't find schema for kind (\S+) with api version (\S+)", out)]
-    return problems
-
-
-def check(objs: list[dict]) -> tuple[list[str], int]:
-    """(problems, how many objects went through a CRD schema) for a list of rendered objects."""
-    custom = [o for o in objs if (o["apiVersion"], o["kind"]) in crd_schemas()]
-    core = [o for o in objs if (o["apiVersion"], o["kind"]) not in crd_schemas()]
-    return [p for o in custom for p in crd_errors(o)] + core_errors(core), len(custom)
-
-
 # ------------------------------------------------------------------ the checks
 @pytest.mark.parametrize(("overlay", "component"), builds(), ids=lambda x: x or "as shipped")
 def test_every_rendered_object_passes_its_schema(overlay, component, tmp):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
-import json
 import math
 import os
 import re
@@ -30,7 +29,7 @@ import yaml
 from opsd.auth import OPEN_PATHS
 from opsd.config import RunConfig
 from opsd.queue import StreamNames
-from tests.deploy_tools import BAD_REDIS_PASSWORDS, GOOD_REDIS_PASSWORD, ROOT, run_redis_start_script, run_tool, tool
+from tests.deploy_tools import BAD_REDIS_PASSWORDS, GOOD_REDIS_PASSWORD, ROOT, check, run_redis_start_script, run_tool, tool
 
 K8S = ROOT / "k8s"
 BUILDS = ("base", "overlays/cpu-demo", "overlays/gpu")
@@ -1010,7 +1009,7 @@ def test_the_trainer_pods_start_torchrun_with_their_node_rank(tmp_path, worker_n
 def test_two_runs_in_two_namespaces_render_apart(tmp_path):
     """Two runs from the README's run parameters: every object of each lives in its namespace, and nothing
     (Redis address, KEDA's addresses and streams, selectors, Service names, volumes) names the other run or
-    the defaults (namespace opsd, run quickstart); both validate."""
+    the defaults (namespace opsd, run quickstart); both validate, custom resources against their CRDs' schemas."""
     runs = {"team-kestrel": ("kestrel7", 0), "team-osprey": ("osprey9", 2)}  # names no other text contains
     builds = {ns: run_copy(tmp_path / ns, ns, name, nodes) for ns, (name, nodes) in runs.items()}
     allowed_namespaces = {"kube-system", "monitoring", "keda"}  # DNS, Prometheus, the KEDA operator
@@ -1018,6 +1017,8 @@ def test_two_runs_in_two_namespaces_render_apart(tmp_path):
         name, nodes = runs[ns]
         other_ns, (other_name, _) = next((n, r) for n, r in runs.items() if n != ns)
         validate(b.text)
+        problems, custom = check(b.docs)  # the custom resources (KEDA's, the PodMonitors) against their pinned CRDs
+        assert not problems and custom >= 4, problems
         assert [d["metadata"]["name"] for d in b.of("Namespace")] == [ns]
         for d in b.docs:
             if d["kind"] not in CLUSTER_SCOPED:
