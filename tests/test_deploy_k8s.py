@@ -834,7 +834,7 @@ def test_the_readme_says_how_to_create_the_secret_and_switch_redis():
                    "publishNotReadyAddresses", "podFailurePolicy", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_IB_HCA",
                    "IPC_LOCK", "hostNetwork", "enforce: privileged", "Multus", "HF_HUB_OFFLINE=1", "hf-token",
                    "Air-gapped", "OPSD_RUN_NAME", "OPSD_TRAINER_WORKER_NODES", "Helm", "priorityclass.yaml",
-                   "commit 8b4f083", "redis_scaler.go", "Never run here"):
+                   "v2.20.2, commit 68a5b50", "redis_scaler.go", "Never run here"):
         assert needle in text, needle
     for block in re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S):
         yaml.safe_load(block)  # what users copy must at least parse
@@ -988,9 +988,13 @@ def trainer_argv(build: Build, job: str, tmp_path: Path, index: int | None = Non
 def test_the_trainer_pods_start_torchrun_with_their_node_rank(tmp_path, worker_nodes):
     """Each pod's script gives torchrun (its own argument parser) the node count, its node rank, the rendezvous
     and the run directory of the run's name; one node by default."""
-    from torch.distributed.run import parse_args
+    from torch.distributed.run import config_from_args, parse_args
 
     b = run_copy(tmp_path / "run", "team-t", "tnodes", worker_nodes)
+    wait = int(b.generated("opsd-trainer")["data"]["OPSD_RENDEZVOUS_TIMEOUT_S"])
+    startup = container(b.role("trainer"))["startupProbe"]
+    # Rank 0 turns ready only after the rendezvous: its startup budget is that wait plus 20 min of loading.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= wait + 1200
     pods = [("trainer", 0, None)] + [("trainer-workers", i + 1, i) for i in range(b.role("trainer-workers")["spec"]["completions"])]
     assert len(pods) == worker_nodes + 1
     for job, rank, index in pods:
@@ -1001,6 +1005,28 @@ def test_the_trainer_pods_start_torchrun_with_their_node_rank(tmp_path, worker_n
         assert (args.master_addr, args.master_port) == ("trainer-0.trainer-peers", 29500)
         assert args.module and args.training_script == "services.trainer"
         assert args.training_script_args == ["--config", "/etc/opsd/run.yaml", "--run-dir", "/data/runs/tnodes"]
+        # What torchrun's static rendezvous reads as its TCPStore timeout (static_tcp_rendezvous.py: int(timeout)).
+        config, _, _ = config_from_args(args)
+        assert (config.rdzv_backend, int(config.rdzv_configs["timeout"])) == ("static", wait)
+
+
+def test_the_readme_multi_gpu_snippet_gives_each_trainer_pod_its_ranks_and_gpus(tmp_path):
+    """k8s/README.md, "The trainer across nodes": OPSD_NPROC_PER_NODE and the GPU limit of both Jobs move together."""
+    b = overlay_copy(tmp_path / "overlay", "gpu", add=readme_block("The trainer across nodes"))
+    validate(b.text)
+    for job in TRAINER_JOBS:
+        c = container(b.role(job))
+        assert int(c["resources"]["limits"][GPU]) == int(b.env(c)["OPSD_NPROC_PER_NODE"]) == 4, job
+    argv = trainer_argv(b, "trainer", tmp_path / "argv")
+    assert argv[argv.index("--nproc-per-node") + 1] == "4"
+
+
+def test_the_readme_run_directory_is_not_ignored_by_git():
+    """k8s/README.md suggests committing a run at k8s/runs/<name>/; only the repo root's runs/ (outputs) is ignored."""
+    text = (K8S / "README.md").read_text()
+    (path,) = set(re.findall(r"`(k8s/runs/[a-z0-9-]+/kustomization\.yaml)`", text))
+    for p, ignored in ((path, False), ("runs/bench/x.json", True)):  # check-ignore: 0 ignored, 1 not
+        assert subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT).returncode == (0 if ignored else 1), p
 
 
 # --- one run, one parameter set ----------------------------------------------------------------

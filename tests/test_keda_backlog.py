@@ -1,6 +1,6 @@
 """The metric KEDA scales rollout and teacher on (k8s/components/keda/keda.yaml) equals the backlog, on a real Redis.
 
-KEDA v2.20's redis-streams scaler (pkg/scalers/redis_streams_scaler.go, commit 8b4f083, 2026-08-20): a trigger
+KEDA v2.20.2's redis-streams scaler (pkg/scalers/redis_streams_scaler.go, commit 68a5b50, as at 8b4f083): a trigger
 without `consumerGroup` issues XLEN on the stream; with `consumerGroup` and `lagCount` it issues XINFO GROUPS and
 takes the group's `lag` (nil read as 0). opsd's workers ack AND delete each entry (`StreamQueue.ack`), so the
 backlog (entries waiting + in flight) is what XLEN counts, whatever order the jobs finish in; the lag is not.
