@@ -55,7 +55,7 @@ class RedisFullError(redis.OutOfMemoryError):
     """
 
 
-def _full(e: redis.ResponseError, what: str) -> redis.ResponseError:
+def full_error(e: redis.ResponseError, what: str) -> redis.ResponseError:
     """`e` as a RedisFullError naming `what` was refused, if it is Redis's OOM refusal; else `e` itself.
 
     Redis replies OOM (redis-py's OutOfMemoryError), except Redis 6.2 from inside a script: an ERR quoting it.
@@ -202,7 +202,7 @@ def produce_message(client: redis.Redis, stream: str, msg: Any, max_bytes: int) 
     try:
         return _s(client.xadd(stream, {"data": data}))
     except redis.ResponseError as e:
-        raise _full(e, f"adding an entry to {stream}") from e
+        raise full_error(e, f"adding an entry to {stream}") from e
 
 
 def _s(value: bytes | str) -> str:
@@ -277,13 +277,26 @@ class StreamQueue:
         """Create the stream (if missing) and the consumer group (if missing).
 
         The group starts at id 0, so entries produced before any consumer
-        started are delivered too. Raises redis.RedisError on other failures.
+        started are delivered too. Raises RedisFullError (Redis at maxmemory, the group missing: nothing
+        written) or redis.RedisError on other failures.
         """
         try:
             self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
         except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+            if "BUSYGROUP" in str(e):
+                return
+            full = full_error(e, f"creating consumer group {self.group} on {self.stream}")
+            # A full Redis refuses the create before it sees the group exists: a restarted reader (the one that
+            # would free memory) must still start.
+            if isinstance(full, RedisFullError) and self._group_exists():
+                return
+            raise full from e
+
+    def _group_exists(self) -> bool:
+        try:
+            return any(_s(g["name"]) == self.group for g in self.client.xinfo_groups(self.stream))
+        except redis.ResponseError:  # no such stream
+            return False
 
     def _lost_group(self, e: redis.ResponseError) -> bool:
         """True (after re-creating the group) if `e` says the stream or group is gone."""
@@ -453,7 +466,7 @@ class StreamQueue:
         except redis.ResponseError as e:
             if self._lost_group(e):
                 return False
-            raise _full(e, f"dead-lettering {self.stream}'s entry {entry_id} (it stays pending)") from e
+            raise full_error(e, f"dead-lettering {self.stream}'s entry {entry_id} (it stays pending)") from e
         if done:
             MESSAGES_REJECTED.labels(role=self.role, stream=self.stream, reason=reason).inc()
         return bool(done)
@@ -505,7 +518,7 @@ class StreamQueue:
         except redis.ResponseError as e:
             if self._lost_group(e):
                 return None
-            raise _full(e, f"writing to {out_stream} (input {entry_id} of {self.stream} stays pending)") from e
+            raise full_error(e, f"writing to {out_stream} (input {entry_id} of {self.stream} stays pending)") from e
         return _s(out_id) if done else None
 
     def keep_alive(self, entry_ids: list[str]) -> int:

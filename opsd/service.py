@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -58,6 +59,11 @@ PARENT_PID_ENV = "OPSD_PARENT_PID"  # set by `opsd run`: its roles stop when it 
 # "1": the trainer exits 0 after writing DONE instead of serving on (a Kubernetes Job completes and frees its GPUs).
 # A platform setting, not a run's (never hashed or resumed); `opsd run` removes it: its supervisor needs the trainer up.
 EXIT_WHEN_DONE_ENV = "OPSD_EXIT_WHEN_DONE"
+# Kubernetes (ConfigMap opsd-run): the run's name. The roles' run directory is /data/runs/<it> and KEDA's stream
+# names opsd:<it>:... (k8s/run), which match the prefix a role derives from its run directory's name only for a
+# name that is one path component: a DNS label, as k8s/README.md asks.
+RUN_NAME_ENV = "OPSD_RUN_NAME"
+_RUN_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
 def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, Any]], *,
@@ -207,6 +213,7 @@ class RoleProcess:
             cfg = RunConfig.load(config_path)
             if os.environ.get(PORT_ENV):
                 env_port(os.environ[PORT_ENV])
+            check_run_name(run_dir)
         except (OSError, ValueError, yaml.YAMLError) as e:  # pydantic's ValidationError is a ValueError
             fatal(role, str(e))
         # `opsd run` sets the prefix in the resolved config; a role started by a container platform
@@ -314,6 +321,25 @@ def embedder_url(run_dir: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
         logging.getLogger("opsd.service").warning("unreadable embedder port file (%s)", e)
         return None
+
+
+def check_run_name(run_dir: str | os.PathLike) -> None:
+    """Check OPSD_RUN_NAME, when set (Kubernetes): a DNS label (a-z, 0-9, '-'; 1-63 characters; a letter or digit
+    first and last) that names `run_dir`.
+
+    Raises ValueError naming the variable otherwise: a name such as "a/b", ".." or "" would give the roles
+    another stream prefix (opsd:<the run directory's name>) than the one KEDA polls (opsd:<OPSD_RUN_NAME>),
+    and the workers would never scale while the run waits.
+    """
+    name = os.environ.get(RUN_NAME_ENV)
+    if name is None:
+        return
+    if not _RUN_NAME.fullmatch(name):
+        raise ValueError(f"{RUN_NAME_ENV}={name!r} (ConfigMap opsd-run) is not a DNS label: 1 to 63 characters "
+                         "a-z, 0-9 and '-', a letter or digit first and last")
+    if Path(run_dir).resolve().name != name:
+        raise ValueError(f"{RUN_NAME_ENV}={name!r} but the run directory is {run_dir}: KEDA polls the streams "
+                         f"opsd:{name}:..., the roles would use opsd:{Path(run_dir).resolve().name}:...")
 
 
 def fatal(role: str, reason: str) -> NoReturn:

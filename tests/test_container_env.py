@@ -97,6 +97,32 @@ def test_a_role_that_cannot_start_says_why_and_exits_fatal(tmp_path, keep_signal
     assert {"missing config": "c.yaml", "bad config": "steps", "bad port": "OPSD_PORT"}[problem] in err
 
 
+@pytest.mark.parametrize("name", ["a/b", "..", "", "Team-A", "team_a", "a.b", "-a", "a-", "x" * 64, "a b"])
+def test_a_run_name_that_is_no_dns_label_is_fatal(tmp_path, keep_signals, monkeypatch, capsys, name):
+    """k8s: the run dir is /data/runs/$(OPSD_RUN_NAME); any other name would make the roles' stream prefix
+    (the directory's name: "b" for "a/b", "runs" for "") differ from the streams KEDA polls (opsd:<name>)."""
+    monkeypatch.delenv("OPSD_PARENT_PID", raising=False)
+    monkeypatch.setenv("OPSD_RUN_NAME", name)
+    with pytest.raises(SystemExit) as exit_:
+        RoleProcess.start("rollout", str(write_config(tmp_path / "c.yaml")), f"{tmp_path}/runs/{name}")
+    assert exit_.value.code == FATAL_EXIT
+    assert "OPSD_RUN_NAME" in capsys.readouterr().err
+
+
+def test_a_run_name_must_name_the_run_dir(tmp_path, keep_signals, monkeypatch, capsys):
+    monkeypatch.delenv("OPSD_PARENT_PID", raising=False)
+    config = str(write_config(tmp_path / "c.yaml"))
+    monkeypatch.setenv("OPSD_RUN_NAME", "team-a")
+    assert RoleProcess.start("rollout", config, str(tmp_path / "runs" / "team-a")).cfg.redis.stream_prefix == "opsd:team-a"
+    monkeypatch.setenv("OPSD_RUN_NAME", "7" + "x" * 62)  # the longest label, a digit first
+    assert RoleProcess.start("rollout", config, str(tmp_path / "runs" / ("7" + "x" * 62))).cfg.redis.stream_prefix == \
+        "opsd:7" + "x" * 62
+    monkeypatch.setenv("OPSD_RUN_NAME", "team-a")
+    with pytest.raises(SystemExit):
+        RoleProcess.start("rollout", config, str(tmp_path / "runs" / "team-b"))
+    assert "the run directory is" in capsys.readouterr().err
+
+
 def test_a_role_creates_its_event_counters_at_zero(tmp_path, keep_signals, monkeypatch):
     """rate()/increase() need a sample before the first event, or the first outage never shows."""
     monkeypatch.delenv("OPSD_PARENT_PID", raising=False)

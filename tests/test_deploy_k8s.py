@@ -969,6 +969,13 @@ def test_the_trainer_jobs(build):
 def trainer_argv(build: Build, job: str, tmp_path: Path, index: int | None = None) -> list[str]:
     """What the Job's container runs: its `sh -c` script under /bin/sh with the pod's environment (a fake
     python first on PATH prints its arguments)."""
+    p = run_trainer_script(build, job, tmp_path, index)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+def run_trainer_script(build: Build, job: str, tmp_path: Path, index: int | None = None) -> subprocess.CompletedProcess:
+    """The Job's `sh -c` script run under /bin/sh with the pod's environment and a fake python (`trainer_argv`)."""
     c = container(build.role(job))
     assert c["command"] == ["sh", "-c"] and len(c["args"]) == 1
     bin_dir = tmp_path / "bin"
@@ -979,9 +986,7 @@ def trainer_argv(build: Build, job: str, tmp_path: Path, index: int | None = Non
     env["PATH"] = f"{bin_dir}:/usr/bin:/bin"
     if index is not None:
         env["JOB_COMPLETION_INDEX"] = str(index)  # the Job controller's, in an Indexed Job's pods
-    p = subprocess.run(["/bin/sh", "-c", c["args"][0]], capture_output=True, text=True, env=env, timeout=30)
-    assert p.returncode == 0, p.stderr
-    return p.stdout.splitlines()
+    return subprocess.run(["/bin/sh", "-c", c["args"][0]], capture_output=True, text=True, env=env, timeout=30)
 
 
 @pytest.mark.parametrize("worker_nodes", [0, 2])
@@ -1027,6 +1032,17 @@ def test_the_readme_run_directory_is_not_ignored_by_git():
     (path,) = set(re.findall(r"`(k8s/runs/[a-z0-9-]+/kustomization\.yaml)`", text))
     for p, ignored in ((path, False), ("runs/bench/x.json", True)):  # check-ignore: 0 ignored, 1 not
         assert subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT).returncode == (0 if ignored else 1), p
+
+
+def test_a_negative_worker_node_count_fails_the_trainer_jobs_with_its_name(tmp_path):
+    """OPSD_TRAINER_WORKER_NODES=-1 renders and passes the schemas (nothing bounds completions there), and rank 0's
+    script would start torchrun with --nnodes 0: each trainer pod refuses it, exit 3 (podFailurePolicy FailJob)."""
+    b = run_copy(tmp_path / "run", "team-t", "tnodes", -1)
+    validate(b.text)
+    for job, index in (("trainer", None), ("trainer-workers", 0)):
+        p = run_trainer_script(b, job, tmp_path / job, index)
+        assert p.returncode == 3 and not p.stdout, (job, p.stdout)
+        assert "OPSD_TRAINER_WORKER_NODES=-1 (ConfigMap opsd-run): expected a whole number >= 0" in p.stderr
 
 
 # --- one run, one parameter set ----------------------------------------------------------------

@@ -181,6 +181,7 @@ def worker(out: Path) -> None:
     (out / f"mismatch.rank{world.rank}.json").write_text(json.dumps(outcome))
 
     resume_on_two_nodes(world, out)
+    hostile_resume_headers(world, out)
     torch.distributed.destroy_process_group()
     print(f"{time.perf_counter() - T0:.1f}s: done", flush=True)
 
@@ -224,6 +225,40 @@ def resume_on_two_nodes(world, out: Path) -> None:
     except RuntimeError as e:
         outcome = str(e)
     (out / f"resume-refused.rank{world.rank}.json").write_text(json.dumps(outcome))
+
+
+def hostile_resume_headers(world, out: Path) -> None:
+    """Rank 0 sends resume headers rank 1 cannot read or must not trust, then joins share_resume's agreement as
+    share_resume's rank 0 does; rank 1 runs share_resume. Each must be refused on both ranks, none crash or wait."""
+    from opsd.config import config_hash, hashed_config
+    from services.trainer.distributed import all_reduce, send, share_resume
+
+    model = tiny_model()
+    opt = optimizer_of(model, "adamw")
+    good = {"step": 1, "config_hash": config_hash(hashed_config(run_config())), "scalars": {},
+            "param_groups": opt.state_dict()["param_groups"],
+            "tensors": [[f"model.{k}", "float32", list(v.shape)] for k, v in model.state_dict().items()]}
+    first = good["tensors"][0]
+    headers = [
+        Message("resume", args={**good, "tensors": [[first[0], ["float32"], first[2]]]}),  # unhashable dtype
+        Message("resume", args={**good, "tensors": 7}),
+        Message("resume", args={**good, "tensors": [*good["tensors"], ["optimizer.\u00b2.exp_avg", "float32", [1]]]}),
+        Message("resume", args={**good, "tensors": [*good["tensors"], first]}),  # one name twice: one broadcast too many
+        Message("resume", args={**good, "tensors": [*good["tensors"], ["optimizer.0.step", "float32", [1] * 100]]}),
+        Message("update"),
+    ]
+    outcomes = []
+    for msg in headers:
+        if world.rank == 0:
+            send(world, msg)
+            outcomes.append(all_reduce([0.0], "max", world)[0])  # 1.0: a rank refused it
+            continue
+        try:
+            share_resume(world, model, opt, None, good["config_hash"])
+            outcomes.append("no error")
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    (out / f"resume-hostile.rank{world.rank}.json").write_text(json.dumps(outcomes))
 
 
 def write_resume_checkpoint(out: Path) -> Path:
@@ -395,6 +430,20 @@ def test_a_rank_with_another_config_refuses_the_resume_and_every_rank_raises(wor
     outcomes = [json.loads((out / f"resume-refused.rank{r}.json").read_text()) for r in range(2)]
     assert "every node must run the same config file" in outcomes[1]
     assert "another rank refused" in outcomes[0]
+
+
+def test_a_resume_header_rank_1_cannot_read_is_refused_on_every_rank_and_none_waits(world_run):
+    out, _ = world_run
+    refused = json.loads((out / "resume-hostile.rank0.json").read_text())
+    reasons = json.loads((out / "resume-hostile.rank1.json").read_text())
+    assert refused == [1.0] * 6
+    assert all(r.startswith("rank 1: ") for r in reasons), reasons
+    assert "malformed resume message from rank 0: TypeError" in reasons[0]
+    assert "malformed resume message from rank 0: TypeError" in reasons[1]
+    assert "malformed resume message from rank 0: ValueError" in reasons[2]
+    assert reasons[3].endswith("model.embed_tokens.weight is named twice")
+    assert "optimizer.0.step is torch.float32[1, 1," in reasons[4]
+    assert reasons[5].endswith("expected rank 0's resume message, got 'update'")
 
 
 def test_the_compose_checks_patterns_match_each_ranks_real_log_lines(world_run):

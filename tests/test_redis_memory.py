@@ -25,7 +25,10 @@ from opsd.queue import RedisFullError, StreamNames, StreamQueue, produce_message
 from opsd.redis_server import _free_port, connect, find_redis_server
 from opsd.service import RoleProcess, consume_forever
 from opsd import wire
-from opsd.types import TaskGroup
+from opsd.envs import Task
+from opsd.types import RolloutGroup, TaskGroup
+from services.trainer.controller import (Backoff, Collector, DeadLetters, TaskIssuer, claim_prefix, mark_active,
+                                         set_changed, step_tasks, wait_for_groups)
 from tests.deploy_tools import GOOD_REDIS_PASSWORD, ROOT, run_redis_start_script, run_tool, tool
 from tests.factories import make_task
 
@@ -271,3 +274,100 @@ def test_a_worker_keeps_its_output_until_redis_has_room_and_does_the_job_once(fu
     assert client.xlen(names.tasks) == 0 and not client.exists(names.dead)
     worker.client.close()
 
+
+
+# ------------------------------------------------------------------ the trainer on a full Redis
+def trainer_config(prefix: str) -> RunConfig:
+    return RunConfig.model_validate({"run": {"method": "grpo", "steps": 3}, "redis": {"stream_prefix": prefix, "block_ms": 100},
+                                     "env": {"num_games": 2}, "rollout": {"group_size": 2}})
+
+
+GAMES = [Task(f"tw-{i:02d}", "1-step", {"seed": i}, gold_path=["go north"]) for i in range(4)]
+
+
+@pytest.mark.redis
+def test_a_restarted_trainer_starts_on_a_full_redis_without_writing(full_redis, tmp_path):
+    """The trainer is the reader that frees memory: its start must not need room (it crash-looped on the refused
+    XGROUP CREATE, SETs and MULTI of keys that already held what it wrote)."""
+    client, names = full_redis, StreamNames("run")
+    cfg = trainer_config(names.prefix)
+    backoff = Backoff("trainer", threading.Event(), first_s=0.05, max_s=0.1)
+    trainer = StreamQueue(client, names.rollouts, "trainer", "trainer-0", TaskGroup, role="trainer", max_bytes=LIMIT,
+                          dead_stream=names.dead)
+    trainer.ensure_group()
+    run_id = claim_prefix(client, names, tmp_path, "hash-1", backoff)  # the first start
+    mark_active(client, names, run_id, backoff)
+    set_changed(client, f"{names.prefix}:policy_version", 1)
+    issuer = TaskIssuer(client, cfg, GAMES, LIMIT)
+    assert issuer.top_up(0, 1) == [0]
+    taken = fill(client, names.rollouts)  # the workers' outputs, waiting for the trainer
+    refusals = oom_refusals(client)
+
+    restarted = StreamQueue(client, names.rollouts, "trainer", "trainer-1", TaskGroup, role="trainer", max_bytes=LIMIT,
+                            dead_stream=names.dead)
+    restarted.ensure_group()  # refused by Redis, but the group is there
+    assert claim_prefix(client, names, tmp_path, "hash-1", backoff) == run_id
+    mark_active(client, names, run_id, backoff)
+    set_changed(client, f"{names.prefix}:policy_version", 1)
+    assert issuer.top_up(0, 1) == []  # step 0 was issued: nothing to write
+    assert oom_refusals(client) == refusals + 1  # the XGROUP CREATE alone: nothing else tried to write
+    assert client.lrange(names.active, 0, -1) == [run_id.encode()] and client.get(names.config_hash) == b"hash-1"
+
+    with pytest.raises(RedisFullError, match=f"setting {names.prefix}:policy_version was refused"):
+        set_changed(client, f"{names.prefix}:policy_version", 2)  # a change still needs room: the caller waits
+    with pytest.raises(RedisFullError, match="creating consumer group teacher on"):
+        StreamQueue(client, names.rollouts, "teacher", "teacher-0", TaskGroup, role="teacher", max_bytes=LIMIT,
+                    dead_stream=names.dead).ensure_group()
+    drain(client, names.rollouts, "trainer", taken)  # the restarted trainer reads and acks: memory is freed
+    set_changed(client, f"{names.prefix}:policy_version", 2)
+    assert client.get(f"{names.prefix}:policy_version") == b"2"
+
+
+@pytest.mark.redis
+def test_the_trainer_waits_out_a_full_redis_when_it_issues_tasks_and_at_done(full_redis):
+    """Issuing a step's tasks (a Lua script: Redis 6.2 reports its refusal as an ERR) is a RedisFullError that
+    wait_for_groups rides out with its Backoff; it used to escape as a ResponseError and kill the trainer."""
+    client, names = full_redis, StreamNames("run")
+    cfg = trainer_config(names.prefix)
+    backlog = f"{names.prefix}:backlog"
+    StreamQueue(client, backlog, "reader", "reader-0", TaskGroup, role="reader", max_bytes=LIMIT,
+                dead_stream=f"{backlog}:dead").ensure_group()
+    trainer = StreamQueue(client, names.rollouts, "trainer", "trainer-0", RolloutGroup, role="trainer", max_bytes=LIMIT,
+                          dead_stream=names.dead)
+    trainer.ensure_group()
+    client.rpush(names.active, "run-1")
+    issuer = TaskIssuer(client, cfg, GAMES, LIMIT)
+    taken = fill(client, backlog)
+    with pytest.raises(RedisFullError, match=f"issuing step 0's tasks to {names.tasks} was refused"):
+        issuer.top_up(0, 0)
+    with pytest.raises(RedisFullError, match="issuing step 0's tasks"):
+        issuer.reissue(0, {"s00000-tw-01"}, 0)
+    assert not client.exists(names.tasks) and not client.exists(f"{names.prefix}:issued_step")  # nothing half-issued
+
+    stop, errors = threading.Event(), []
+    ids = [t.group_id for t in step_tasks(cfg, GAMES, 0, 0)]
+
+    def wait():
+        try:
+            wait_for_groups(stop, cfg, issuer, Collector(trainer, 0, role="trainer"),
+                            Backoff("trainer", stop, first_s=0.05, max_s=0.2), DeadLetters(client, names.dead), ids, 0, 0)
+        except Exception as e:  # noqa: BLE001 - the test reports whatever escaped
+            errors.append(e)
+
+    refusals = oom_refusals(client)
+    loop = threading.Thread(target=wait)
+    loop.start()
+    try:
+        wait_until(lambda: oom_refusals(client) > refusals + 1, "the task issue refused twice")
+        assert loop.is_alive() and not errors
+        drain(client, backlog, "reader", taken // 2)
+        wait_until(lambda: client.exists(names.tasks) and client.xlen(names.tasks) == len(ids), "the step's tasks issued")
+    finally:
+        stop.set()
+        loop.join(timeout=30)
+    assert not loop.is_alive() and not errors, errors
+    assert client.get(f"{names.prefix}:issued_step") == b"0"
+
+    client.config_set("maxmemory", client.info("memory")["used_memory"] - (1 << 20))  # full again, at DONE
+    mark_active(client, names, None, Backoff("trainer", threading.Event()))  # a DEL alone: never refused
+    assert not client.exists(names.active)

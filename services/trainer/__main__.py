@@ -56,8 +56,8 @@ from services.trainer.checkpoint import (
     Checkpointer, CheckpointError, TrainerState, drop_optimizer_state, resume_checkpoint, save_checkpoint,
 )
 from services.trainer.controller import (
-    Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, mark_active, step_tasks,
-    wait_for_groups,
+    Backoff, Collector, DeadLetters, RunConflict, StepFailed, TaskIssuer, claim_prefix, lock_trainer, mark_active, set_changed,
+    step_tasks, wait_for_groups,
 )
 from services.trainer.distributed import init_from_env, parallelize, share_resume
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
@@ -87,7 +87,7 @@ def publish(backend, run_dir, client, prefix: str, version: int, keep: int, back
     backend.save_weights(weights_path(run_dir, version), dtype=served_dtype(backend.cfg))
     keep_snapshot(run_dir, version, snapshot_every)
     prune_versions(run_dir, version, keep)
-    backoff.retry(lambda: client.set(f"{prefix}:policy_version", version))
+    backoff.retry(lambda: set_changed(client, f"{prefix}:policy_version", version))
 
 
 def check_disk(cfg, model_dir, run_dir) -> None:

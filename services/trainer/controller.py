@@ -31,7 +31,7 @@ import redis
 
 from opsd import metrics, wire
 from opsd.config import REDIS_RETRY_WAIT_MAX_S
-from opsd.queue import Delivery, RedisFullError, StreamNames, StreamQueue
+from opsd.queue import Delivery, RedisFullError, StreamNames, StreamQueue, full_error
 from opsd.envs import task_group
 from opsd.types import TaskGroup
 
@@ -109,8 +109,8 @@ class TaskIssuer:
 
         Issued means at most `<prefix>:issued_step`; when that key is missing
         (a fresh run, or a Redis that lost its data) issuing starts at `step`.
-        Raises redis.RedisError (a step is issued whole or not at all, and once however often the client
-        re-sends it) or WireError.
+        Raises RedisFullError (Redis at maxmemory: nothing issued), redis.RedisError (a step is issued whole or
+        not at all, and once however often the client re-sends it) or WireError.
         """
         raw = self.client.get(self.key)
         first = step if raw is None else max(int(raw) + 1, step)
@@ -119,19 +119,25 @@ class TaskIssuer:
             log.warning("%s is missing (Redis lost its data?): issuing steps %d..%d again", self.key, first, last)
         for s in range(first, last + 1):
             payloads = [wire.encode(t, self.max_bytes) for t in step_tasks(self.cfg, self.games, s, version)]
-            self._issue(keys=[self.key, self.streams.tasks, self.streams.counts],
-                        args=[s, f"produced:{self.streams.tasks}", *payloads])
+            try:
+                self._issue(keys=[self.key, self.streams.tasks, self.streams.counts],
+                            args=[s, f"produced:{self.streams.tasks}", *payloads])
+            except redis.ResponseError as e:
+                raise full_error(e, f"issuing step {s}'s tasks to {self.streams.tasks}") from e
         return list(range(first, last + 1))
 
     def reissue(self, step: int, group_ids: set[str], version: int) -> None:
         """Issue again, with policy `version`, the tasks of `step` whose group id is in `group_ids`
         (their earlier copy was dead-lettered), once however often the client re-sends the call. Raises
-        redis.RedisError or WireError."""
+        RedisFullError (Redis at maxmemory: nothing issued), redis.RedisError or WireError."""
         payloads = [wire.encode(t, self.max_bytes) for t in step_tasks(self.cfg, self.games, step, version)
                     if t.group_id in group_ids]
         token = f"{self.cfg.redis.stream_prefix}:reissue:{uuid.uuid4().hex}"
-        self._reissue(keys=[token, self.streams.tasks, self.streams.counts],
-                      args=["-", f"produced:{self.streams.tasks}", *payloads])
+        try:
+            self._reissue(keys=[token, self.streams.tasks, self.streams.counts],
+                          args=["-", f"produced:{self.streams.tasks}", *payloads])
+        except redis.ResponseError as e:
+            raise full_error(e, f"issuing step {step}'s tasks {sorted(group_ids)} again") from e
 
 
     def reissue_missing(self, step: int, arrived: set[str], version: int) -> None:
@@ -203,8 +209,10 @@ def claim_prefix(client: redis.Redis, names: StreamNames, run_dir: Path, config_
         tmp.write_text(secrets.token_hex(8))
         tmp.replace(id_file)
     run_id = id_file.read_text().strip()
-    backoff.retry(lambda: client.set(names.owner, run_id, nx=True))
     owner = backoff.retry(lambda: client.get(names.owner))
+    if owner is None:
+        backoff.retry(lambda: set_changed(client, names.owner, run_id, nx=True))
+        owner = backoff.retry(lambda: client.get(names.owner))
     if owner is not None and owner.decode() != run_id:
         raise RunConflict(
             f"Redis already holds stream prefix {names.prefix!r} for another run (its run id {owner.decode()}, this run "
@@ -212,8 +220,23 @@ def claim_prefix(client: redis.Redis, names: StreamNames, run_dir: Path, config_
             f"old run's keys: redis-cli --scan --pattern '{names.prefix}:*' | xargs redis-cli del (if it is this "
             f"same run and its run_id file was lost: redis-cli get {names.owner} > {id_file})"
         )
-    backoff.retry(lambda: client.set(names.config_hash, config_hash))
+    backoff.retry(lambda: set_changed(client, names.config_hash, config_hash))
     return run_id
+
+
+def set_changed(client: redis.Redis, key: str, value: str | int, nx: bool = False) -> None:
+    """SET `key` to `value` (only if unset with `nx`) unless it holds that already.
+
+    A full Redis (maxmemory, noeviction) refuses every SET, even one that changes nothing: a restarted trainer,
+    the reader that frees memory, must get through its start without writing. Raises RedisFullError (Redis
+    refused a change: nothing written) or redis.RedisError.
+    """
+    if client.get(key) == str(value).encode():
+        return
+    try:
+        client.set(key, value, nx=nx)
+    except redis.ResponseError as e:
+        raise full_error(e, f"setting {key}") from e
 
 
 
@@ -222,15 +245,23 @@ def mark_active(client: redis.Redis, names: StreamNames, run_id: str | None, bac
 
     KEDA's `redis` list scaler reads LLEN of this key (k8s/): 1 keeps the workers up while the run trains,
     0 lets them scale to zero after DONE. Written as DEL + RPUSH in one MULTI/EXEC, so no reader ever sees
-    0 or 2 entries from a restarted trainer writing it again. Redis connection errors are ridden out with
-    `backoff` (given up once the trainer is stopping: the next start writes it again).
+    0 or 2 entries from a restarted trainer writing it again; nothing is written when it holds that already.
+    Redis connection errors and a full Redis are ridden out with `backoff` (given up once the trainer is
+    stopping: the next start writes it again).
     """
     def write():
+        if run_id is None:
+            client.delete(names.active)  # alone, not in MULTI: a full Redis refuses everything queued in one
+            return
+        if client.type(names.active) == b"list" and client.lrange(names.active, 0, -1) == [run_id.encode()]:
+            return  # a restart on a full Redis, which would refuse the MULTI: nothing to change
         pipe = client.pipeline(transaction=True)
         pipe.delete(names.active)
-        if run_id is not None:
-            pipe.rpush(names.active, run_id)
-        pipe.execute()
+        pipe.rpush(names.active, run_id)
+        try:
+            pipe.execute()
+        except redis.ResponseError as e:
+            raise full_error(e, f"marking the run active in {names.active}") from e
 
     backoff.retry(write)
 

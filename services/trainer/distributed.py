@@ -284,7 +284,9 @@ def _resume_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def _resume_problem(args: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config_hash: str) -> str | None:
-    """Why rank 0's "resume" header (`share_resume`) does not fit this rank's model and optimizer, or None."""
+    """Why rank 0's "resume" header (`share_resume`) does not fit this rank's model and optimizer, or None.
+
+    May raise TypeError/ValueError/KeyError/AttributeError on a header of the wrong types (`share_resume` refuses it)."""
     if args.get("config_hash") != config_hash:
         return (f"rank 0 trains config {str(args.get('config_hash'))[:12]}, this rank's config is {config_hash[:12]}: "
                 "every node must run the same config file")
@@ -303,6 +305,8 @@ def _resume_problem(args: dict, model: torch.nn.Module, optimizer: torch.optim.O
                 and isinstance(item[2], list) and all(type(n) is int and n >= 0 for n in item[2])):
             return f"malformed tensor entry {item!r}"
         name, dtype, shape = item[0], _RESUME_DTYPES[item[1]], tuple(item[2])
+        if name in names:  # each name is one broadcast: a repeat would leave this rank waiting on one rank 0 never sends
+            return f"{name} is named twice"
         names.add(name)
         if name.startswith("model."):
             ref = own.get(name.removeprefix("model."))
@@ -313,7 +317,7 @@ def _resume_problem(args: dict, model: torch.nn.Module, optimizer: torch.optim.O
         if not name.startswith("optimizer.") or not idx.isdigit() or int(idx) >= len(params) or not field_name:
             return f"{name} names no parameter of this rank's optimizer ({len(params)} parameters)"
         p = params[int(idx)]
-        if (shape, dtype) != (tuple(p.shape), p.dtype) and math.prod(shape) != 1:  # moments, or a scalar (`step`)
+        if (shape, dtype) != (tuple(p.shape), p.dtype) and shape != ():  # moments, or a 0-d scalar (AdamW's `step`)
             return f"{name} is {dtype}{list(shape)}, parameter {idx} is {p.dtype}{list(p.shape)}"
     scalars = args.get("scalars")
     if not isinstance(scalars, dict) or any(
@@ -338,7 +342,7 @@ def share_resume(world: World, model: torch.nn.Module, optimizer: torch.optim.Op
     (nccl: on world.device; gloo: on the CPU), flat, one at a time (peak extra memory: the largest tensor),
     and copied in place into the model; the optimizer state goes through `optimizer.load_state_dict`.
     Call it before `parallelize` (the model still whole on every rank: DDP and FSDP2 alike).
-    A collective. Raises RuntimeError on every rank when a rank refuses the header (its log names why).
+    A collective. Raises RuntimeError on every rank when a rank refuses the header or cannot read it (its log names why).
     """
     if not world.distributed:
         return step
@@ -353,11 +357,13 @@ def share_resume(world: World, model: torch.nn.Module, optimizer: torch.optim.Op
         send(world, Message("resume", args=args))
         problem = None
     else:
-        msg = receive(world)
-        if msg.op != "resume":
-            raise RuntimeError(f"rank {world.rank}: expected rank 0's resume message, got {msg.op!r}")
-        args = msg.args
-        problem = _resume_problem(args, model, optimizer, config_hash)
+        try:  # a header this rank cannot read is refused like one that does not fit: rank 0 must not wait on it
+            msg = receive(world)
+            args = msg.args
+            problem = (_resume_problem(args, model, optimizer, config_hash) if msg.op == "resume"
+                       else f"expected rank 0's resume message, got {msg.op!r}")
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            problem = f"malformed resume message from rank 0: {type(e).__name__}: {e}"
     if all_reduce([1.0 if problem else 0.0], "max", world)[0] > 0:  # every rank raises, none waits in a broadcast
         raise RuntimeError(f"rank {world.rank}: " + (problem or "another rank refused rank 0's resume point (see its log)"))
     if args["step"] is None:
