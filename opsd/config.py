@@ -775,8 +775,11 @@ class RunConfig(_Section):
         if t.source == "model" and t.version.startswith(("lag:", "ema:")):
             raise ValueError(f"teacher.version {t.version} needs the live policy's versions (teacher.source: self); "
                              "an external teacher is frozen")
-        if self.needs_teacher and t.source == "self" and t.version == "live" and self.env.privileged == "none":
-            raise ValueError("env.privileged none with the live policy as teacher: the teacher would be the student "
+        # ema:0.0 (any number of zeros) averages nothing: it is the live policy under another spelling.
+        live = t.version == "live" or (t.version.startswith("ema:") and float(t.version[4:]) == 0.0)
+        if self.needs_teacher and t.source == "self" and live and self.env.privileged == "none":
+            raise ValueError(f"env.privileged none with the live policy as teacher (teacher.version {t.version}): the "
+                             "teacher would be the student "
                              "itself and every teacher-student gap 0; set teacher.source: model, or teacher.version "
                              "frozen, lag:K or ema:D, or give the teacher privileged context")
         if t.model is not None and t.model.cache_dir is None and self.model.cache_dir is not None:

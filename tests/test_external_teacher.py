@@ -56,9 +56,12 @@ def test_config_needs_a_model_for_source_model_and_refuses_one_for_self():
     with pytest.raises(ValidationError, match="teacher.model is set but teacher.source is self"):
         RunConfig.model_validate({"teacher": {"model": {"name": "tiny-random"}}})
     # The live policy without privileged context is the student itself: every gap would be 0.
-    with pytest.raises(ValidationError, match="env.privileged none with the live policy as teacher"):
-        RunConfig.model_validate({"run": {"method": "opd"}, "env": {"privileged": "none"}})
-    for ok in ({"version": "frozen"}, {"version": "lag:1"}, {"source": "model", "model": {"name": "tiny-random"}}):
+    # ema:0.0 averages nothing: the live policy under another spelling (issue 37, finding 2).
+    for live in ("live", "ema:0.0", "ema:0.000000"):
+        with pytest.raises(ValidationError, match="env.privileged none with the live policy as teacher"):
+            RunConfig.model_validate({"run": {"method": "opd"}, "env": {"privileged": "none"}, "teacher": {"version": live}})
+    for ok in ({"version": "frozen"}, {"version": "lag:1"}, {"version": "ema:0.000001"}, {"version": "ema:0.99"},
+               {"source": "model", "model": {"name": "tiny-random"}}):
         RunConfig.model_validate({"run": {"method": "opd"}, "env": {"privileged": "none"}, "teacher": ok})
     RunConfig.model_validate({"run": {"method": "grpo"}, "env": {"privileged": "none"}})
 
