@@ -34,7 +34,9 @@ class _Section(BaseModel):
 
 
 class RunSection(_Section):
-    name: str = "quickstart"
+    # One path component under output_dir (no "/", no leading "."): "../x" or an absolute name would put the run
+    # directory anywhere on the machine.
+    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
     steps: int = Field(3, ge=1)
     seed: int = 0
     output_dir: str = "runs"  # the run directory is output_dir/<name>-<timestamp>

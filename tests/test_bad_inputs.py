@@ -1033,3 +1033,13 @@ def test_help_shows_flags_as_flags():
 
     out = CliRunner().invoke(app, ["run", "--help"]).output
     assert "--dump-credit" in out and "<bool>" not in out and "--steps <int>" in out
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/abs", "a/b", ".hidden", "..", "", "x" * 101, "run name"])
+def test_a_run_name_is_one_path_component_under_output_dir(name):
+    """run.name goes into the run directory's name (output_dir/<name>-<timestamp>): "../../escaped" or an absolute
+    name would create it anywhere (issue 37, finding 8)."""
+    with pytest.raises(pydantic.ValidationError, match=r"run\.name"):
+        RunConfig.model_validate({"run": {"name": name}})
+    for ok in ("quickstart", "reasoning_gym", "e2e-tiny", "v1.2", "x" * 100):
+        assert RunConfig.model_validate({"run": {"name": ok}}).run.name == ok
