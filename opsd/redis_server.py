@@ -339,7 +339,7 @@ def connect(url: str, block_ms: int) -> redis.Redis:
     backoff. Replies are bytes (RESP2). Does not contact the server; errors
     surface on the first command.
 
-    Raises ValueError for block_ms < 0, for a URL whose query sets an option opsd owns (OWNED_URL_OPTIONS:
+    Raises ValueError for block_ms < 0, for a URL whose query sets an option redis-py does not know or one opsd owns (OWNED_URL_OPTIONS:
     the socket timeouts, retries, health checks, the protocol), and for a URL without a password
     (a Redis reachable by others must not run open) unless
     OPSD_REDIS_ALLOW_NO_AUTH=1 is set.
@@ -367,7 +367,7 @@ def connect(url: str, block_ms: int) -> redis.Redis:
             "(and `requirepass` on the server), "
             f"or set {ALLOW_NO_AUTH_ENV}=1 to accept an unauthenticated server"
         )
-    return redis.Redis.from_url(
+    client = redis.Redis.from_url(
         url,
         protocol=2,  # stable reply shapes across redis-py versions (RESP3 reshapes stream replies)
         socket_timeout=block_ms / 1000 + SOCKET_TIMEOUT_MARGIN_S,
@@ -376,3 +376,13 @@ def connect(url: str, block_ms: int) -> redis.Redis:
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RETRIES),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
+    # redis-py passes a URL's unknown query keys on to each connection it makes: a TypeError at the first command,
+    # deep in a role. Making one connection object (it does not connect) surfaces it here.
+    pool = client.connection_pool
+    try:
+        pool.connection_class(**pool.connection_kwargs)
+    except TypeError as e:
+        unknown = [k for k in options if f"'{k}'" in str(e)]  # TypeError names the keyword it refused
+        raise ValueError(f"the Redis URL's query sets an option redis-py does not know ({', '.join(unknown) or e}): "
+                         "remove it from the URL") from None
+    return client

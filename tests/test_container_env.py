@@ -305,6 +305,7 @@ def test_an_empty_bind_host_means_every_ipv4_interface(tmp_path, monkeypatch):
     ("redis://127.0.0.1:6379/0", "has no password"),
     ("redis://:Zq7/secret-xK9@127.0.0.1:6379/0", "because of its password"),
     ("http://:pw@127.0.0.1:6379/0", "schemes"),
+    ("redis://:pw@127.0.0.1:6379/0?foo=bar", "an option redis-py does not know (foo)"),  # was a TypeError traceback
 ])
 def test_a_worker_without_a_usable_redis_url_stops_fatal(tmp_path, monkeypatch, capsys, url, reason):
     monkeypatch.delenv("OPSD_REDIS_ALLOW_NO_AUTH", raising=False)
@@ -330,3 +331,11 @@ def test_a_wrong_redis_password_is_fatal_not_an_outage(redis_url, tmp_path, monk
         proc.open_queue("test-auth:tasks", TaskGroup)
     assert exit_.value.code == FATAL_EXIT and time.monotonic() - t0 < 15
     assert "refused the password" in capsys.readouterr().err
+
+
+def test_opsd_run_reports_an_unknown_redis_url_option_in_one_line():
+    """`opsd run`'s Redis check (opsd.cli.check_redis) turns it into its one-line refusal, no traceback (issue 37, 4)."""
+    from opsd.cli import check_redis
+
+    reason = check_redis("redis://:pw@127.0.0.1:1/0?foo=bar", 100)
+    assert reason is not None and "redis-py does not know (foo)" in reason and "\n" not in reason and "pw" not in reason
