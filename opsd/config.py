@@ -842,6 +842,14 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _teacher_guard(self) -> "RunConfig":
+        guard = self.credit.teacher_guard
+        if not self.needs_teacher and guard != "report":
+            # grpo has no teacher, so no gap to shrink: the setting would be silently without effect
+            raise ValueError(f"credit.teacher_guard {guard} acts on a teacher's gap, and run.method "
+                             f"{self.run.method} has no teacher: use report")
+        if "teacher_guard_weight" in self.credit.model_fields_set and guard != "downweight":
+            raise ValueError(f"credit.teacher_guard_weight is used only with credit.teacher_guard: downweight "
+                             f"(got {guard}): remove it or set the guard to downweight")
         if self.run.method == "alignopsd" and self.credit.teacher_guard != "report":
             # Its corrected teacher mixes matched views in log space (spec 4.2), so a gap scaled after the teacher
             # would no longer be the rectification `opsd credit check` replays from the dumped views.

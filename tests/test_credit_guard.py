@@ -103,3 +103,16 @@ def test_bad_guard_arguments_and_the_alignopsd_refusal():
     with pytest.raises(ValidationError, match="teacher_guard skip is not available for alignopsd"):
         RunConfig.model_validate({"run": {"method": "alignopsd"}, "credit": {"teacher_guard": "skip"}})
     RunConfig.model_validate({"run": {"method": "gc_opd"}, "credit": {"teacher_guard": "skip"}})
+
+
+def test_a_guard_setting_without_effect_is_refused():
+    """grpo has no teacher gap to shrink, and a weight is read only by downweight: both would be silently ignored."""
+    for mode in ("downweight", "skip"):
+        with pytest.raises(ValidationError, match=f"teacher_guard {mode} acts on a teacher's gap"):
+            RunConfig.model_validate({"run": {"method": "grpo"}, "credit": {"teacher_guard": mode}})
+    assert RunConfig.model_validate({"run": {"method": "grpo"}}).credit.teacher_guard == "report"
+    with pytest.raises(ValidationError, match="teacher_guard_weight is used only with"):
+        RunConfig.model_validate({"run": {"method": "opsd"}, "credit": {"teacher_guard_weight": 0.2}})
+    cfg = RunConfig.model_validate({"run": {"method": "opsd"},
+                                    "credit": {"teacher_guard": "downweight", "teacher_guard_weight": 0.2}})
+    assert cfg.credit.teacher_guard_weight == 0.2
