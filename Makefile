@@ -98,7 +98,7 @@ demo: $(STAMP)
 test: test-main test-vllm
 
 test-main: $(STAMP) $(TOKENIZER_FILES) $(PROMTOOL) | java chromium
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests --ignore=tests/vllm
 
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).
 test-vllm: $(VLLM_STAMP) | java
