@@ -401,6 +401,116 @@ def test_ablation_c_equals_the_full_method_with_one_span_per_trajectory():
     np.testing.assert_allclose(out_c.final_token_advantage_ML, out_e.final_token_advantage_ML, rtol=1e-6, atol=1e-7)
 
 
+# ---------------------------------------------------------------- ablations A and C by hand (spec §4.4)
+# Independent oracles: the expected numbers below are worked out from the spec's formulas on paper, not by
+# any opsd function. Shared setup: one task "t", rollouts a (reward 1) and b (reward 0), T = credit_temperature
+# = 1, GRPO scope "trajectory", no invalid-action penalty, legacy weighting (box [0, 4], eta = 0.5).
+#   A_a = (1 - 0.5) / (std_ddof1([1, 0]) + 1e-6) = 0.5 / (0.70710678 + 1e-6) = 0.70710578, A_b = -0.70710578.
+# One span per trajectory (b = 1): q_k = N_k e^{s_k} / sum_j N_j e^{s_j}, s_k = sign(A) g_k,
+# h_k = N_total q_k / N_k; every h below lies in [0, 4] (no projection), W_k = 0.5 + 0.5 h_k.
+A_HAND = 0.70710578
+
+
+def hand_batch(N: list[list[int]], gap: list[list[float]], other_gap: list[list[float]]) -> CreditBatch:
+    """Rows (t, a, k) then (t, b, k), L = 2 tokens: N[i][k] loss tokens (1 or 2) with mean teacher-student gap
+    gap[i][k] in teacher_logprobs_ML (a 2-token turn splits it as g + 0.25, g - 0.25) and other_gap[i][k] the same
+    way in corrected_logprobs_ML. Off-mask tokens hold a gap of 5 (never read). Similarity 0 everywhere: no
+    profile is valid, tau = +inf, so spans only split by length (max_segment_turns)."""
+    rows = [(i, k) for i in range(2) for k in range(len(N[i]))]
+    mask = np.asarray([[1.0, float(N[i][k] == 2)] for i, k in rows], np.float32)
+
+    def logprobs(g):
+        split = [[g[i][k] + 0.25, g[i][k] - 0.25] if N[i][k] == 2 else [g[i][k], 5.0] for i, k in rows]
+        return np.asarray(split, np.float32) - 1.0
+
+    M = len(rows)
+    owner = np.asarray([i for i, _ in rows])
+    return CreditBatch(
+        task_id=["t"] * M, rollout_id=["ab"[i] for i, _ in rows], turn_id=[k for _, k in rows], data_source=["env"] * M,
+        episode_reward=np.asarray([1.0 - i for i, _ in rows], np.float32), is_action_valid=np.ones(M, bool),
+        loss_mask_ML=mask, student_logprobs_ML=np.full((M, 2), -1.0, np.float32),
+        teacher_logprobs_ML=logprobs(gap), corrected_logprobs_ML=logprobs(other_gap),
+        similarity_blocks={"t": np.zeros((M, M), np.float32)}, eligible_blocks={"t": owner[:, None] != owner[None, :]},
+    )
+
+
+def hand_config(ablation: str, max_segment_turns: int = 8) -> CreditSection:
+    return CreditSection(grpo_scope="trajectory", use_invalid_action_penalty=False, alignopsd=AlignSection(
+        ablation=ablation, credit_temperature=1.0, max_segment_turns=max_segment_turns))
+
+
+def assert_hand_worked(batch, cfg, reference, A_M, q, h, W) -> None:
+    """alignopsd_credit's intermediates and the registered estimator's advantages against the hand-worked values;
+    the token advantage is A_i W_k on each loss token, 0 off the mask."""
+    out = alignopsd_credit(batch, cfg, reference_ablations=reference)
+    np.testing.assert_allclose(out.trajectory_advantage_M, A_M, rtol=1e-6)
+    np.testing.assert_allclose(out.within_segment_turn_budget_M, q, rtol=1e-6)
+    np.testing.assert_allclose(out.raw_density_M, h, rtol=1e-6)
+    np.testing.assert_allclose(out.turn_weight_M, W, rtol=1e-6)
+    expected_ML = np.asarray(A_M)[:, None] * np.asarray(W)[:, None] * batch.loss_mask_ML
+    np.testing.assert_allclose(out.final_token_advantage_ML, expected_ML, rtol=1e-6, atol=1e-7)
+    adv_ML, _ = compute_advantages("alignopsd", batch, cfg)
+    np.testing.assert_allclose(adv_ML, expected_ML, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_ablation_a_by_hand_distills_from_the_identity_teacher(reference):
+    """A (no rectification): the gap is identity teacher - student; the rectified teacher is never read.
+    Identity gaps g: a (N = 1, 2, 1) [ln 3, 0, 0]; b (N = 2, 1, 1) [0, ln 2, 0].
+      a: e^s = [3, 1, 1], sum N e^s = 3 + 2 + 1 = 6, N_total 4: q = [3/6, 2/6, 1/6], h = 4/6 [3, 1, 1]
+         = [2, 2/3, 2/3], W = [1.5, 5/6, 5/6] = [1.5, 0.83333333, 0.83333333].
+      b: s = -g, e^s = [1, 1/2, 1], sum = 2 + 0.5 + 1 = 3.5: q = [2/3.5, 0.5/3.5, 1/3.5] = [4/7, 1/7, 2/7],
+         h = 4/3.5 [1, 1/2, 1] = [8/7, 4/7, 8/7], W = [15/14, 11/14, 15/14] = [1.0714286, 0.78571429, 1.0714286].
+    The full method (E) on the same batch uses the rectified gaps a [0, 0, ln 3], b [ln 2, 0, 0]:
+      a: e^s = [1, 1, 3], sum 6, h = [2/3, 2/3, 2], W = [5/6, 5/6, 1.5];
+      b: e^s = [1/2, 1, 1], sum 3, h = [2/3, 4/3, 4/3], W = [5/6, 7/6, 7/6] = [0.83333333, 1.1666667, 1.1666667].
+    """
+    ln2, ln3 = math.log(2.0), math.log(3.0)
+    batch = hand_batch(N=[[1, 2, 1], [2, 1, 1]], gap=[[ln3, 0, 0], [0, ln2, 0]], other_gap=[[0, 0, ln3], [ln2, 0, 0]])
+    A_M = [A_HAND] * 3 + [-A_HAND] * 3
+    assert_hand_worked(batch, hand_config("no_rectification"), reference, A_M,
+                       q=[0.5, 0.33333333, 0.16666667, 0.57142857, 0.14285714, 0.28571429],
+                       h=[2.0, 0.66666667, 0.66666667, 1.1428571, 0.57142857, 1.1428571],
+                       W=[1.5, 0.83333333, 0.83333333, 1.0714286, 0.78571429, 1.0714286])
+    # The same batch under the full method: the test tells the two teachers apart.
+    out = alignopsd_credit(batch, hand_config("none"))
+    np.testing.assert_allclose(out.turn_weight_M, [0.83333333, 0.83333333, 1.5, 0.83333333, 1.1666667, 1.1666667],
+                               rtol=1e-6)
+    # A never reads the rectified teacher: absent, the same numbers.
+    out = alignopsd_credit(replace(batch, corrected_logprobs_ML=None), hand_config("no_rectification"))
+    np.testing.assert_allclose(out.turn_weight_M, [1.5, 0.83333333, 0.83333333, 1.0714286, 0.78571429, 1.0714286],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_ablation_c_by_hand_allocates_over_the_whole_trajectory(reference):
+    """C (turn level, no spans): one softmax over all turns of a trajectory, even where the full method would
+    split it (max_segment_turns 3: E cuts each 4-turn trajectory at turn 2, which changes every number below).
+    Rectified gaps g: a (N = 1, 2, 1, 2) [ln 2, 0, 0, ln 3]; b (N = 2, 2, 1, 1) [0, ln 2, ln 2, 0].
+      a: e^s = [2, 1, 1, 3], sum N e^s = 2 + 2 + 1 + 6 = 11, N_total 6: q = [2/11, 2/11, 1/11, 6/11]
+         = [0.18181818, 0.18181818, 0.090909091, 0.54545455], h = 6/11 [2, 1, 1, 3] = [12/11, 6/11, 6/11, 18/11]
+         = [1.0909091, 0.54545455, 0.54545455, 1.6363636], W = [23/22, 17/22, 17/22, 29/22]
+         = [1.0454545, 0.77272727, 0.77272727, 1.3181818].
+      b: s = -g, e^s = [1, 1/2, 1/2, 1], sum = 2 + 1 + 0.5 + 1 = 4.5: q = [4/9, 2/9, 1/9, 2/9]
+         = [0.44444444, 0.22222222, 0.11111111, 0.22222222], h = 6/4.5 [1, 1/2, 1/2, 1] = [4/3, 2/3, 2/3, 4/3],
+         W = [7/6, 5/6, 5/6, 7/6] = [1.1666667, 0.83333333, 0.83333333, 1.1666667].
+    Identity gaps (ignored by C, which reads the rectified teacher): all 0.
+    """
+    ln2, ln3 = math.log(2.0), math.log(3.0)
+    batch = hand_batch(N=[[1, 2, 1, 2], [2, 2, 1, 1]], gap=[[0] * 4, [0] * 4],
+                       other_gap=[[ln2, 0, 0, ln3], [0, ln2, ln2, 0]])
+    cfg = hand_config("turn_level", max_segment_turns=3)
+    assert_hand_worked(batch, cfg, reference, [A_HAND] * 4 + [-A_HAND] * 4,
+                       q=[0.18181818, 0.18181818, 0.090909091, 0.54545455, 0.44444444, 0.22222222, 0.11111111, 0.22222222],
+                       h=[1.0909091, 0.54545455, 0.54545455, 1.6363636, 1.3333333, 0.66666667, 0.66666667, 1.3333333],
+                       W=[1.0454545, 0.77272727, 0.77272727, 1.3181818, 1.1666667, 0.83333333, 0.83333333, 1.1666667])
+    out = alignopsd_credit(batch, cfg)
+    assert out.segmentations == [] and (out.segment_index_M == -1).all()
+    full = alignopsd_credit(batch, hand_config("none", max_segment_turns=3))  # the split the test rules out
+    assert [s.spans for s in full.segmentations] == [[(0, 2), (2, 4)]] * 2
+    assert not np.allclose(full.turn_weight_M, out.turn_weight_M, rtol=1e-3)
+
+
 def token_batch() -> CreditBatch:
     # One task, two trajectories of 3 turns x 3 tokens; the corrected gap is 1 on one token per trajectory.
     gap = np.zeros((6, 3), np.float32)

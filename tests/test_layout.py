@@ -9,21 +9,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Far below today's counts (61 files in opsd/, 27 in services/): a scan that finds fewer read the wrong place,
+# and its empty graph would pass every rule below.
+MIN_FILES = {"opsd": 40, "services": 15}
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports() -> dict[str, set[str]]:
+def _imports(root: Path = ROOT, min_files: dict[str, int] = MIN_FILES) -> dict[str, set[str]]:
     """module -> the project modules it imports anywhere in its file (from-imports resolved to a submodule
-    when one exists: `from opsd.credit import alignopsd` is an import of opsd.credit.alignopsd)."""
-    files = [p for top in ("opsd", "services") for p in (ROOT / top).rglob("*.py")]
-    known = {_module(p) for p in files}
+    when one exists: `from opsd.credit import alignopsd` is an import of opsd.credit.alignopsd).
+
+    Raises AssertionError when opsd/ or services/ under `root` holds fewer .py files than `min_files` says."""
+    found = {top: sorted((root / top).rglob("*.py")) for top in min_files}
+    for top, least in min_files.items():
+        assert len(found[top]) >= least, f"the layout scan found {len(found[top])} .py files in {root / top} (expected >= {least})"
+    files = [p for paths in found.values() for p in paths]
+    known = {_module(p, root) for p in files}
     graph: dict[str, set[str]] = {}
     for p in files:
-        mod, out = _module(p), set()
+        mod, out = _module(p, root), set()
         for node in ast.walk(ast.parse(p.read_text(), str(p))):
             if isinstance(node, ast.Import):
                 out |= {a.name for a in node.names if a.name in known}
@@ -34,17 +42,46 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_two_files_import_each_other():
+def _mutual(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, ())})
+
+
+def _opsd_into_services(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    # opsd/cli.py is the command line that starts and evaluates the roles; nothing else in opsd/ may reach into one.
+    return sorted((a, b) for a, deps in graph.items() for b in deps
+                  if a.startswith("opsd") and a != "opsd.cli" and b.startswith("services"))
+
+
+def test_the_scan_reads_the_whole_source_tree():
+    """The rules below pass on an empty graph: the scan must have found the files and their imports."""
     graph = _imports()
-    pairs = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, ())})
+    assert sum(m.startswith("opsd") for m in graph) >= MIN_FILES["opsd"]
+    assert sum(m.startswith("services") for m in graph) >= MIN_FILES["services"]
+    assert {"opsd.queue", "opsd.wire"} <= graph["services.trainer.controller"]  # plain from-imports
+    assert "opsd.credit.alignopsd.spans" in graph["opsd.credit.alignopsd"]  # resolved to the submodule
+    assert "opsd.models" in graph["services.trainer.__main__"]  # a package (its __init__)
+
+
+def test_the_rules_catch_planted_violations(tmp_path):
+    """A tree where opsd.a and opsd.b import each other (one lazily) and opsd.c reaches into services.x."""
+    files = {"opsd/__init__.py": "", "opsd/a.py": "from opsd import b\n",
+             "opsd/b.py": "def f():\n    import opsd.a\n", "opsd/c.py": "from services.x import run\n",
+             "opsd/cli.py": "import services.x\n", "services/__init__.py": "", "services/x.py": "import opsd.a\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = _imports(tmp_path, {"opsd": 5, "services": 2})
+    assert _mutual(graph) == [("opsd.a", "opsd.b")]
+    assert _opsd_into_services(graph) == [("opsd.c", "services.x")]  # opsd.cli may
+
+
+def test_no_two_files_import_each_other():
+    pairs = _mutual(_imports())
     assert pairs == [], f"files importing each other: {pairs}"
 
 
 def test_opsd_does_not_import_services_except_the_cli_entry_point():
-    # opsd/cli.py is the command line that starts and evaluates the roles; nothing else in opsd/ may reach into one.
-    graph = _imports()
-    bad = sorted((a, b) for a, deps in graph.items() for b in deps
-                 if a.startswith("opsd") and a != "opsd.cli" and b.startswith("services"))
+    bad = _opsd_into_services(_imports())
     assert bad == [], f"opsd/ importing services/: {bad}"
 
 

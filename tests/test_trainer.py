@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -234,12 +237,104 @@ def test_metrics_png_panels_say_what_they_show():
     assert list(first[3]) == ["success_rate", "reward_mean"]
 
 
-def test_the_trainers_queue_dead_letters_an_entry_that_keeps_killing_it():
-    """Issue 23: the trainer's input queue had no delivery bound (1 << 30): an entry that crashes the trainer at
-    every start crash-looped it under a platform that restarts without limit. Now the bound is finite and above
-    what run.max_restarts lets a held group reach."""
-    from opsd.config import RunConfig
-    from services.trainer.__main__ import trainer_max_deliveries
+# The trainer as compose and Kubernetes run it (`python -m services.trainer`), with one fault planted: handling a
+# group whose first rollout id ends in "-poison" raises, as a bug or an out-of-memory on a bad group would. The
+# crash is the process's own uncaught exception; everything else (queue, restart, reclaim, dead letter) is real.
+CRASHING_TRAINER = """
+from services.trainer import controller
+offer = controller.Collector.offer
+def crash_on_poison(self, d, version, step):
+    if d.msg.trajectories[0].rollout_id.endswith("-poison"):
+        raise RuntimeError(f"poison group {d.msg.group_id} (entry {d.entry_id}) crashed the trainer")
+    return offer(self, d, version, step)
+controller.Collector.offer = crash_on_poison
+from services.trainer.__main__ import main
+main()
+"""
 
-    cfg = RunConfig.model_validate({"run": {"max_restarts": 5}, "redis": {"max_deliveries": 3}})
-    assert trainer_max_deliveries(cfg) == 9 > 1 + cfg.run.max_restarts
+
+@pytest.mark.e2e
+def test_the_trainers_queue_dead_letters_an_entry_that_keeps_killing_it(tmp_path, redis_url, redis_client, stream_prefix):
+    """Issue 23 (made real in issue 37): an entry that crashes the trainer at every delivery must end in the
+    dead-letter stream after trainer_max_deliveries deliveries, not crash-loop it under a platform that restarts
+    without limit. Here redis.max_deliveries 1 and run.max_restarts 0 give a bound of 2: the trainer crashes on
+    its first two starts, dead-letters the entry on its third, issues the task again and finishes the run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from opsd import wire
+    from opsd.config import RunConfig
+    from opsd.queue import StreamNames
+    from opsd.service import EXIT_WHEN_DONE_ENV
+    from opsd.types import RolloutGroup, TaskGroup
+    from services.trainer.__main__ import trainer_max_deliveries
+    from tests.factories import make_trajectory
+    from tests.soak import stop_sessions, wait_until, write_config
+    from tests.tiny_model import make_tiny_model_dir
+
+    config = write_config(tmp_path / "job.yaml", make_tiny_model_dir(tmp_path / "tiny"),
+                          run={"method": "grpo", "steps": 1, "max_restarts": 0},
+                          redis={"stream_prefix": stream_prefix, "max_deliveries": 1})
+    bound = trainer_max_deliveries(RunConfig.load(config))
+    assert bound == 2
+    names = StreamNames(stream_prefix)
+    run_dir = tmp_path / "runs" / "job"
+    run_dir.mkdir(parents=True)
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"], "REDIS_URL": redis_url, "OMP_NUM_THREADS": "1",
+           EXIT_WHEN_DONE_ENV: "1"}
+    answered, poisoned = "0-0", []
+
+    def answer_tasks() -> None:
+        """The rollout worker: one group per task entry; the first answer to the first task is the poison."""
+        nonlocal answered
+        pipe = redis_client.pipeline(transaction=True)  # one write: the trainer reads both groups at once
+        for entry_id, fields in redis_client.xrange(names.tasks, f"({answered}", "+"):
+            answered = entry_id.decode()
+            task = wire.decode(fields[b"data"], TaskGroup, 1 << 20)
+            suffix = "-poison" if not poisoned else ""
+            if not poisoned:
+                poisoned.append(task.group_id)
+            rng = np.random.default_rng(len(poisoned))
+            group = RolloutGroup(task=task, prompt_format="action", rollout_seconds=1.0, trajectories=[
+                make_trajectory(f"{task.group_id}-r{i}{suffix}", task.max_turns, rng, float(i == 0))
+                for i in range(task.group_size)])
+            pipe.xadd(names.rollouts, {"data": wire.encode(group, 1 << 24)})
+        pipe.execute()
+
+    procs, exits = [], []
+    try:
+        while not exits or exits[-1] != 0:
+            assert len(exits) <= bound, (
+                f"the trainer crashed {len(exits)} times on the same entry and was never rid of it (its input queue "
+                f"dead-letters after {bound} deliveries):\n" + (tmp_path / "trainer.log").read_text()[-3000:])
+            with open(tmp_path / "trainer.log", "ab") as log:  # a restart without limit, as docker or k8s does
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", CRASHING_TRAINER, "--config", str(config), "--run-dir", str(run_dir)],
+                    cwd=Path(__file__).resolve().parents[1], env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True))
+
+            def exited():
+                answer_tasks()
+                return procs[-1].poll() is not None
+
+            wait_until(exited, 300, "the trainer's exit", poll_s=0.2)
+            exits.append(procs[-1].returncode)
+    finally:
+        stop_sessions(procs)
+    trainer_log = (tmp_path / "trainer.log").read_text()
+    # Crashed at deliveries 1 and 2 (the bound), dead-lettered at delivery 3, then trained the step and exited 0.
+    assert exits == [1] * bound + [0], trainer_log[-3000:]
+    assert trainer_log.count(f"RuntimeError: poison group {poisoned[0]}") == bound
+    dead = {wire.decode(f[b"data"], RolloutGroup, 1 << 24).trajectories[0].rollout_id: f
+            for _, f in redis_client.xrange(names.dead)}
+    poison = dead[f"{poisoned[0]}-r0-poison"]
+    assert poison[b"reason"] == b"too_many_deliveries" and poison[b"source_stream"] == names.rollouts.encode()
+    assert poison[b"error"] == f"too many deliveries ({bound + 1} > {bound})".encode()
+    # Other work went on: the poison's task was issued again and the step trained both its groups. (Its sibling,
+    # delivered with it and unacknowledged through the same crashes, reaches the bound too and is issued again.)
+    assert f"group {poisoned[0]} was dead-lettered (too_many_deliveries" in trainer_log
+    assert (run_dir / "DONE").is_file()
+    state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 1 and len(state["applied"]) == 2 and f"{poisoned[0]}@v0" in state["applied"]
+    assert redis_client.xpending(names.rollouts, "trainer")["pending"] == 0
