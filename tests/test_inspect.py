@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import subprocess
 import sys
 import time
@@ -288,6 +289,51 @@ def test_bad_dumps_and_requests_get_a_clear_4xx(tmp_path):
     assert gv["trajectories"][0]["turns"][0]["action"] is None and gv["opening"] is None and gv["objective"] is None
     tv = c.get("/api/trajectory", params={"step": 70, "group": g, "rollout": gv["trajectories"][0]["rollout"]}, headers=AUTH).json()
     assert not tv["decoded"] and tv["turns"][0]["tokens"][0]["text"] == "[0]" and tv["turns"][0]["tokens"][0]["id"] is None
+
+
+def test_parallel_requests_for_an_uncached_step_parse_it_once(run_dir, tmp_path, monkeypatch):
+    """8 requests at once for a step not yet cached: one parse, and all 8 get that same parsed step."""
+    from opsd.inspect import data
+
+    (tmp_path / "run" / "credit").mkdir(parents=True)
+    shutil.copy(run_dir / "credit" / "step_00000.json", tmp_path / "run" / "credit" / "step_00000.json")
+    parses: list[int] = []
+    others = threading.Event()
+    real = data._loads
+
+    def counting(raw: bytes):
+        parses.append(1)
+        if len(parses) == 1:
+            others.wait(timeout=1.0)  # room for the other requests to start a parse of their own (none should)
+        else:
+            others.set()
+        return real(raw)
+
+    monkeypatch.setattr(data, "_loads", counting)
+    start = threading.Barrier(8)
+    got: list = []
+
+    def request() -> None:
+        start.wait()
+        got.append(data.load_step(tmp_path / "run", 0))
+
+    threads = [threading.Thread(target=request) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(parses) == 1, f"{len(parses)} parses of one step"
+    assert len(got) == 8 and all(s is got[0] for s in got)
+
+
+def test_a_dump_over_256_mib_is_refused_unread(tmp_path):
+    """Parsing a dump takes ~9x its size in memory (BENCHMARKS.md section 8): one over 256 MiB (~2.3 GiB to parse;
+    the cap was 1 GiB, ~9 GiB) is a 413 before it is read."""
+    (tmp_path / "run" / "credit").mkdir(parents=True)
+    with open(tmp_path / "run" / "credit" / "step_00000.json", "wb") as f:
+        f.truncate((256 << 20) + 1)  # sparse: no disk used
+    r = TestClient(create_app(tmp_path / "run", TOKEN), raise_server_exceptions=False).get("/api/step?step=0", headers=AUTH)
+    assert r.status_code == 413 and "memory" in r.json()["detail"], (r.status_code, r.text[:200])
 
 
 def test_metrics_lines_json_reads_but_a_response_cannot_hold_are_left_out(tmp_path):
