@@ -291,6 +291,29 @@ def test_bad_dumps_and_requests_get_a_clear_4xx(tmp_path):
     assert not tv["decoded"] and tv["turns"][0]["tokens"][0]["text"] == "[0]" and tv["turns"][0]["tokens"][0]["id"] is None
 
 
+def test_a_config_nested_too_deep_to_write_is_a_422_on_every_page(run_dir, tmp_path):
+    """A dump whose credit config nests 500 levels (JSON reads it; pydantic will not write it back): the step
+    page answers a 422 naming it, and no other page answers a 500."""
+    run = tmp_path / "run"
+    (run / "credit").mkdir(parents=True)
+    case = dump(run_dir, 6)
+    deep: dict = {}
+    node = deep
+    for _ in range(500):
+        node["a"] = {}
+        node = node["a"]
+    case["config"]["opsd_credit"]["deep"] = deep
+    (run / "credit" / "step_00000.json").write_text(json.dumps(case))
+    c = TestClient(create_app(run, TOKEN), raise_server_exceptions=False)
+    g, r0 = case["inputs"]["uid"][0], case["inputs"]["traj_uid"][0]
+    r = c.get("/api/step", params={"step": 0}, headers=AUTH)
+    assert r.status_code == 422 and "cannot be written as JSON" in r.json()["detail"], (r.status_code, r.text[:300])
+    for path, params in [("/api/group", {"step": 0, "group": g}), ("/api/trajectory", {"step": 0, "group": g, "rollout": r0}),
+                         ("/api/compare", {"step": 0, "group": g, "method": "opd"}), ("/api/run", {})]:
+        r = c.get(path, params=params, headers=AUTH)
+        assert r.status_code < 500 and r.json(), (path, r.status_code)
+
+
 def test_parallel_requests_for_an_uncached_step_parse_it_once(run_dir, tmp_path, monkeypatch):
     """8 requests at once for a step not yet cached: one parse, and all 8 get that same parsed step."""
     from opsd.inspect import data

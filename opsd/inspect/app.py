@@ -9,7 +9,9 @@ Routes (all behind the token; see `TokenGate`):
   GET /api/trajectory?step&group&rollout   every response token with its advantage (offset, limit: turns)
   GET /api/compare?step&group&method&overrides   the step replayed with another method / settings
   GET /api/methods             registered credit methods
-Errors are JSON `{"detail": reason}` with a 4xx status (opsd.inspect.data.InspectError).
+Errors are JSON `{"detail": reason}` with a 4xx status (opsd.inspect.data.InspectError), never a 500:
+an answer that cannot be written as JSON (a dump's config nested past pydantic's serialisation depth)
+is a 422 too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from urllib.parse import parse_qsl, urlencode
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from opsd.inspect import data, models, views
@@ -90,13 +94,18 @@ def _cookie(header: bytes) -> str | None:
     return None
 
 
-def _answer(fn, *args):
-    """`fn(*args)`; an error the checks in data.py did not foresee (a hostile dump's odd corner) is a 422
-    naming it, never a 500."""
+def _answer(fn, *args) -> Response:
+    """`fn(*args)` (a pydantic model) as a JSON response. An error the checks in data.py did not foresee (a
+    hostile dump's odd corner) is a 422 naming it, never a 500; so is an answer pydantic cannot write (a
+    config nested past its serialisation depth), which is why the model is written here, inside the guard,
+    and not by FastAPI after the handler returns."""
     try:
-        return fn(*args)
+        model: BaseModel = fn(*args)
+        return Response(model.model_dump_json(), media_type="application/json")
     except data.InspectError:
         raise
+    except PydanticSerializationError as exc:
+        raise data.InspectError(422, f"malformed dump: the answer cannot be written as JSON ({str(exc)[:300]})") from None
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as exc:
         raise data.InspectError(422, f"malformed dump: {type(exc).__name__}: {str(exc)[:300]}") from None
 
@@ -145,22 +154,22 @@ def create_app(run_dir: Path, token: str) -> ASGIApp:
         return {"methods": registered()}
 
     @app.get("/api/step", response_model=models.StepView)
-    def step(step: int = Query(...), offset: int = 0, limit: int = 100) -> models.StepView:
+    def step(step: int = Query(...), offset: int = 0, limit: int = 100) -> Response:
         return _answer(views.step_view, data.load_step(run_dir, step), offset, limit)
 
     @app.get("/api/group", response_model=models.GroupView)
-    def group(step: int, group: str, offset: int = 0, limit: int = 50) -> models.GroupView:
+    def group(step: int, group: str, offset: int = 0, limit: int = 50) -> Response:
         return _answer(views.group_view, data.load_step(run_dir, step), group, offset, limit)
 
     @app.get("/api/trajectory", response_model=models.TrajectoryView)
-    def trajectory(step: int, group: str, rollout: str, offset: int = 0, limit: int = 20) -> models.TrajectoryView:
+    def trajectory(step: int, group: str, rollout: str, offset: int = 0, limit: int = 20) -> Response:
         s = data.load_step(run_dir, step)
         if not decoder:
             decoder.append(views.Decoder(run_dir))
         return _answer(views.trajectory_view, s, group, rollout, decoder[0], offset, limit)
 
     @app.get("/api/compare", response_model=models.CompareView)
-    def compare(step: int, group: str, method: str, overrides: str = "{}") -> models.CompareView:
+    def compare(step: int, group: str, method: str, overrides: str = "{}") -> Response:
         try:
             over = json.loads(overrides)
         except (ValueError, RecursionError):
