@@ -168,6 +168,18 @@ def test_token_required_and_moved_to_a_cookie(run_dir):
     assert c.get("/api/run").status_code == 401
 
 
+def test_the_token_redirect_never_leaves_the_server(run_dir):
+    """After a right ?token=, the redirect is a path on this server: a path starting with // (or /\\, or
+    %2F%2F once decoded) must not become a scheme-relative Location, which a browser reads as another host."""
+    c = TestClient(create_app(run_dir, TOKEN), raise_server_exceptions=False)
+    for path, expected in [("//evil.example/x", "/evil.example/x"), ("/%2F%2Fevil.example/x", "/evil.example/x"),
+                           ("/\\evil.example", "/evil.example"), ("/%5C%5Cevil.example", "/evil.example"),
+                           ("/%5C/evil.example", "/evil.example"), ("/api/run", "/api/run")]:
+        r = c.get(f"http://testserver{path}?token={TOKEN}&step=3", follow_redirects=False)
+        assert r.status_code == 303, (path, r.status_code)
+        assert r.headers["location"] == f"{expected}?step=3", (path, r.headers["location"])
+
+
 def test_choose_token_uses_the_runs_token_or_a_fresh_one():
     assert choose_token({"OPSD_API_TOKEN": TOKEN}) == TOKEN
     fresh = choose_token({"OPSD_API_TOKEN": "short"})

@@ -41,7 +41,8 @@ _DENIED = """<!doctype html><meta charset="utf-8"><title>opsd inspect</title>
 class TokenGate:
     """ASGI middleware: a request passes with the token as a cookie or `Authorization: Bearer`.
 
-    A request carrying `?token=` with the right token is answered with a redirect to the same URL
+    A request carrying `?token=` with the right token is answered with a redirect to the same path
+    (leading slashes and backslashes collapsed to one slash: never a scheme-relative `//host` URL)
     without it and the token set as an HttpOnly, SameSite=Strict cookie (so it leaves the address
     bar and the history). Anything else gets 401: JSON under /api/, a short HTML page elsewhere.
     Tokens are compared in constant time.
@@ -67,7 +68,9 @@ class TokenGate:
         if given:
             if len(given) == 1 and self._ok(given[0]):
                 rest = urlencode([(k, v) for k, v in query if k != "token"])
-                resp: Response = RedirectResponse(scope["path"] + (f"?{rest}" if rest else ""), status_code=303)
+                # "//evil.example/x" (or /\evil, or /%2F%2Fevil once decoded) as a Location is another host.
+                path = "/" + scope["path"].lstrip("/\\")
+                resp: Response = RedirectResponse(path + (f"?{rest}" if rest else ""), status_code=303)
                 resp.set_cookie(COOKIE, given[0], httponly=True, samesite="strict", path="/")
                 await resp(scope, receive, send)
                 return
