@@ -1,6 +1,6 @@
 """The `opsd inspect` web app: a JSON API over one run directory and the static pages that draw it.
 
-Routes (all behind the token; see `TokenGate`):
+Routes (all behind the inspect server's own token; see `TokenGate`):
   GET /                        the single page (index.html; pages are #/ fragments: run, step, group, ...)
   GET /static/{name}           app.js, style.css (a fixed list: nothing else is ever read from disk here)
   GET /api/run                 steps with a dump, metrics.jsonl as series
@@ -31,27 +31,36 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from opsd.inspect import data, models, views
 
-COOKIE = "opsd_inspect"
+COOKIE = "opsd_inspect"  # serve() names it per port: opsd_inspect_<port>
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
 _DENIED = """<!doctype html><meta charset="utf-8"><title>opsd inspect</title>
 <p>This page needs the token printed by <code>opsd inspect</code>: open the URL it printed
 (<code>http://127.0.0.1:PORT/?token=...</code>).</p>"""
+# Sec-Fetch-Site values /api/ accepts: the page's own fetches (same-origin) and a typed URL or a
+# non-browser client (none, or no header). Refused: cross-site, and same-site, which on 127.0.0.1 is
+# any other local port (a site ignores the port), whose pages the browser sends our cookie with.
+_FETCH_SITES = (b"same-origin", b"none")
 
 
 class TokenGate:
-    """ASGI middleware: a request passes with the token as a cookie or `Authorization: Bearer`.
+    """ASGI middleware: a request passes with the token as the cookie `cookie` or `Authorization: Bearer`.
 
     A request carrying `?token=` with the right token is answered with a redirect to the same path
     (leading slashes and backslashes collapsed to one slash: never a scheme-relative `//host` URL)
-    without it and the token set as an HttpOnly, SameSite=Strict cookie (so it leaves the address
-    bar and the history). Anything else gets 401: JSON under /api/, a short HTML page elsewhere.
-    Tokens are compared in constant time.
+    without it and the token set as an HttpOnly, SameSite=Strict, Path=/ cookie (so it leaves the
+    address bar and the history). Anything else gets 401: JSON under /api/, a short HTML page
+    elsewhere. Tokens are compared in constant time.
+
+    /api/ also refuses (403) what a browser marks as sent by another page: `Sec-Fetch-Site` other
+    than same-origin or none, or an `Origin` other than the Host it was sent to. Cookies are not
+    isolated by port (RFC 6265), so a page on another 127.0.0.1 port gets ours sent along with its
+    requests to us; SameSite=Strict only stops other sites.
     """
 
-    def __init__(self, app: ASGIApp, token: str):
+    def __init__(self, app: ASGIApp, token: str, cookie: str = COOKIE):
         if not token:
             raise ValueError("TokenGate needs a non-empty token")
-        self.app, self._token = app, token.encode()
+        self.app, self._token, self.cookie = app, token.encode(), cookie
 
     def _ok(self, value: bytes | str | None) -> bool:
         if value is None:
@@ -63,6 +72,9 @@ class TokenGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"].startswith("/api/") and (why := _foreign(scope["headers"])):
+            await JSONResponse({"detail": f"refused: {why}"}, 403)(scope, receive, send)
+            return
         query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         given = [v for k, v in query if k == "token"]
         if given:
@@ -71,13 +83,13 @@ class TokenGate:
                 # "//evil.example/x" (or /\evil, or /%2F%2Fevil once decoded) as a Location is another host.
                 path = "/" + scope["path"].lstrip("/\\")
                 resp: Response = RedirectResponse(path + (f"?{rest}" if rest else ""), status_code=303)
-                resp.set_cookie(COOKIE, given[0], httponly=True, samesite="strict", path="/")
+                resp.set_cookie(self.cookie, given[0], httponly=True, samesite="strict", path="/")
                 await resp(scope, receive, send)
                 return
         else:
             headers = [(k, v) for k, v in scope["headers"] if k in (b"authorization", b"cookie")]
             auth = [v for k, v in headers if k == b"authorization"]
-            cookie = _cookie(b"; ".join(v for k, v in headers if k == b"cookie"))
+            cookie = _cookie(b"; ".join(v for k, v in headers if k == b"cookie"), self.cookie)
             scheme, _, bearer = (auth[0] if len(auth) == 1 else b"").partition(b" ")
             if (scheme.lower() == b"bearer" and self._ok(bearer.strip())) or self._ok(cookie):
                 await self.app(scope, receive, send)
@@ -89,10 +101,22 @@ class TokenGate:
         await resp(scope, receive, send)
 
 
-def _cookie(header: bytes) -> str | None:
+def _foreign(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request reads as sent by another page (TokenGate), or None."""
+    site = [v for k, v in headers if k == b"sec-fetch-site"]
+    if len(site) > 1 or (site and site[0] not in _FETCH_SITES):
+        return f"Sec-Fetch-Site {b', '.join(site).decode('latin-1')!r}: the API answers only this page and non-browser clients"
+    origin = [v for k, v in headers if k == b"origin"]
+    host = [v for k, v in headers if k == b"host"]
+    if origin and (len(origin) > 1 or len(host) != 1 or origin[0] != b"http://" + host[0]):
+        return f"Origin {b', '.join(origin).decode('latin-1')!r} is not this server's"
+    return None
+
+
+def _cookie(header: bytes, name: str) -> str | None:
     for part in header.decode("latin-1").split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == COOKIE:
+        key, _, value = part.strip().partition("=")
+        if key == name:
             return value
     return None
 
@@ -117,8 +141,8 @@ def _static(name: str) -> bytes:
     return resources.files("opsd.inspect").joinpath("static", name).read_bytes()
 
 
-def create_app(run_dir: Path, token: str) -> ASGIApp:
-    """The inspect app for `run_dir`, wrapped in TokenGate(token). Raises ValueError for an empty token."""
+def create_app(run_dir: Path, token: str, cookie: str = COOKIE) -> ASGIApp:
+    """The inspect app for `run_dir`, wrapped in TokenGate(token, cookie). Raises ValueError for an empty token."""
     run_dir = Path(run_dir)
     app = FastAPI(title="opsd inspect", docs_url=None, redoc_url=None, openapi_url=None)
     decoder: list[views.Decoder] = []  # loaded on the first trajectory page
@@ -181,4 +205,4 @@ def create_app(run_dir: Path, token: str) -> ASGIApp:
             raise data.InspectError(422, "overrides must be a JSON object")
         return _answer(views.compare_view, data.load_step(run_dir, step), group, method, over)
 
-    return TokenGate(app, token)
+    return TokenGate(app, token, cookie)
