@@ -16,7 +16,11 @@ the trainer's own dump code (services/trainer/dump.py `write_credit_dump`, as
   (issue 22) < 2 s at 16x8x50.
 - `group page (warm)`, `trajectory page (warm)`: the next pages of the same step (parsed dump cached).
 - `compare (cold)`: the step replayed with another method (grpo_opd) for the compare page.
-Each figure is the median of `--repeats` runs (the dump's parse cache cleared before each cold
+- memory, in a fresh process (`--parallel` N requests at once for the uncached step, as the
+  server's worker threads run them: load + step page): the RSS it gains at its peak and after,
+  as multiples of the dump's size (what opsd.inspect.data.MAX_DUMP_BYTES is set by), and how many
+  times the dump was parsed (1: the others waited for it).
+Each time is the median of `--repeats` runs (the dump's parse cache cleared before each cold
 one). `--quick`: 2x4x10x16, one run (a smoke test). The default method is agentopsd: an
 AlignOPSD dump holds an [M, M, L] cross-teacher array, too large to write at this size (dump.py).
 """
@@ -24,8 +28,10 @@ AlignOPSD dump holds an [M, M, L] cross-teacher array, too large to write at thi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -140,6 +146,52 @@ def measure(run_dir: Path, repeats: int) -> dict[str, list[float]]:
     return out
 
 
+def _rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    """This process's RSS high-water mark (Linux VmHWM), since start or the last `clear_refs` reset."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024  # kB
+
+
+def open_memory(run_dir: Path, requests: int) -> dict[str, float]:
+    """In this process (a fresh one: `memory`): `requests` threads open step 0 at once (load + step page).
+    Returns MiB of RSS over the baseline at the peak and after ("held"), and the parse count."""
+    import threading
+
+    from opsd.inspect import data, views
+
+    parses: list[int] = []
+    real = data._loads
+    data._loads = lambda raw: parses.append(1) or real(raw)
+    start = threading.Barrier(requests)
+    got = []
+
+    def request() -> None:
+        start.wait()
+        got.append(views.step_view(data.load_step(run_dir, 0)))
+
+    threads = [threading.Thread(target=request) for _ in range(requests)]
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here (Linux >= 4.0)
+    base = _rss_mib()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == requests, "a request failed"
+    return {"peak": _peak_rss_mib() - base, "held": _rss_mib() - base, "parses": len(parses)}
+
+
+def memory(run_dir: Path, requests: int) -> dict[str, float]:
+    """`open_memory` in a fresh Python process (its peak is not this one's, which wrote the dump)."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--memory-of", str(run_dir),
+                           "--parallel", str(requests)], capture_output=True, text=True, check=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=16)
@@ -150,7 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (--quick 1)")
     ap.add_argument("--quick", action="store_true", help="2 x 4 x 10 x 16, one run (a smoke test)")
     ap.add_argument("--json", type=Path, default=None, help="write the benchmark JSON here")
+    ap.add_argument("--parallel", type=int, default=8, help="requests at once for the memory figures (default 8)")
+    ap.add_argument("--memory-of", type=Path, default=None, help=argparse.SUPPRESS)  # the child `memory` runs
     args = ap.parse_args(argv)
+    if args.memory_of is not None:
+        print(json.dumps(open_memory(args.memory_of, args.parallel)))
+        return
     if args.quick:
         args.tasks, args.rollouts, args.turns, args.tokens = 2, 4, 10, 16
     repeats = args.repeats or (1 if args.quick else 3)
@@ -164,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         mb = path.stat().st_size / 1e6
         print(f"{args.method} step {size}: dump {mb:.1f} MB written in {write_s:.1f} s", flush=True)
         times = measure(run_dir, repeats)
+        mem = memory(run_dir, args.parallel)
     med = {k: statistics.median(v) for k, v in times.items()}
+    mib = mb * 1e6 / 2**20
     rows = [
         Row(f"open step (cold) {size}", med["open"], "s", target,
             note=f"step + first group + first trajectory page, {args.method} dump of {mb:.1f} MB, median of {repeats}"),
@@ -172,10 +231,14 @@ def main(argv: list[str] | None = None) -> None:
         Row(f"trajectory page (warm) {size}", med["trajectory"], "s", note=f"{min(args.turns, 20)} turns of tokens"),
         Row(f"compare (cold) {size}", med["compare"], "s", note="the step replayed with grpo_opd"),
         Row(f"dump size {size}", mb, "MB"),
+        Row(f"open peak RSS / dump size {size}", mem["peak"] / mib, "x",
+            note=f"{mem['peak']:.0f} MiB over a fresh process, {args.parallel} requests at once for the uncached step"),
+        Row(f"held RSS / dump size {size}", mem["held"] / mib, "x", note=f"{mem['held']:.0f} MiB, the parsed step cached"),
+        Row(f"parses of {args.parallel} parallel opens {size}", mem["parses"], "", "== 1"),
     ]
     for r in rows:
         verdict = "" if r.ok is None else ("ok" if r.ok else "MISSED")
-        print(f"{r.name:<42} {r.value:>9.3f} {r.unit:<3} {r.target or '':<8} {verdict}", flush=True)
+        print(f"{r.name:<48} {r.value:>9.3f} {r.unit:<3} {r.target or '':<8} {verdict}", flush=True)
     if args.json:
         write_json(args.json, "inspect", command_line(), rows)
         print(f"wrote {args.json}")

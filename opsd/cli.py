@@ -735,19 +735,18 @@ def inspect_cmd(
 
     The page shows RUN_DIR's metrics and credit dumps.
 
-    Serves on 127.0.0.1 only, behind the run's API token (OPSD_API_TOKEN) or a
-    fresh one, and prints the URL to open (it carries the token once; the page
-    then keeps it in a cookie). Steps have dumps when the run was started with
-    --dump-credit. Stops on Ctrl-C.
+    Serves on 127.0.0.1 only, behind a fresh token of its own (never the run's
+    OPSD_API_TOKEN), and prints the URL to open (it carries the token once; the
+    page then keeps it in a cookie). Steps have dumps when the run was started
+    with --dump-credit. Stops on Ctrl-C.
     """
-    from opsd.inspect import choose_token, serve
+    from opsd.inspect import serve
 
     if not (run_dir / "credit").is_dir() and not (run_dir / "metrics.jsonl").is_file():
         console.print(f"[yellow]warning:[/yellow] {escape(str(run_dir))} has no credit/ dumps and no metrics.jsonl "
                       "(was it run with --dump-credit?)")
     try:
-        serve(run_dir, port, choose_token(dict(os.environ)),
-              on_ready=lambda url: print(f"opsd inspect: open {url}", flush=True))
+        serve(run_dir, port, on_ready=lambda url: print(f"opsd inspect: open {url}", flush=True))
     except OSError as exc:
         console.print(f"[red]error:[/red] cannot listen on 127.0.0.1:{port}: {escape(str(exc))}")
         raise typer.Exit(2)

@@ -5,14 +5,22 @@ and one dump per registered credit method (`credit/step_NNNNN.json`, step i =
 `opsd.credit.registered()[i]`) through the trainer's own dump code
 (services/trainer/dump.py) from factory groups (tests/factories.py): the same
 bytes `opsd run --dump-credit` writes, without a model.
+`served(run_dir)` runs `opsd inspect` on it as a process.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from opsd.config import RunConfig
@@ -126,3 +134,29 @@ def write_run(run_dir: Path, tokenizer_json: Path | None = None, G: int = 3, tur
         (run_dir / "checkpoint").mkdir(exist_ok=True)
         (run_dir / "checkpoint" / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
     return methods
+
+
+@contextmanager
+def served(run_dir: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`opsd inspect RUN_DIR --port 0` as a process (os.environ updated by `env`), once it answers HTTP; yields the
+    URL it printed (`http://127.0.0.1:PORT/?token=...`). Terminated on exit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "opsd.cli", "inspect", str(run_dir), "--port", "0"],
+                            cwd=Path(__file__).resolve().parents[1], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("opsd inspect: open http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split("open ", 1)[1].strip()
+        deadline = time.monotonic() + 30  # the URL is printed once the port is bound, before uvicorn listens
+        while True:
+            try:
+                httpx.get(url.split("/?", 1)[0] + "/api/methods", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, "opsd inspect did not answer"
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

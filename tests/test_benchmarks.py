@@ -426,7 +426,10 @@ def test_inspect_quick_writes_its_rows(tmp_path):
     doc = run_benchmark("inspect_page.py", tmp_path / "i.json", "--quick")
     rows = check_report(doc, "inspect")
     assert list(rows) == [f"{name} 2x4x10x16" for name in ("open step (cold)", "group page (warm)", "trajectory page (warm)",
-                                                            "compare (cold)", "dump size")]
+                                                            "compare (cold)", "dump size", "open peak RSS / dump size",
+                                                            "held RSS / dump size", "parses of 8 parallel opens")]
+    parses = rows.pop("parses of 8 parallel opens 2x4x10x16")
+    assert parses["value"] == 1 and parses["ok"]  # 8 requests at once for the uncached step: one parse
     assert all(r["target"] is None for r in rows.values())  # the 2 s target is for 16x8x50 only
     assert 0.01 < rows["dump size 2x4x10x16"]["value"] < 5
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import time
+import threading
 from pathlib import Path
 
 import httpx
@@ -19,11 +17,9 @@ from fastapi.testclient import TestClient
 from opsd.credit import compute_advantages, registered
 from opsd.credit.replay import batch_from_inputs
 from opsd.config import CreditSection
-from opsd.inspect import choose_token
 from opsd.inspect.app import COOKIE, create_app
-from tests.inspect_run import write_run
+from tests.inspect_run import served, write_run
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "t" * 12 + "-inspect-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -167,10 +163,35 @@ def test_token_required_and_moved_to_a_cookie(run_dir):
     assert c.get("/api/run").status_code == 401
 
 
-def test_choose_token_uses_the_runs_token_or_a_fresh_one():
-    assert choose_token({"OPSD_API_TOKEN": TOKEN}) == TOKEN
-    fresh = choose_token({"OPSD_API_TOKEN": "short"})
-    assert fresh != "short" and len(fresh) >= 32 and choose_token({}) != choose_token({})
+def test_the_token_redirect_never_leaves_the_server(run_dir):
+    """After a right ?token=, the redirect is a path on this server: a path starting with // (or /\\, or
+    %2F%2F once decoded) must not become a scheme-relative Location, which a browser reads as another host."""
+    c = TestClient(create_app(run_dir, TOKEN), raise_server_exceptions=False)
+    for path, expected in [("//evil.example/x", "/evil.example/x"), ("/%2F%2Fevil.example/x", "/evil.example/x"),
+                           ("/\\evil.example", "/evil.example"), ("/%5C%5Cevil.example", "/evil.example"),
+                           ("/%5C/evil.example", "/evil.example"), ("/api/run", "/api/run")]:
+        r = c.get(f"http://testserver{path}?token={TOKEN}&step=3", follow_redirects=False)
+        assert r.status_code == 303, (path, r.status_code)
+        assert r.headers["location"] == f"{expected}?step=3", (path, r.headers["location"])
+
+
+def test_the_api_refuses_requests_other_pages_make(run_dir):
+    """Cookies are not isolated by port: a page on another 127.0.0.1 port gets the inspect cookie sent with its
+    requests here (same-site). /api/ answers only the page's own fetches (Sec-Fetch-Site same-origin), typed
+    URLs (none) and non-browser clients (no header), and an Origin only when it is this server's."""
+    c = TestClient(create_app(run_dir, TOKEN), raise_server_exceptions=False)
+    ok = [{}, {"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {"Origin": "http://testserver"}]
+    refused = [{"Sec-Fetch-Site": "same-site"}, {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "bogus"},
+               {"Origin": "http://127.0.0.1:8888"}, {"Origin": "null"},
+               {"Sec-Fetch-Site": "same-site", "Origin": "http://testserver"}]
+    for extra in ok:
+        assert c.get("/api/run", headers={**AUTH, **extra}).status_code == 200, extra
+    for extra in refused:
+        for path in ("/api/run", "/api/compare?step=0&group=g&method=opd"):
+            r = c.get(path, headers={**AUTH, **extra})
+            assert r.status_code == 403 and "refused" in r.json()["detail"], (path, extra, r.status_code)
+    # The page itself (no run data) still opens from a link on another local page.
+    assert c.get("/", headers={**AUTH, "Sec-Fetch-Site": "same-site"}).status_code == 200
 
 
 # ------------------------------------------------------------------------------ nothing outside RUN_DIR
@@ -290,6 +311,74 @@ def test_bad_dumps_and_requests_get_a_clear_4xx(tmp_path):
     assert not tv["decoded"] and tv["turns"][0]["tokens"][0]["text"] == "[0]" and tv["turns"][0]["tokens"][0]["id"] is None
 
 
+def test_a_config_nested_too_deep_to_write_is_a_422_on_every_page(run_dir, tmp_path):
+    """A dump whose credit config nests 500 levels (JSON reads it; pydantic will not write it back): the step
+    page answers a 422 naming it, and no other page answers a 500."""
+    run = tmp_path / "run"
+    (run / "credit").mkdir(parents=True)
+    case = dump(run_dir, 6)
+    deep: dict = {}
+    node = deep
+    for _ in range(500):
+        node["a"] = {}
+        node = node["a"]
+    case["config"]["opsd_credit"]["deep"] = deep
+    (run / "credit" / "step_00000.json").write_text(json.dumps(case))
+    c = TestClient(create_app(run, TOKEN), raise_server_exceptions=False)
+    g, r0 = case["inputs"]["uid"][0], case["inputs"]["traj_uid"][0]
+    r = c.get("/api/step", params={"step": 0}, headers=AUTH)
+    assert r.status_code == 422 and "cannot be written as JSON" in r.json()["detail"], (r.status_code, r.text[:300])
+    for path, params in [("/api/group", {"step": 0, "group": g}), ("/api/trajectory", {"step": 0, "group": g, "rollout": r0}),
+                         ("/api/compare", {"step": 0, "group": g, "method": "opd"}), ("/api/run", {})]:
+        r = c.get(path, params=params, headers=AUTH)
+        assert r.status_code < 500 and r.json(), (path, r.status_code)
+
+
+def test_parallel_requests_for_an_uncached_step_parse_it_once(run_dir, tmp_path, monkeypatch):
+    """8 requests at once for a step not yet cached: one parse, and all 8 get that same parsed step."""
+    from opsd.inspect import data
+
+    (tmp_path / "run" / "credit").mkdir(parents=True)
+    shutil.copy(run_dir / "credit" / "step_00000.json", tmp_path / "run" / "credit" / "step_00000.json")
+    parses: list[int] = []
+    others = threading.Event()
+    real = data._loads
+
+    def counting(raw: bytes):
+        parses.append(1)
+        if len(parses) == 1:
+            others.wait(timeout=1.0)  # room for the other requests to start a parse of their own (none should)
+        else:
+            others.set()
+        return real(raw)
+
+    monkeypatch.setattr(data, "_loads", counting)
+    start = threading.Barrier(8)
+    got: list = []
+
+    def request() -> None:
+        start.wait()
+        got.append(data.load_step(tmp_path / "run", 0))
+
+    threads = [threading.Thread(target=request) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(parses) == 1, f"{len(parses)} parses of one step"
+    assert len(got) == 8 and all(s is got[0] for s in got)
+
+
+def test_a_dump_over_256_mib_is_refused_unread(tmp_path):
+    """Parsing a dump takes ~9x its size in memory (BENCHMARKS.md section 8): one over 256 MiB (~2.3 GiB to parse;
+    the cap was 1 GiB, ~9 GiB) is a 413 before it is read."""
+    (tmp_path / "run" / "credit").mkdir(parents=True)
+    with open(tmp_path / "run" / "credit" / "step_00000.json", "wb") as f:
+        f.truncate((256 << 20) + 1)  # sparse: no disk used
+    r = TestClient(create_app(tmp_path / "run", TOKEN), raise_server_exceptions=False).get("/api/step?step=0", headers=AUTH)
+    assert r.status_code == 413 and "memory" in r.json()["detail"], (r.status_code, r.text[:200])
+
+
 def test_metrics_lines_json_reads_but_a_response_cannot_hold_are_left_out(tmp_path):
     """metrics.jsonl lines that parse into what JSON cannot send back (an int past float range, a lone surrogate
     in a key, nesting past the parser's depth) and a run folder whose name is not UTF-8: the run page still
@@ -326,24 +415,34 @@ def test_pagination(client, run_dir):
 # ------------------------------------------------------------------------------------------ the command
 
 
-def test_cli_serves_on_loopback_and_prints_the_url(run_dir):
-    env = {**os.environ, "OPSD_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "opsd.cli", "inspect", str(run_dir), "--port", "0"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("opsd inspect: open http://127.0.0.1:") and line.strip().endswith(f"/?token={TOKEN}"), line
-        base = line.split("open ", 1)[1].split("/?", 1)[0]
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"{base}/api/run", headers=AUTH, timeout=5)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "server did not answer"
-                time.sleep(0.2)
-        assert r.status_code == 200 and r.json()["steps"]
-        assert httpx.get(f"{base}/api/run", timeout=5).status_code == 401
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def test_each_server_has_a_token_and_cookie_of_its_own_never_the_runs_api_token(run_dir):
+    """`opsd inspect` twice with OPSD_API_TOKEN set: each prints a fresh token of its own (the API token opens
+    nothing); one cookie jar (a browser's: cookies are shared by every port of 127.0.0.1) logs into both and
+    keeps both sessions; a page on another port is refused."""
+    with served(run_dir, {"OPSD_API_TOKEN": TOKEN}) as url_a, served(run_dir, {"OPSD_API_TOKEN": TOKEN}) as url_b:
+        base_a, token_a = url_a.split("/?token=")
+        base_b, token_b = url_b.split("/?token=")
+        assert base_a.startswith("http://127.0.0.1:") and base_a != base_b
+        assert TOKEN not in (token_a, token_b) and token_a != token_b and len(token_a) >= 32
+        with httpx.Client(timeout=10, follow_redirects=True) as browser:
+            assert browser.get(f"{base_a}/api/run").status_code == 401
+            set_cookies = []
+            for url, base in ((url_a, base_a), (url_b, base_b)):
+                r = browser.get(url)
+                assert r.status_code == 200 and str(r.url) == f"{base}/", r.url
+                set_cookies.append(r.history[0].headers["set-cookie"].lower())
+            assert browser.get(f"{base_a}/api/run").status_code == 200  # the second login kept the first
+            assert browser.get(f"{base_b}/api/run").json()["steps"]
+            for base, set_cookie in zip((base_a, base_b), set_cookies):
+                assert set_cookie.startswith(f"opsd_inspect_{base.rsplit(':', 1)[1]}=")
+                assert all(a in set_cookie for a in ("httponly", "samesite=strict", "path=/"))
+            assert len(browser.cookies.jar) == 2  # both sent to both ports (as a browser does): the names keep them apart
+            # A page on B's port fetching from A: the browser sends A's cookie along, and marks the request.
+            for mark in ({"Sec-Fetch-Site": "same-site"}, {"Origin": base_b}):
+                assert browser.get(f"{base_a}/api/compare", params={"step": 0, "group": "g", "method": "opd"},
+                                   headers=mark).status_code == 403
+        port_a = base_a.rsplit(":", 1)[1]
+        for headers in ({"Cookie": f"opsd_inspect_{port_a}={TOKEN}"}, {"Cookie": f"{COOKIE}={TOKEN}"},
+                        {"Authorization": f"Bearer {TOKEN}"}):
+            assert httpx.get(f"{base_a}/api/run", headers=headers, timeout=10).status_code == 401, headers
+        assert httpx.get(f"{base_a}/api/run", headers={"Authorization": f"Bearer {token_a}"}, timeout=10).status_code == 200

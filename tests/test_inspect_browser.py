@@ -11,11 +11,12 @@ One Chromium for the module, closed at its end; screenshots land in the test's t
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import shutil
-import subprocess
-import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,10 +26,9 @@ import pytest
 from opsd.config import CreditSection
 from opsd.credit import compute_advantages, registered
 from opsd.credit.replay import batch_from_inputs, check_file
+from tests.inspect_run import served
 
-ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("OPSD_CHROMIUM", "/usr/bin/chromium")  # Debian's package; another build by path
-TOKEN = "browser-test-token-0123456789"
 
 
 def _missing(reason: str) -> None:
@@ -40,21 +40,6 @@ def _missing(reason: str) -> None:
 @pytest.fixture(scope="module")
 def run_dir(inspect_run_dir) -> Path:
     return inspect_run_dir  # tests/conftest.py: shared with tests/test_inspect.py, written once
-
-
-@contextmanager
-def served(run_dir: Path):
-    """`opsd inspect RUN_DIR --port 0` as a process; yields the URL it printed (token included)."""
-    env = {**os.environ, "OPSD_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "opsd.cli", "inspect", str(run_dir), "--port", "0"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("opsd inspect: open http://127.0.0.1:"), line + proc.stderr.read()
-        yield line.split("open ", 1)[1].strip()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +321,29 @@ def test_errors_are_pages_not_crashes(page, browser, url):
         assert resp.status == 401 and "token" in anon.content()
     finally:
         ctx.close()
+
+
+def test_a_page_on_another_local_port_cannot_use_the_inspect_cookie(page, url, run_dir, tmp_path):
+    """Cookies are shared by every port of 127.0.0.1: with the inspect page logged in, a page served from another
+    local port that fetches the API (no-cors: a blind request, e.g. a compare that makes the server replay a step)
+    gets the cookie sent along (same-site, so SameSite=Strict does not stop it). The API refuses it; the inspect
+    page itself still works. (An <img> of the API is sent the same way; Chromium's ORB hides its status.)"""
+    base = url.split("/?", 1)[0]
+    compare = f"{base}/api/compare?step=0&group={dump(run_dir, 0)['inputs']['uid'][0]}&method=opd"
+    (tmp_path / "other.html").write_text(
+        f'<!doctype html><script>fetch("{compare}", {{mode: "no-cors", credentials: "include"}})</script>')
+    other = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with page.expect_response(compare) as fetched:
+            page.goto(f"http://127.0.0.1:{other.server_port}/other.html")
+        # Chromium sends the cookie and `Sec-Fetch-Site: same-site` with it (a recording server on the two ports
+        # saw both; Playwright's copy of the headers leaves them out): 200 before the check, 401 without the cookie.
+        assert fetched.value.status == 403
+    finally:
+        other.shutdown()
+        other.server_close()
+    page.goto(f"{base}/#/")  # the page's own fetches (same-origin) still pass
+    ready(page)
+    assert page.locator("#steps a").count() == len(registered())

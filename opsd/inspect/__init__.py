@@ -10,22 +10,17 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from opsd.auth import MIN_TOKEN_CHARS, TOKEN_ENV
-
 HOST = "127.0.0.1"  # loopback only: the pages show a run's trajectories
 
 
-def choose_token(env: dict[str, str]) -> str:
-    """The run's API token (OPSD_API_TOKEN) when set and long enough, else a fresh random one."""
-    token = env.get(TOKEN_ENV, "")
-    ok = len(token) >= MIN_TOKEN_CHARS and token.isascii() and token.isprintable() and " " not in token
-    return token if ok else secrets.token_urlsafe(32)
-
-
-def serve(run_dir: Path, port: int, token: str, on_ready=print) -> None:
+def serve(run_dir: Path, port: int, on_ready=print) -> None:
     """Serve `run_dir` on http://127.0.0.1:`port` (0: a free port) until interrupted.
 
+    The pages sit behind a token of this process's own (secrets.token_urlsafe(32)), never the run's
+    OPSD_API_TOKEN: the browser keeps it in the cookie `opsd_inspect_<port>`, and a cookie is sent to
+    every port of 127.0.0.1, so its value must open these pages and nothing else.
     `on_ready(url)` is called with the URL carrying the token once the socket listens.
+    Raises OSError when the port cannot be bound.
     """
     import socket
 
@@ -36,8 +31,9 @@ def serve(run_dir: Path, port: int, token: str, on_ready=print) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, port))  # bound here so port 0 is known before the URL is printed
-    url = f"http://{HOST}:{sock.getsockname()[1]}/?token={token}"
-    config = uvicorn.Config(create_app(run_dir, token), log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
-    on_ready(url)
+    port = sock.getsockname()[1]
+    token = secrets.token_urlsafe(32)
+    app = create_app(run_dir, token, cookie=f"opsd_inspect_{port}")  # one per server: two runs' tabs keep both
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    on_ready(f"http://{HOST}:{port}/?token={token}")
     server.run(sockets=[sock])

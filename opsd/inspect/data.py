@@ -31,8 +31,11 @@ import numpy as np
 import orjson  # a 16x8x50 step opened in 0.72 s, 1.89 s with json (BENCHMARKS.md section 8)
 
 STEP_FILE = re.compile(r"^step_(\d{1,9})\.json$")
-MAX_DUMP_BYTES = 1 << 30  # 1 GiB: beyond that a page would not open in seconds anyway
-_CACHE_STEPS = 4  # parsed dumps kept in memory (a 16x8x50x64 step is ~100 MB of arrays)
+# Parsing a dump peaks at ~9x its size in RSS (orjson's document plus one Python float per value, until
+# parse_step has made them float32 arrays) and holds ~2x once parsed (benchmarks/inspect_page.py --memory,
+# BENCHMARKS.md section 8). 256 MiB: a ~2.5 GiB peak, where 1 GiB allowed ~10 GiB.
+MAX_DUMP_BYTES = 256 << 20
+_CACHE_BYTES = 256 << 20  # parsed dumps kept, by their files' sizes (the newest always): ~2x that in RSS
 
 
 class InspectError(Exception):
@@ -277,36 +280,50 @@ def _loads(raw: bytes) -> Any:
             gc.enable()
 
 
-_cache: OrderedDict[tuple, Step] = OrderedDict()
+_cache: OrderedDict[tuple, tuple[Step, int]] = OrderedDict()  # key -> (step, dump bytes)
 _cache_lock = threading.Lock()
+# One parse at a time: N requests for an uncached step parse it once (the others wait, then find it
+# cached), and two big dumps never peak together. Parallel parses would gain nothing: orjson and the
+# list-to-array conversions hold the GIL.
+_parse_lock = threading.Lock()
+
+
+def _cached(key: tuple) -> Step | None:
+    with _cache_lock:
+        if key not in _cache:
+            return None
+        _cache.move_to_end(key)
+        return _cache[key][0]
 
 
 def load_step(run_dir: Path, step: int) -> Step:
     """The parsed dump of `step`, cached by (path, size, mtime) so a rewritten file is read again.
 
+    Concurrent calls for a step not yet cached parse it once (the others wait and get the same Step).
     InspectError 404 (no dump), 413 (over MAX_DUMP_BYTES), 422 (truncated: the run is still
     writing it; not JSON; partial or malformed).
     """
     path = step_path(run_dir, step)
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
-    with _cache_lock:
-        if key in _cache:
-            _cache.move_to_end(key)
-            return _cache[key]
+    if (hit := _cached(key)) is not None:
+        return hit
     if st.st_size > MAX_DUMP_BYTES:
-        raise InspectError(413, f"step {step}'s dump is {st.st_size} bytes, over the {MAX_DUMP_BYTES} this page opens")
-    raw = path.read_bytes()
-    try:
-        case = _loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise InspectError(422, f"step {step}'s dump is not complete JSON (a run still writing it, a damaged "
-                                f"file, or a NaN): {str(exc)[:200]}") from None
-    data = parse_step(case, step)
-    with _cache_lock:
-        _cache[key] = data
-        while len(_cache) > _CACHE_STEPS:
-            _cache.popitem(last=False)
+        raise InspectError(413, f"step {step}'s dump is {st.st_size} bytes, over the {MAX_DUMP_BYTES} this page "
+                                f"opens (parsing takes ~9x the file's size in memory)")
+    with _parse_lock:
+        if (hit := _cached(key)) is not None:
+            return hit  # parsed by the request this one waited for
+        try:
+            case = _loads(path.read_bytes())  # the bytes are freed as soon as they are parsed
+        except (ValueError, RecursionError) as exc:
+            raise InspectError(422, f"step {step}'s dump is not complete JSON (a run still writing it, a damaged "
+                                    f"file, or a NaN): {str(exc)[:200]}") from None
+        data = parse_step(case, step)
+        with _cache_lock:
+            _cache[key] = (data, st.st_size)
+            while len(_cache) > 1 and sum(size for _, size in _cache.values()) > _CACHE_BYTES:
+                _cache.popitem(last=False)
     return data
 
 
