@@ -730,6 +730,8 @@ def credit_check(
 def inspect_cmd(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory (runs/<name>-<timestamp>/)"),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="port on 127.0.0.1 (0: a free one)"),
+    max_dump_mib: int = typer.Option(256, "--max-dump-mib", min=1, max=1 << 20,
+                                     help="largest credit dump opened, MiB (a parse holds ~9x that in memory)"),
 ) -> None:
     """See where the credit went: a local web page over a run directory.
 
@@ -746,7 +748,7 @@ def inspect_cmd(
         console.print(f"[yellow]warning:[/yellow] {escape(str(run_dir))} has no credit/ dumps and no metrics.jsonl "
                       "(was it run with --dump-credit?)")
     try:
-        serve(run_dir, port, on_ready=lambda url: print(f"opsd inspect: open {url}", flush=True))
+        serve(run_dir, port, on_ready=lambda url: print(f"opsd inspect: open {url}", flush=True), max_dump_mib=max_dump_mib)
     except OSError as exc:
         console.print(f"[red]error:[/red] cannot listen on 127.0.0.1:{port}: {escape(str(exc))}")
         raise typer.Exit(2)

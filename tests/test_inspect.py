@@ -377,6 +377,11 @@ def test_a_dump_over_256_mib_is_refused_unread(tmp_path):
         f.truncate((256 << 20) + 1)  # sparse: no disk used
     r = TestClient(create_app(tmp_path / "run", TOKEN), raise_server_exceptions=False).get("/api/step?step=0", headers=AUTH)
     assert r.status_code == 413 and "memory" in r.json()["detail"], (r.status_code, r.text[:200])
+    assert "--max-dump-mib 257 " in r.json()["detail"]  # the size that would open it
+    # Raised where the memory allows (opsd inspect --max-dump-mib): read, and refused only as not JSON.
+    r = TestClient(create_app(tmp_path / "run", TOKEN, max_dump_bytes=257 << 20),
+                   raise_server_exceptions=False).get("/api/step?step=0", headers=AUTH)
+    assert r.status_code == 422 and "not complete JSON" in r.json()["detail"], (r.status_code, r.text[:200])
 
 
 def test_metrics_lines_json_reads_but_a_response_cannot_hold_are_left_out(tmp_path):

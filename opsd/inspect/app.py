@@ -141,8 +141,9 @@ def _static(name: str) -> bytes:
     return resources.files("opsd.inspect").joinpath("static", name).read_bytes()
 
 
-def create_app(run_dir: Path, token: str, cookie: str = COOKIE) -> ASGIApp:
-    """The inspect app for `run_dir`, wrapped in TokenGate(token, cookie). Raises ValueError for an empty token."""
+def create_app(run_dir: Path, token: str, cookie: str = COOKIE, max_dump_bytes: int = data.MAX_DUMP_BYTES) -> ASGIApp:
+    """The inspect app for `run_dir`, wrapped in TokenGate(token, cookie); dumps over `max_dump_bytes` get 413.
+    Raises ValueError for an empty token."""
     run_dir = Path(run_dir)
     app = FastAPI(title="opsd inspect", docs_url=None, redoc_url=None, openapi_url=None)
     decoder: list[views.Decoder] = []  # loaded on the first trajectory page
@@ -182,15 +183,15 @@ def create_app(run_dir: Path, token: str, cookie: str = COOKIE) -> ASGIApp:
 
     @app.get("/api/step", response_model=models.StepView)
     def step(step: int = Query(...), offset: int = 0, limit: int = 100) -> Response:
-        return _answer(views.step_view, data.load_step(run_dir, step), offset, limit)
+        return _answer(views.step_view, data.load_step(run_dir, step, max_dump_bytes), offset, limit)
 
     @app.get("/api/group", response_model=models.GroupView)
     def group(step: int, group: str, offset: int = 0, limit: int = 50) -> Response:
-        return _answer(views.group_view, data.load_step(run_dir, step), group, offset, limit)
+        return _answer(views.group_view, data.load_step(run_dir, step, max_dump_bytes), group, offset, limit)
 
     @app.get("/api/trajectory", response_model=models.TrajectoryView)
     def trajectory(step: int, group: str, rollout: str, offset: int = 0, limit: int = 20) -> Response:
-        s = data.load_step(run_dir, step)
+        s = data.load_step(run_dir, step, max_dump_bytes)
         if not decoder:
             decoder.append(views.Decoder(run_dir))
         return _answer(views.trajectory_view, s, group, rollout, decoder[0], offset, limit)
@@ -203,6 +204,6 @@ def create_app(run_dir: Path, token: str, cookie: str = COOKIE) -> ASGIApp:
             raise data.InspectError(422, "overrides must be a JSON object, e.g. {\"agentopsd\": {\"gamma\": 0.9}}") from None
         if not isinstance(over, dict):
             raise data.InspectError(422, "overrides must be a JSON object")
-        return _answer(views.compare_view, data.load_step(run_dir, step), group, method, over)
+        return _answer(views.compare_view, data.load_step(run_dir, step, max_dump_bytes), group, method, over)
 
     return TokenGate(app, token, cookie)

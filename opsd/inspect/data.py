@@ -296,11 +296,11 @@ def _cached(key: tuple) -> Step | None:
         return _cache[key][0]
 
 
-def load_step(run_dir: Path, step: int) -> Step:
+def load_step(run_dir: Path, step: int, max_bytes: int = MAX_DUMP_BYTES) -> Step:
     """The parsed dump of `step`, cached by (path, size, mtime) so a rewritten file is read again.
 
     Concurrent calls for a step not yet cached parse it once (the others wait and get the same Step).
-    InspectError 404 (no dump), 413 (over MAX_DUMP_BYTES), 422 (truncated: the run is still
+    InspectError 404 (no dump), 413 (over `max_bytes`, `opsd inspect --max-dump-mib`), 422 (truncated: the run is still
     writing it; not JSON; partial or malformed).
     """
     path = step_path(run_dir, step)
@@ -308,9 +308,10 @@ def load_step(run_dir: Path, step: int) -> Step:
     key = (str(path), st.st_size, st.st_mtime_ns)
     if (hit := _cached(key)) is not None:
         return hit
-    if st.st_size > MAX_DUMP_BYTES:
-        raise InspectError(413, f"step {step}'s dump is {st.st_size} bytes, over the {MAX_DUMP_BYTES} this page "
-                                f"opens (parsing takes ~9x the file's size in memory)")
+    if st.st_size > max_bytes:
+        raise InspectError(413, f"step {step}'s dump is {st.st_size} bytes, over the {max_bytes >> 20} MiB this page "
+                                f"opens (parsing takes ~9x the file's size in memory): restart opsd inspect with "
+                                f"--max-dump-mib {-(-st.st_size >> 20)} or more where the memory allows")
     with _parse_lock:
         if (hit := _cached(key)) is not None:
             return hit  # parsed by the request this one waited for
