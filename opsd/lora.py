@@ -307,7 +307,8 @@ def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
     under the model's own names ("<m>.weight" = W0 + (B @ A) * alpha / rank,
     as workers serve it), its config and `tokenizer`, so
     `AutoModelForCausalLM.from_pretrained(directory)` loads the trained policy.
-    `model` is not modified. Written aside and renamed (never half a directory).
+    `model` is not modified. Written aside and renamed (never half a directory). `trust_remote_code`:
+    model.trust_remote_code, as the model was loaded (a custom architecture is built again from its config).
     Raises ValueError when the model has no adapters; OSError on write failure.
     """
     import shutil
@@ -325,7 +326,8 @@ def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
             if name.endswith(".weight"):
                 t = merge_one(t, adapters[module + _A], adapters[module + _B], alpha / rank)
         state[name] = t
-    plain = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype)
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype,
+                                             trust_remote_code=trust_remote_code)
     plain.load_state_dict(state, strict=False)  # a tied LM head is absent from `state` by name only
     missing = set(plain.state_dict()) - set(state) - ({"lm_head.weight"} if plain.config.tie_word_embeddings else set())
     if missing:
