@@ -165,16 +165,13 @@ def read_adapter(ref) -> Adapter:
     """Read and check the opsd-lora file `ref` (a path or `opsd.weights_io.open_weights` ref) on its own.
 
     See `adapter_from_stream` for what is checked. Raises FileNotFoundError
-    (missing file) or AdapterError naming the file and problem.
+    (missing file), opsd.weights_io.WeightsError (a ValueError) for a file that is no weights file at all
+    (empty, a bad header: not an adapter problem), or AdapterError naming the file and problem.
     """
-    from opsd.weights_io import WeightsError, open_weights, read_header
+    from opsd.weights_io import open_weights, read_header
 
     with open_weights(ref) as stream:
-        try:
-            header = read_header(stream, str(ref))
-        except WeightsError as e:
-            raise AdapterError(f"{ref}: unreadable safetensors file: {e}") from e
-        return adapter_from_stream(stream, header, str(ref))
+        return adapter_from_stream(stream, read_header(stream, str(ref)), str(ref))
 
 
 def adapter_from_stream(stream, header, source: str) -> Adapter:
@@ -286,9 +283,9 @@ def merged_weights(base_state: dict[str, torch.Tensor], adapter_path: Path) -> d
     Returns {"<module>.weight": W0 + (B @ A) * alpha / rank} for exactly the
     targeted weights (base dtype and device, computed in float32); every
     other weight of the model stays the base weight.
-    Raises FileNotFoundError (missing file) or AdapterError (bad file, or it
-    does not fit base_state: missing/extra modules, wrong shapes), before any
-    merge.
+    Raises FileNotFoundError (missing file), opsd.weights_io.WeightsError (no weights file: empty, bad
+    header) or AdapterError (a bad adapter, or it does not fit base_state: missing/extra modules, wrong
+    shapes), before any merge.
     """
     adapter = read_adapter(adapter_path)
     names = check_against(adapter, {k: v.shape for k, v in base_state.items()}, str(adapter_path))

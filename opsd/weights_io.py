@@ -224,8 +224,10 @@ def read_header(stream: BinaryIO, source: str = "weights") -> Header:
     Checked: the JSON size (<= MAX_HEADER_BYTES), its structure, string
     metadata, known dtypes, shapes whose element count matches the byte
     range, ranges contiguous from 0 in offset order. Raises WeightsError
-    naming `source`.
+    naming `source` (an empty file as such).
     """
+    if _stream_size(stream) == 0:  # else reported as a header length 8 bytes short, as if some bytes were there
+        raise WeightsError(f"{source}: the file is empty (0 bytes): truncated or never written, not a weights file")
     (n,) = struct.unpack("<Q", _read_exactly(stream, 8, f"{source}: header length"))
     if n > MAX_HEADER_BYTES:
         raise WeightsError(f"{source}: header of {n} bytes exceeds {MAX_HEADER_BYTES} (not a weights file?)")
