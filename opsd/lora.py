@@ -42,7 +42,9 @@ class Adapter:
     rank: r >= 1; alpha: > 0 (scale = alpha / rank); target_modules: plain
     module names; policy_version: the version it was published as;
     tensors: "<module>.lora_A.weight" float [r, in] and "<module>.lora_B.weight"
-    float [out, r] (CPU), both present for every module in `modules`.
+    float [out, r] (CPU), both present for every module in `modules`; digest: the content digest of the
+    tensors as read (`opsd.weights_io.iter_tensors`, checked against the file's record), None when not read
+    from a file.
     """
 
     rank: int
@@ -50,6 +52,7 @@ class Adapter:
     target_modules: list[str]
     policy_version: int
     tensors: dict[str, torch.Tensor]
+    digest: str | None = None
 
     @property
     def scale(self) -> float:
@@ -206,8 +209,9 @@ def adapter_from_stream(stream, header, source: str) -> Adapter:
         raise bad(f"metadata rank {rank} (>= 1), alpha {alpha} (finite, > 0), policy_version {version} (>= 0) out of range")
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t.isidentifier() for t in targets)):
         raise bad(f"metadata target_modules must be a non-empty list of plain module names, got {targets!r}")
+    reader = iter_tensors(stream, header, source)
     try:
-        tensors = dict(iter_tensors(stream, header, source))
+        tensors = dict(reader)
     except WeightsError as e:
         raise AdapterError(str(e)) from e
     if not tensors:
@@ -227,7 +231,7 @@ def adapter_from_stream(stream, header, source: str) -> Adapter:
             raise bad(f"module {m}: non-floating dtypes {a.dtype}, {b.dtype}")
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise bad(f"module {m}: lora_A {list(a.shape)} / lora_B {list(b.shape)} are not [{rank}, in] / [out, {rank}]")
-    return Adapter(rank, alpha, targets, version, tensors)
+    return Adapter(rank, alpha, targets, version, tensors, reader.digest)
 
 
 def targeted_weights(names, target_modules) -> list[str]:
@@ -296,7 +300,7 @@ def merged_weights(base_state: dict[str, torch.Tensor], adapter_path: Path) -> d
     return out
 
 
-def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
+def save_merged(model: torch.nn.Module, tokenizer, directory: Path, trust_remote_code: bool = False) -> None:
     """Save the policy of a LoRA model as a plain transformers model directory (base + adapters merged).
 
     `model` is prepared by `apply_lora` (peft names: "<m>.base_layer.weight",

@@ -816,8 +816,9 @@ class HFBackend:
     _full_file_loaded = False  # a full file replaced the weights before any adapter: the base is gone
 
     @_one_caller
-    def load_weights(self, ref: str | Path, version: int) -> None:
-        """Load policy `version` from the weights file `ref` and set policy_version = version.
+    def load_weights(self, ref: str | Path, version: int) -> str:
+        """Load policy `version` from the weights file `ref` and set policy_version = version; returns the content
+        digest of what was loaded (64 hex, computed while reading and checked against the file's record).
 
         ref: a path (str or Path; `opsd.weights_io.open_weights`), read once
         as a stream. Two formats, told apart by the header's metadata:
@@ -847,13 +848,18 @@ class HFBackend:
         with open_weights(ref) as stream:
             header = read_header(stream, source)
             if header.metadata.get("format") == lora.FORMAT:
-                self._load_adapter(lora.adapter_from_stream(stream, header, source), source)
+                adapter = lora.adapter_from_stream(stream, header, source)
+                self._load_adapter(adapter, source)
+                digest = adapter.digest
             else:
-                load_state_strict(self.model, dict(iter_tensors(stream, header, source)), source)
+                reader = iter_tensors(stream, header, source)
+                load_state_strict(self.model, dict(reader), source)
+                digest = reader.digest
                 self._lora_merged = None
                 if self._lora_base is None:
                     self._full_file_loaded = True
         self.policy_version = int(version)
+        return digest
 
     @torch.no_grad()
     def _load_adapter(self, adapter, path: str) -> None:
