@@ -125,7 +125,8 @@ for name, call in [("footprint", footprint), ("chat", chat), ("teacher", teacher
     attempt(name, call)
 from opsd.footprint import model_config
 attempt("trusted", lambda: model_config(model, trust_remote_code=True))
-print("\n" + json.dumps(out))  # on a line of its own, whatever a prompt left on the last one
+print()  # the result on a line of its own, whatever a prompt left on the last one
+print(json.dumps(out))
 """
 
 
