@@ -162,7 +162,8 @@ def engine_limit_vllm(backend, requests: list, batch: int) -> tuple[float, int]:
 
     c = backend.cfg
     llm = LLM(model=str(backend.path), dtype=c.dtype, max_model_len=backend.max_positions, enable_prefix_caching=True,
-              max_num_seqs=batch, enforce_eager=c.vllm.enforce_eager,
+              trust_remote_code=c.trust_remote_code, load_format="safetensors", max_num_seqs=batch,
+              enforce_eager=c.vllm.enforce_eager,
               gpu_memory_utilization=c.vllm.gpu_memory_utilization, seed=0)
     try:
         prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]

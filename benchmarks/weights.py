@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/weights.py [--quick] [--json OUT] [--shapes 0.5B 1.5B 3B]
                                                              [--workers 1 2 4] [--transports file http]
+                                                             [--digest-mb 500]
 
 Models: randomly initialised Qwen2.5-0.5B / 1.5B / 3B shapes (`opsd.footprint.PRESETS`; no download), in
 bf16, the served dtype. For each shape:
@@ -21,6 +22,10 @@ bf16, the served dtype. For each shape:
 
 Workers that would not fit this machine's memory (each holds the model once, plus one version in flight)
 are not started: their rows say so.
+
+`--digest-mb N` measures only what verifying a load's digest costs on an N MB bf16 file in the page cache
+(every load hashes the bytes it reads, `opsd.weights_io.iter_tensors`): a plain read, sha256 of the same
+bytes alone, the finite check alone, and the whole checked read as a worker does it.
 """
 
 from __future__ import annotations
@@ -323,6 +328,49 @@ def measure_shape(label: str, args, work: Path, token: str) -> tuple[list[Row], 
     return rows, rates
 
 
+def digest_rows(work: Path, megabytes: int) -> list[Row]:
+    """The cost of the digest a load verifies, on a file of `megabytes` MB of random bf16 tensors (32 MB each)
+    read from the page cache: seconds of a plain read, of sha256 alone, of the finite check alone, and of the
+    checked read (`read_header` + `iter_tensors`: read, finite check, digest hashed on a second thread)."""
+    import hashlib
+
+    import torch
+
+    from opsd.weights_io import all_finite, iter_tensors, open_weights, read_header, write_weights
+
+    per, n = 16 << 20, max(1, round(megabytes * 10**6 / (32 << 20)))
+    g = torch.Generator().manual_seed(0)
+    path = work / "digest.safetensors"
+    write_weights({f"w{i:03d}": torch.randn(per, generator=g).to(torch.bfloat16) for i in range(n)}, path)
+    nbytes = path.stat().st_size
+    limit = file_read_limit(path)  # cold, as the limit rows
+    buf = bytearray(CHUNK)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:  # warm: what every row below reads
+        while f.readinto(buf):
+            pass
+    read_s = time.perf_counter() - t0
+    data = path.read_bytes()
+    t0 = time.perf_counter()
+    hashlib.sha256(data).hexdigest()
+    hash_s = time.perf_counter() - t0
+    del data
+    with open_weights(path) as stream:
+        t0 = time.perf_counter()
+        tensors = dict(iter_tensors(stream, read_header(stream, str(path)), str(path)))
+        checked_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert all(all_finite(t) for t in tensors.values())
+    finite_s = time.perf_counter() - t0
+    gb = nbytes / 1e9
+    return [Row(f"digest: file of {gb:.2f} GB bf16: plain read (page cache)", read_s, "s",
+                note=f"{gb / read_s:.2f} GB/s; cold read {gb / limit:.2f} GB/s"),
+            Row("digest: sha256 of the same bytes alone (one core)", hash_s, "s", note=f"{gb / hash_s:.2f} GB/s"),
+            Row("digest: finite check alone", finite_s, "s"),
+            Row("digest: checked read as a load does it (read + finite + sha256)", checked_s, "s",
+                note=f"{gb / checked_s:.2f} GB/s; the hash runs beside the read on a second thread")]
+
+
 def projected_rows(rates: dict, measured: str) -> list[Row]:
     """7B / 8B rows from the measured rates of shape `measured`: publish seconds, bytes a step, disk peak."""
     from opsd.footprint import disk_peak_bytes, model_config, param_count
@@ -353,7 +401,15 @@ def main() -> None:
     p.add_argument("--workers", nargs="+", type=int, default=None)
     p.add_argument("--transports", nargs="+", choices=["file", "http"], default=["file", "http"])
     p.add_argument("--json", default=None)
+    p.add_argument("--digest-mb", type=int, default=None, help="only the digest's cost on a file of this many MB")
     args = p.parse_args()
+    if args.digest_mb is not None:
+        with tempfile.TemporaryDirectory(prefix="opsd-bench-digest-", dir=os.environ.get("OPSD_BENCH_DIR")) as tmp:
+            rows = digest_rows(Path(tmp), args.digest_mb)
+        print_rows(rows)
+        if args.json:
+            write_json(args.json, "weights", command_line(), rows)
+        return
     args.shapes = args.shapes or (["0.5B"] if args.quick else ["0.5B", "1.5B", "3B"])
     args.workers = args.workers or ([1, 2] if args.quick else [1, 2, 4])
     if any(n < 1 for n in args.workers):

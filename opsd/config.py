@@ -347,6 +347,9 @@ class EmbedderSection(_Section):
     # The encoder's torch device (embeddings, corpus index builds); auto = cuda when torch sees a GPU.
     # The vectors are float32 and L2-normalized on either.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Run the encoder directory's own Python code (a custom sentence-transformers module or architecture) when
+    # loading it: only for a directory you trust. Off, such a directory is refused with one line.
+    trust_remote_code: bool = False
 
 
 class AlignSection(_Section):
@@ -939,7 +942,7 @@ RESUMABLE_FIELDS = (
 ADDED_FIELDS = (
     ("model", "device"), ("model", "vllm"), ("trainer", "lora"), ("env", "eval_pool"), ("env", "privileged"),
     ("env", "twx"), ("env", "scienceworld"), ("env", "alfworld"), ("env", "search"), ("env", "webshop"),
-    ("env", "reasoning_gym"), ("embedder", "device"), ("env", "evidence"),
+    ("env", "reasoning_gym"), ("embedder", "device"), ("env", "evidence"), ("embedder", "trust_remote_code"),
 )
 # ModelSection fields added after runs already existed, in `model:` and an external teacher's `teacher.model:`
 # alike: at their defaults they are left out of the hash.

@@ -47,16 +47,24 @@ class Encoder:
 
     `device`: embedder.device ("auto": the GPU when torch sees one, else the CPU). The model
     stays in float32 on either, so the vectors differ between devices only by rounding.
+    `trust_remote_code`: embedder.trust_remote_code; without it an encoder directory that needs its own
+    Python code is refused (opsd.models.trust.UntrustedModelError, a ValueError, one line), its code never
+    run. Its transformer's weights load from safetensors files only.
     """
 
-    def __init__(self, name: str, device: str = "auto"):
+    def __init__(self, name: str, device: str = "auto", trust_remote_code: bool = False):
         from sentence_transformers import SentenceTransformer
 
         from opsd.models.hf import quiet_progress_bars
+        from opsd.models.trust import remote_code_refused
 
         quiet_progress_bars()  # no "Loading weights" bar drawn into the embedder's log file
         self.device = encoder_device(device)
-        self.model = SentenceTransformer(str(encoder_path(name)), device=self.device, local_files_only=True)
+        path = encoder_path(name)
+        with remote_code_refused(path, trust_remote_code, "embedder.trust_remote_code"):
+            self.model = SentenceTransformer(str(path), device=self.device, local_files_only=True,
+                                             trust_remote_code=trust_remote_code,
+                                             model_kwargs={"use_safetensors": True})
         self.model.float()  # float32 weights whatever the checkpoint's dtype: the same vectors on CPU and GPU
         self.dim = int(self.model.get_embedding_dimension())
         self._lock = threading.Lock()  # the torch module is not re-entrant across request threads

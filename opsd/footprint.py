@@ -50,42 +50,50 @@ PRESETS: dict[str, dict] = {
 DEFAULT_ENCODER_PARAMS = 22_713_216
 
 
-def model_config(name_or_dir: str | Path):
-    """The transformers config of a PRESETS name or of a model directory's config.json.
+def model_config(name_or_dir: str | Path, trust_remote_code: bool = False):
+    """The transformers config of a PRESETS name or of a model directory's config.json; the directory's own
+    code (a custom config class) runs only with `trust_remote_code` (model.trust_remote_code).
 
-    Raises KeyError (neither a preset nor a directory), OSError or ValueError (an unreadable config.json)."""
+    Raises KeyError (neither a preset nor a directory), OSError or ValueError (an unreadable config.json),
+    opsd.models.trust.UntrustedModelError (a ValueError: a custom config without `trust_remote_code`)."""
     from transformers import AutoConfig
+
+    from opsd.models.trust import remote_code_refused
 
     if str(name_or_dir) in PRESETS:
         values = dict(PRESETS[str(name_or_dir)])
         return AutoConfig.for_model(values.pop("model_type"), **values)
     if not Path(name_or_dir).is_dir():
         raise KeyError(f"{name_or_dir}: neither a model directory nor one of {sorted(PRESETS)}")
-    return AutoConfig.from_pretrained(name_or_dir, local_files_only=True)
+    with remote_code_refused(name_or_dir, trust_remote_code, "model.trust_remote_code"):
+        return AutoConfig.from_pretrained(name_or_dir, local_files_only=True, trust_remote_code=trust_remote_code)
 
 
-def _meta_model(cfg):
+def _meta_model(cfg, trust_remote_code: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
+        return AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
 
 
-def param_count(cfg) -> int:
+def param_count(cfg, trust_remote_code: bool = False) -> int:
     """Parameters of the causal LM of transformers config `cfg` (trainable + frozen; a tied head counted once).
 
-    Built on the meta device: no weights are read or allocated. Raises ValueError for an architecture
-    transformers does not know."""
-    return sum(p.numel() for p in _meta_model(cfg).parameters())  # parameters() yields a tied tensor once
+    Built on the meta device: no weights are read or allocated. `trust_remote_code`: as `model_config` read
+    `cfg` (a custom architecture's code runs only with it). Raises ValueError for an architecture
+    transformers does not know (or one of the directory's own code without `trust_remote_code`)."""
+    return sum(p.numel() for p in _meta_model(cfg, trust_remote_code).parameters())  # a tied tensor once
 
 
-def lora_param_count(cfg, rank: int, target_modules: list[str]) -> int:
+def lora_param_count(cfg, rank: int, target_modules: list[str], trust_remote_code: bool = False) -> int:
     """Adapter parameters trainer.lora adds to the model of `cfg`: rank * (in + out) per nn.Linear whose last
-    name part is in `target_modules` (opsd/lora.py: A [rank, in], B [out, rank])."""
+    name part is in `target_modules` (opsd/lora.py: A [rank, in], B [out, rank]); `trust_remote_code` as in
+    `param_count`."""
     import torch
 
-    return sum(rank * (m.in_features + m.out_features) for name, m in _meta_model(cfg).named_modules()
+    return sum(rank * (m.in_features + m.out_features)
+               for name, m in _meta_model(cfg, trust_remote_code).named_modules()
                if type(m) is torch.nn.Linear and name.rsplit(".", 1)[-1] in target_modules)
 
 
@@ -159,10 +167,11 @@ def disk_peak_bytes(params: int, steps: int, dtype: str = "bfloat16", lora_param
 def run_disk_peak(cfg, model_dir: str | Path) -> dict[str, int]:
     """`disk_peak_bytes` of RunConfig `cfg` whose policy's files are in `model_dir` (its config.json is read,
     no weights). Raises as `model_config` and `param_count`."""
-    mcfg = model_config(model_dir)
+    trust = cfg.model.trust_remote_code
+    mcfg = model_config(model_dir, trust)
     lora = cfg.trainer.lora
-    return disk_peak_bytes(param_count(mcfg), cfg.run.steps, cfg.model.dtype,
-                           lora_param_count(mcfg, lora.r, lora.target_modules) if lora is not None else 0,
+    return disk_peak_bytes(param_count(mcfg, trust), cfg.run.steps, cfg.model.dtype,
+                           lora_param_count(mcfg, lora.r, lora.target_modules, trust) if lora is not None else 0,
                            cfg.run.max_staleness, cfg.teacher_lag, cfg.teacher_ema is not None,
                            cfg.trainer.snapshot_every, cfg.trainer.keep_checkpoints)
 

@@ -42,7 +42,9 @@ class Adapter:
     rank: r >= 1; alpha: > 0 (scale = alpha / rank); target_modules: plain
     module names; policy_version: the version it was published as;
     tensors: "<module>.lora_A.weight" float [r, in] and "<module>.lora_B.weight"
-    float [out, r] (CPU), both present for every module in `modules`.
+    float [out, r] (CPU), both present for every module in `modules`; digest: the content digest of the
+    tensors as read (`opsd.weights_io.iter_tensors`, checked against the file's record), None when not read
+    from a file.
     """
 
     rank: int
@@ -50,6 +52,7 @@ class Adapter:
     target_modules: list[str]
     policy_version: int
     tensors: dict[str, torch.Tensor]
+    digest: str | None = None
 
     @property
     def scale(self) -> float:
@@ -165,16 +168,13 @@ def read_adapter(ref) -> Adapter:
     """Read and check the opsd-lora file `ref` (a path or `opsd.weights_io.open_weights` ref) on its own.
 
     See `adapter_from_stream` for what is checked. Raises FileNotFoundError
-    (missing file) or AdapterError naming the file and problem.
+    (missing file), opsd.weights_io.WeightsError (a ValueError) for a file that is no weights file at all
+    (empty, a bad header: not an adapter problem), or AdapterError naming the file and problem.
     """
-    from opsd.weights_io import WeightsError, open_weights, read_header
+    from opsd.weights_io import open_weights, read_header
 
     with open_weights(ref) as stream:
-        try:
-            header = read_header(stream, str(ref))
-        except WeightsError as e:
-            raise AdapterError(f"{ref}: unreadable safetensors file: {e}") from e
-        return adapter_from_stream(stream, header, str(ref))
+        return adapter_from_stream(stream, read_header(stream, str(ref)), str(ref))
 
 
 def adapter_from_stream(stream, header, source: str) -> Adapter:
@@ -209,8 +209,9 @@ def adapter_from_stream(stream, header, source: str) -> Adapter:
         raise bad(f"metadata rank {rank} (>= 1), alpha {alpha} (finite, > 0), policy_version {version} (>= 0) out of range")
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t.isidentifier() for t in targets)):
         raise bad(f"metadata target_modules must be a non-empty list of plain module names, got {targets!r}")
+    reader = iter_tensors(stream, header, source)
     try:
-        tensors = dict(iter_tensors(stream, header, source))
+        tensors = dict(reader)
     except WeightsError as e:
         raise AdapterError(str(e)) from e
     if not tensors:
@@ -230,7 +231,7 @@ def adapter_from_stream(stream, header, source: str) -> Adapter:
             raise bad(f"module {m}: non-floating dtypes {a.dtype}, {b.dtype}")
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise bad(f"module {m}: lora_A {list(a.shape)} / lora_B {list(b.shape)} are not [{rank}, in] / [out, {rank}]")
-    return Adapter(rank, alpha, targets, version, tensors)
+    return Adapter(rank, alpha, targets, version, tensors, reader.digest)
 
 
 def targeted_weights(names, target_modules) -> list[str]:
@@ -286,9 +287,9 @@ def merged_weights(base_state: dict[str, torch.Tensor], adapter_path: Path) -> d
     Returns {"<module>.weight": W0 + (B @ A) * alpha / rank} for exactly the
     targeted weights (base dtype and device, computed in float32); every
     other weight of the model stays the base weight.
-    Raises FileNotFoundError (missing file) or AdapterError (bad file, or it
-    does not fit base_state: missing/extra modules, wrong shapes), before any
-    merge.
+    Raises FileNotFoundError (missing file), opsd.weights_io.WeightsError (no weights file: empty, bad
+    header) or AdapterError (a bad adapter, or it does not fit base_state: missing/extra modules, wrong
+    shapes), before any merge.
     """
     adapter = read_adapter(adapter_path)
     names = check_against(adapter, {k: v.shape for k, v in base_state.items()}, str(adapter_path))
@@ -299,7 +300,7 @@ def merged_weights(base_state: dict[str, torch.Tensor], adapter_path: Path) -> d
     return out
 
 
-def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
+def save_merged(model: torch.nn.Module, tokenizer, directory: Path, trust_remote_code: bool = False) -> None:
     """Save the policy of a LoRA model as a plain transformers model directory (base + adapters merged).
 
     `model` is prepared by `apply_lora` (peft names: "<m>.base_layer.weight",
@@ -307,7 +308,8 @@ def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
     under the model's own names ("<m>.weight" = W0 + (B @ A) * alpha / rank,
     as workers serve it), its config and `tokenizer`, so
     `AutoModelForCausalLM.from_pretrained(directory)` loads the trained policy.
-    `model` is not modified. Written aside and renamed (never half a directory).
+    `model` is not modified. Written aside and renamed (never half a directory). `trust_remote_code`:
+    model.trust_remote_code, as the model was loaded (a custom architecture is built again from its config).
     Raises ValueError when the model has no adapters; OSError on write failure.
     """
     import shutil
@@ -325,7 +327,8 @@ def save_merged(model: torch.nn.Module, tokenizer, directory: Path) -> None:
             if name.endswith(".weight"):
                 t = merge_one(t, adapters[module + _A], adapters[module + _B], alpha / rank)
         state[name] = t
-    plain = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype)
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype,
+                                             trust_remote_code=trust_remote_code)
     plain.load_state_dict(state, strict=False)  # a tied LM head is absent from `state` by name only
     missing = set(plain.state_dict()) - set(state) - ({"lm_head.weight"} if plain.config.tie_word_embeddings else set())
     if missing:

@@ -353,15 +353,16 @@ def load_worker_backend(role: str, cfg, model=None) -> Any:
 
     model: a ModelSection (the teacher passes `cfg.teacher_model`). An
     ImportError (backend vllm without vLLM in this environment), an OSError
-    (a missing model directory or weight file) or a ModelUnavailableError (a
-    Hub model that cannot be had) exits FATAL_EXIT with the reason's first
-    line: restarting the role cannot fix it.
+    (a missing model directory or weight file), a ModelUnavailableError (a
+    Hub model that cannot be had) or an UntrustedModelError (its own code
+    without trust_remote_code, pickle-only weights) exits FATAL_EXIT with the
+    reason's first line: restarting the role cannot fix it.
     """
-    from opsd.models import ModelUnavailableError, load_backend
+    from opsd.models import ModelUnavailableError, UntrustedModelError, load_backend
 
     try:
         return load_backend(model or cfg.model)
-    except (ImportError, OSError, ModelUnavailableError) as e:  # OSError: a missing model dir or weight file, a corrupt config
+    except (ImportError, OSError, ModelUnavailableError, UntrustedModelError) as e:  # OSError: a missing model dir or weight file, a corrupt config
         fatal(role, (str(e).strip().splitlines() or [type(e).__name__])[0])
 
 

@@ -14,9 +14,22 @@ from an older checkpoint trains the versions after it again, and (training
 not being bit-deterministic) rewrites their files with other weights. So each
 published file records a content digest in its safetensors metadata
 (`DIGEST_KEY`, `tensor_digest`), inside the file it describes: the two are
-renamed into place together and can never disagree. `ensure_version` records
-the digest of what it loaded as `backend.policy_digest` and reloads a version
-it holds when its file now records another digest.
+renamed into place together. Every load recomputes the digest from the bytes
+it reads (`opsd.weights_io.iter_tensors`) and refuses a file whose record
+differs, the worker keeping the weights it held; `ensure_version` records that
+verified digest as `backend.policy_digest` and reloads a version it holds when
+its file now records another digest.
+
+What the digest protects against, and what not: it is a checksum, not a
+signature. It catches a version rewritten with other weights (a resumed
+trainer's file records their digest: reloaded) and a corrupt or truncated
+file (refused by whoever loads it). A file rewritten with other tensors
+under the SAME recorded digest is refused by every worker that loads it, but
+a worker already holding that version is not told (the held check reads the
+header only, no re-hash): it keeps serving the verified weights that digest
+names, never the new bytes, never a mix. Nor does it stop anyone who can
+write the weights directory (or serve the trainer's API): such a writer
+records the digest of their own tensors.
 
 Workers find versions through a source: `FileSource` (the run dir's files,
 on one machine or a shared volume) or, with weights.transport http,
@@ -194,9 +207,9 @@ def _source(source, path_of):
 
 
 def _holds(backend, source, version: int) -> bool:
-    """True when `backend` holds `version` as published now: its policy_version is `version` and the file was not
-    replaced by other content since it was loaded (both digests known and different). Asks the source for the
-    digest only when the backend recorded one; a version gone since (pruned) is no replacement."""
+    """True when `backend` holds `version` as published now: its policy_version is `version` and the file does not
+    record another digest than the one verified when it was loaded (both known and different: replaced). Asks the
+    source for the digest only when the backend recorded one; a version gone since (pruned) is no replacement."""
     if backend.policy_version != version:
         return False
     held = getattr(backend, "policy_digest", None)
@@ -214,15 +227,17 @@ def ensure_version(backend, source, version: int, path_of=weights_path) -> bool:
     that scores with the policy's moving average). `backend.load_weights(source.ref(version), version)`
     loads it: ref is a path for files, a URL for http.
 
-    "Holds" means the same version AND the same content: the digest the
-    source reports (`published_digest` of the file's header, or the
-    trainer's X-Opsd-Digest) is kept as `backend.policy_digest` after each
-    load, and a version that now reports another digest (rewritten by a
-    resumed trainer) is loaded again. A missing digest on either side
-    (version 0 from the model cache, files of older runs) counts as unknown
-    and never causes a reload. The check asks for the digest only (a
-    header read or a HEAD request, no re-hash), and only when the backend
-    recorded a digest.
+    "Holds" means the same version AND the same content: the digest of what
+    was loaded, as `backend.load_weights` returns it (computed from the bytes
+    read and checked against the file's record; a backend that returns None
+    gets the digest the source reported before the load), is kept as
+    `backend.policy_digest`, and a version whose source now reports another
+    digest (`published_digest` of the file's header, or the trainer's
+    X-Opsd-Digest: rewritten by a resumed trainer) is loaded again. A
+    missing digest (version 0 from the model cache; a file that records
+    none) counts as unknown and never causes a reload. The check asks for
+    the digest only (a header read or a HEAD request, no re-hash), and only
+    when the backend recorded a digest: see the module for what it does not catch.
 
     Raises StalePolicyError when the version is gone (load_weights raised
     FileNotFoundError) and a newer version exists (the backend holds one,
@@ -237,16 +252,16 @@ def ensure_version(backend, source, version: int, path_of=weights_path) -> bool:
         return False
     ref = source.ref(version)
     replaced = backend.policy_version == version
-    # Read before the load: a file replaced during the load leaves the older digest recorded, so the
-    # next call sees a mismatch and loads again, never the reverse (new digest on old weights).
+    # The claim, read before the load, is kept only for a backend that verifies none (returns None): a file
+    # replaced during the load then leaves the older digest recorded, so the next call loads again.
     digest = source.digest(version)
     try:
         t0 = time.perf_counter()
-        backend.load_weights(ref, version)
+        verified = backend.load_weights(ref, version)
         if replaced:
             log.info("policy version %d was published again with other weights (digest %s, was %s): reloading",
-                     version, digest, getattr(backend, "policy_digest", None))
-        backend.policy_digest = digest
+                     version, verified or digest, getattr(backend, "policy_digest", None))
+        backend.policy_digest = verified if isinstance(verified, str) else digest
         log.info("loaded policy version %d from %s in %.2f s", version, ref, time.perf_counter() - t0)
         return True
     except FileNotFoundError:

@@ -224,8 +224,10 @@ def read_header(stream: BinaryIO, source: str = "weights") -> Header:
     Checked: the JSON size (<= MAX_HEADER_BYTES), its structure, string
     metadata, known dtypes, shapes whose element count matches the byte
     range, ranges contiguous from 0 in offset order. Raises WeightsError
-    naming `source`.
+    naming `source` (an empty file as such).
     """
+    if _stream_size(stream) == 0:  # else reported as a header length 8 bytes short, as if some bytes were there
+        raise WeightsError(f"{source}: the file is empty (0 bytes): truncated or never written, not a weights file")
     (n,) = struct.unpack("<Q", _read_exactly(stream, 8, f"{source}: header length"))
     if n > MAX_HEADER_BYTES:
         raise WeightsError(f"{source}: header of {n} bytes exceeds {MAX_HEADER_BYTES} (not a weights file?)")
@@ -287,40 +289,63 @@ def _stream_size(stream: BinaryIO) -> int | None:
         return None
 
 
-def iter_tensors(stream: BinaryIO, header: Header, source: str = "weights") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every entry of `header`, in file order, from `stream` (read() calls only).
+def iter_tensors(stream: BinaryIO, header: Header, source: str = "weights") -> "TensorReader":
+    """The tensors of `header`, read from `stream` (read() calls only, positioned right after the header:
+    `read_header`): an iterable of (name, CPU tensor) in file order, to be read once.
 
-    `stream` is positioned right after the header (`read_header`). Each
-    floating tensor is checked finite before it is yielded; when the header
-    records a digest (`DIGEST_KEY`) it is recomputed while reading and
-    compared before the LAST tensor is yielded. Raises WeightsError naming
-    `source` (truncated data, NaN/inf, digest mismatch); the tensors yielded
-    so far are then all a consumer got.
+    Each floating tensor is checked finite before it is yielded; the content
+    digest (`opsd.weights.tensor_digest` of what the file holds) is computed
+    while reading, and when the header records one (`DIGEST_KEY`) the two are
+    compared before the LAST tensor is yielded. The reader's `digest` is that
+    verified digest (64 hex) once the last tensor was read (None before):
+    what a consumer that read them all holds, never merely what the header claims.
+    Raises WeightsError naming `source` (truncated data, NaN/inf, digest
+    mismatch); the tensors yielded so far are then all a consumer got.
     """
-    recorded = header.metadata.get(DIGEST_KEY)
-    h = hashlib.sha256() if recorded is not None else None
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opsd-hash") as pool:
-        for i, e in enumerate(header.entries):
-            dtype, nbytes = _DTYPES[e.dtype], e.end - e.start
-            buf = bytearray(nbytes)
-            view, done, hashed = memoryview(buf), 0, None
-            if h is not None:
+    return TensorReader(stream, header, source)
+
+
+class TensorReader:
+    """What `iter_tensors` returns: iterate it once for (name, tensor); `digest` is set before the last
+    tensor is yielded (the content digest of every tensor read, checked against the header's record)."""
+
+    def __init__(self, stream: BinaryIO, header: Header, source: str):
+        self.stream, self.header, self.source = stream, header, source
+        self.digest: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._read()
+
+    def _verified(self, h) -> None:
+        recorded, computed = self.header.metadata.get(DIGEST_KEY), h.hexdigest()
+        if recorded is not None and computed != recorded:
+            raise WeightsError(f"{self.source}: content digest {computed} differs from the recorded {recorded} "
+                               "(corrupt or replaced while read)")
+        self.digest = computed
+
+    def _read(self) -> Iterator[tuple[str, torch.Tensor]]:
+        stream, source, entries = self.stream, self.source, self.header.entries
+        # Hashed whether or not the header records a digest: what was loaded is then always known by content.
+        h = hashlib.sha256()
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opsd-hash") as pool:
+            for i, e in enumerate(entries):
+                dtype, nbytes = _DTYPES[e.dtype], e.end - e.start
+                buf = bytearray(nbytes)
+                view, done, hashed = memoryview(buf), 0, None
                 h.update(digest_frame(e.name, dtype, e.shape, nbytes))
-            while done < nbytes:
-                k = _fill(stream, view[done:done + min(nbytes - done, _CHUNK)])
-                if not k:
-                    raise WeightsError(f"{source}: truncated: tensor {e.name!r} ends {nbytes - done} bytes early")
-                if h is not None:  # hash this chunk while the next one is read
-                    hashed = pool.submit(h.update, view[done:done + k])
-                done += k
-            t = torch.frombuffer(buf, dtype=dtype).reshape(e.shape) if nbytes else torch.empty(e.shape, dtype=dtype)
-            if not all_finite(t):
-                raise WeightsError(f"{source}: tensor {e.name!r} holds non-finite values (NaN or inf)")
-            if hashed is not None:
-                hashed.result()  # updates run in order on one thread: the last one done means all are
-            if h is not None and i == len(header.entries) - 1 and h.hexdigest() != recorded:
-                raise WeightsError(f"{source}: content digest {h.hexdigest()} differs from the recorded {recorded} "
-                                   "(corrupt or replaced while read)")
-            yield e.name, t
-    if not header.entries and h is not None and h.hexdigest() != recorded:
-        raise WeightsError(f"{source}: content digest of an empty file differs from the recorded {recorded}")
+                while done < nbytes:
+                    k = _fill(stream, view[done:done + min(nbytes - done, _CHUNK)])
+                    if not k:
+                        raise WeightsError(f"{source}: truncated: tensor {e.name!r} ends {nbytes - done} bytes early")
+                    hashed = pool.submit(h.update, view[done:done + k])  # hashes this chunk while the next is read
+                    done += k
+                t = torch.frombuffer(buf, dtype=dtype).reshape(e.shape) if nbytes else torch.empty(e.shape, dtype=dtype)
+                if not all_finite(t):
+                    raise WeightsError(f"{source}: tensor {e.name!r} holds non-finite values (NaN or inf)")
+                if hashed is not None:
+                    hashed.result()  # updates run in order on one thread: the last one done means all are
+                if i == len(entries) - 1:
+                    self._verified(h)
+                yield e.name, t
+        if not entries:
+            self._verified(h)

@@ -137,7 +137,8 @@ def test_what_cannot_be_had_offline_is_one_line_naming_id_revision_and_fetch_com
     assert "fetch it with `HF_HUB_OFFLINE=0 hf download opsd-test/tiny-random --revision v9` (or run `opsd prepare" in message
     one_line_refusal(missing_commit, ID, "0" * 40, why)
     one_line_refusal(missing_repo, "opsd-test/absent", "main", why)
-    message = one_line_refusal(no_weights, NO_WEIGHTS, "main", "has no weights (*.safetensors, pytorch_model*.bin)")
+    message = one_line_refusal(no_weights, NO_WEIGHTS, "main", "has no safetensors weights (*.safetensors; pickle "
+                               "weights such as pytorch_model*.bin are never loaded)")
     assert "fetch it with `HF_HUB_OFFLINE=0 hf download" in message, message
     # A snapshot link whose blob is gone is refused here, not when a role loads the weights.
     one_line_refusal(dangling, DANGLING, "main", "links model.safetensors to a missing file")
@@ -213,11 +214,11 @@ def test_a_pinned_commit_in_the_cache_asks_the_hub_nothing(hf_home, standin_hub)
 
 def test_only_what_a_model_needs_is_fetched():
     """The download patterns, through huggingface_hub's own filter: config, tokenizer, template, code and
-    safetensors weights; .bin weights only for a repo without safetensors; no GGUF, ONNX, subfolders or
+    safetensors weights; never pickle weights (.bin: unpickling can run code), GGUF, ONNX, subfolders or
     consolidated copies."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from opsd.models.hub import MODEL_FILES, PYTORCH_BIN, SAFETENSORS, SKIPPED
+    from opsd.models.hub import MODEL_FILES, SAFETENSORS, SKIPPED
 
     files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
              "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "modeling_custom.py",
@@ -232,7 +233,6 @@ def test_only_what_a_model_needs_is_fetched():
               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "modeling_custom.py"}
     assert fetched(SAFETENSORS) == common | {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                                              "model.safetensors.index.json"}
-    assert fetched(PYTORCH_BIN) == common | {"pytorch_model.bin", "pytorch_model.bin.index.json"}
 
 
 def test_revision_and_trust_remote_code_settings():

@@ -109,6 +109,67 @@ def test_a_version_republished_with_other_weights_is_reloaded(tiny_dir, tmp_path
     assert ensure_version(worker, tmp_path, 1) is False
 
 
+def test_the_digest_held_is_the_one_verified_while_loading(tiny_dir, tmp_path):
+    """A file that records no digest (an older run's, or written by hand) was held as "unknown", so the trainer's
+    rewrite of that version with other weights was never loaded: the worker served the old ones. What a worker
+    holds is now named by the digest computed from the bytes it loaded (issue 37)."""
+    from safetensors.torch import save_model
+
+    trainer = HFBackend(ModelSection(name=str(tiny_dir)))
+    worker = HFBackend(ModelSection(name=str(tiny_dir)))
+    _perturb(trainer.model, 3)
+    path = weights_path(tmp_path, 1)
+    path.parent.mkdir(parents=True)
+    save_model(trainer.model, str(path), metadata={"format": "pt"})  # safetensors' own writer: no digest recorded
+    assert published_digest(path) is None
+    assert ensure_version(worker, tmp_path, 1) is True
+    assert worker.policy_digest == tensor_digest(_load(path)) == tensor_digest(trainer.model.state_dict())
+    assert ensure_version(worker, tmp_path, 1) is False  # the file still records none: unknown, kept
+
+    _perturb(trainer.model, 4)  # a resumed trainer rewrites v1 with other weights, recording their digest
+    trainer.policy_version = 1
+    trainer.save_weights(path)
+    assert ensure_version(worker, tmp_path, 1) is True and worker.policy_digest == published_digest(path)
+    for n, p in worker.model.named_parameters():
+        assert torch.equal(p, dict(trainer.model.named_parameters())[n])
+
+
+def test_a_version_rewritten_under_the_digest_it_recorded_is_refused_never_mixed(tiny_dir, tmp_path):
+    """v1 rewritten with other tensors whose header still records the first digest (no trainer writes that:
+    a corrupted or forged file). Whoever loads it refuses it and keeps its weights; a worker holding v1 is not
+    told (the held check reads the header only) and serves exactly the weights that digest names."""
+    from opsd.weights_io import WeightsError
+
+    trainer = HFBackend(ModelSection(name=str(tiny_dir)))
+    worker = HFBackend(ModelSection(name=str(tiny_dir)))
+    fresh = HFBackend(ModelSection(name=str(tiny_dir)))
+    path = weights_path(tmp_path, 1)
+    _perturb(trainer.model, 5)
+    trainer.policy_version = 1
+    trainer.save_weights(path)
+    held = published_digest(path)
+    assert ensure_version(worker, tmp_path, 1) is True
+    first = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+
+    _perturb(trainer.model, 6)
+    trainer.save_weights(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(published_digest(path).encode())
+    data[at:at + 64] = held.encode()  # the header claims the first version's digest again
+    path.write_bytes(bytes(data))
+    assert published_digest(path) == held
+
+    initial = {n: p.detach().clone() for n, p in fresh.model.named_parameters()}
+    with pytest.raises(WeightsError, match=f"content digest [0-9a-f]{{64}} differs from the recorded {held}"):
+        ensure_version(fresh, tmp_path, 1)
+    assert fresh.policy_version == 0 and getattr(fresh, "policy_digest", None) is None
+    assert all(torch.equal(p, initial[n]) for n, p in fresh.model.named_parameters())
+
+    assert ensure_version(worker, tmp_path, 1) is False
+    assert worker.policy_digest == held == tensor_digest(worker.model.state_dict())
+    assert all(torch.equal(p, first[n]) for n, p in worker.model.named_parameters())
+
+
 class _Engine:
     """The members ensure_version and VersionGate use: policy_version and load_weights (numpy files)."""
 

@@ -21,6 +21,7 @@ from opsd.weights import (FileSource, StalePolicyError, VersionGate, ema_path, e
                           weights_path)
 from opsd.weights_http import (HttpSource, TokenRefusedError, WeightsTransferError, open_url, weight_source,
                                weights_transport, weights_url)
+from opsd.weights_io import WeightsError
 from services.trainer.weights_api import weights_app
 
 TOKEN = "w" * 32
@@ -190,6 +191,19 @@ def test_open_url_reads_exact_sizes_and_the_whole_file(served, trainer):
     assert b"".join(parts) == data
     with pytest.raises(FileNotFoundError):
         open_url(f"{base}/weights/policy-v00009.safetensors")
+
+
+def test_an_empty_file_served_is_named_empty(served, trainer):
+    """A zero-byte version over http: its Content-Length says so before a byte is read (issue 37)."""
+    run_dir, base = served
+    path = weights_path(run_dir, 2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    url = f"{base}/weights/{path.name}"
+    version = trainer.policy_version
+    with pytest.raises(WeightsError, match=re.escape(f"{url}: the file is empty (0 bytes)")):
+        trainer.load_weights(url, 2)
+    assert trainer.policy_version == version
 
 
 def test_a_dropped_transfer_resumes_with_a_range_and_yields_exactly_the_file(served, trainer):

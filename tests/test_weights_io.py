@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 
 import pytest
@@ -131,6 +132,43 @@ def test_truncated_file(written):
     written.write_bytes(data[:20])
     with open_weights(written) as s, pytest.raises(WeightsError, match="truncated"):
         read_header(s)
+
+
+def test_an_empty_file_is_named_empty_and_is_no_adapter_problem(tiny, tmp_path):
+    """A zero-byte file (a copy cut short, a disk that filled) read as "header length ended 8 bytes short of 8",
+    and opsd.lora's reader called it an AdapterError: the file is no weights file at all (issue 37)."""
+    from opsd.lora import AdapterError, merged_weights, read_adapter
+
+    path = tmp_path / "policy-v00001.safetensors"
+    path.write_bytes(b"")
+    empty = "^" + re.escape(f"{path}: the file is empty (0 bytes): truncated or never written, not a weights file")
+    with open_weights(path) as s, pytest.raises(WeightsError, match=empty):
+        read_header(s, str(path))
+    before = {n: p.detach().clone() for n, p in tiny.model.named_parameters()}
+    version = tiny.policy_version
+    for load in (lambda: tiny.load_weights(path, 7), lambda: read_adapter(path), lambda: merged_weights({}, path)):
+        with pytest.raises(WeightsError, match=empty) as e:
+            load()
+        assert not isinstance(e.value, AdapterError)
+    assert tiny.policy_version == version
+    assert all(torch.equal(p, before[n]) for n, p in tiny.model.named_parameters())
+
+
+def test_the_reader_reports_the_digest_it_verified(tiny, written, tmp_path):
+    """`iter_tensors`' digest: computed from the bytes read, recorded or not in the header, set by the last tensor."""
+    h, tensors = _read_all(written)
+    with open_weights(written) as s:
+        reader = iter_tensors(s, read_header(s))
+        assert reader.digest is None
+        got = dict(reader)
+    assert reader.digest == h.metadata[DIGEST_KEY] == tensor_digest(tensors) == tensor_digest(got)
+    bare = tmp_path / "bare.safetensors"
+    save_model(tiny.model, str(bare))  # no digest recorded: still computed
+    with open_weights(bare) as s:
+        reader = iter_tensors(s, read_header(s))
+        assert reader.digest is None
+        got = dict(reader)
+    assert reader.digest == tensor_digest(got) == tensor_digest(tiny.model.state_dict())
 
 
 def test_nan_tensor_is_never_yielded(tmp_path):

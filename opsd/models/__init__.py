@@ -10,10 +10,11 @@ from __future__ import annotations
 from opsd.config import ModelSection
 from opsd.models.hf import Generation, HFBackend, NonFiniteLogitsError, ensure_model, served_dtype, token_logprobs
 from opsd.models.hub import ModelUnavailableError, ResolvedModel, resolve_model
+from opsd.models.trust import UntrustedModelError, check_weight_files, remote_code_refused
 
 __all__ = ["Generation", "HFBackend", "ModelUnavailableError", "NonFiniteLogitsError", "ResolvedModel", "check_teacher_model",
-           "ensure_model", "load_backend", "load_engine", "resolve_device", "resolve_model", "served_dtype",
-           "token_logprobs"]
+           "UntrustedModelError", "ensure_model", "load_backend", "load_engine", "resolve_device", "resolve_model",
+           "served_dtype", "token_logprobs"]
 
 
 def resolve_device(cfg: ModelSection) -> str:
@@ -67,10 +68,13 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
     template (the privileged prompt is built with the student's). Its model
     must also take every id and position the student's can: config
     vocab_size and max_position_embeddings at least the student's (a larger,
-    padded embedding is fine), and weight files must be there, under plain
+    padded embedding is fine), and its weights must be safetensors files
+    (never pickle-only: `opsd.models.trust.check_weight_files`), under plain
     names (not a LoRA run's checkpoint/). Loads both
     tokenizers and configs (resolving each model, `opsd.models.hub.resolve_model`:
-    a packaged one is converted once), each with its own ``trust_remote_code``.
+    a packaged one is converted once), each with its own ``trust_remote_code``:
+    a directory that needs its own code while that setting is false is
+    refused (UntrustedModelError, a ValueError, naming the setting), its code never run.
     Raises ValueError with one line naming ``teacher.model`` and the first
     problem (ModelUnavailableError, a ValueError, for a Hub model that cannot
     be had; FileNotFoundError for a name that is no model); cross-tokenizer
@@ -89,15 +93,18 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
             path = resolve_model(m, section).path
             paths.append(path)
             # Each model's own trust_remote_code: the teacher's section decides for the teacher.
-            toks.append(load_tokenizer(m, path))
-            confs.append(AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=m.trust_remote_code))
+            setting = f"{section}.trust_remote_code"
+            toks.append(load_tokenizer(m, path, setting))
+            with remote_code_refused(path, m.trust_remote_code, setting):
+                confs.append(AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=m.trust_remote_code))
         except ModelUnavailableError:
             raise  # already one line naming the model, its revision and the command that fetches it
+        except UntrustedModelError as e:
+            raise UntrustedModelError(f"{who}: {e}") from e
         except (OSError, ValueError) as e:  # json errors are ValueErrors; a missing file or dir an OSError
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"{who}: cannot load its tokenizer and config ({first})") from e
-    if not any(paths[1].glob("*.safetensors")) and not any(paths[1].glob("*.bin")):
-        raise ValueError(f"{what}: no weight files (*.safetensors, *.bin) in {paths[1]}")
+    check_weight_files(paths[1], what)  # a pickle-only teacher would pass here and fail only at load
     from opsd.lora import has_peft_names
 
     if has_peft_names(paths[1]):  # would load as a half-random model: its weights are under peft's names

@@ -237,13 +237,17 @@ class HFBackend:
 
     weights_dtype: None = the served dtype, `served_dtype(cfg)` (bf16 weights on rollout and teacher with
     ``model.dtype: bfloat16``); the trainer passes torch.float32 for its master weights (bf16 compute
-    comes from autocast then). Raises ValueError for a weights_dtype that is not a floating dtype.
+    comes from autocast then). Raises ValueError for a weights_dtype that is not a floating dtype;
+    opsd.models.trust.UntrustedModelError (a ValueError, one line) for a model directory that needs its own
+    Python code while ``cfg.trust_remote_code`` is false, or whose weights are pickle files only (the weights
+    load from safetensors files alone).
     """
 
     def __init__(self, cfg: ModelSection, device: str = "cpu", weights_dtype: torch.dtype | None = None):
         from transformers import AutoModelForCausalLM
 
         from opsd.models.tokenizer import load_tokenizer, turn_stop_ids
+        from opsd.models.trust import check_weight_files, remote_code_refused
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -257,9 +261,12 @@ class HFBackend:
         self.path = ensure_model(cfg)
         quiet_progress_bars()
         self.tokenizer = load_tokenizer(cfg, self.path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=self.weights_dtype, local_files_only=True, trust_remote_code=cfg.trust_remote_code
-        ).to(self.device)
+        check_weight_files(self.path, f"model {cfg.name!r}")
+        with remote_code_refused(self.path, cfg.trust_remote_code):
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.path, dtype=self.weights_dtype, local_files_only=True, trust_remote_code=cfg.trust_remote_code,
+                use_safetensors=True,
+            ).to(self.device)
         self.model.eval()
         self.lock = threading.RLock()  # generate/score/branch/load_weights and HFEngine's waves take turns
         self.policy_version = 0
@@ -809,8 +816,9 @@ class HFBackend:
     _full_file_loaded = False  # a full file replaced the weights before any adapter: the base is gone
 
     @_one_caller
-    def load_weights(self, ref: str | Path, version: int) -> None:
-        """Load policy `version` from the weights file `ref` and set policy_version = version.
+    def load_weights(self, ref: str | Path, version: int) -> str:
+        """Load policy `version` from the weights file `ref` and set policy_version = version; returns the content
+        digest of what was loaded (64 hex, computed while reading and checked against the file's record).
 
         ref: a path (str or Path; `opsd.weights_io.open_weights`), read once
         as a stream. Two formats, told apart by the header's metadata:
@@ -840,13 +848,18 @@ class HFBackend:
         with open_weights(ref) as stream:
             header = read_header(stream, source)
             if header.metadata.get("format") == lora.FORMAT:
-                self._load_adapter(lora.adapter_from_stream(stream, header, source), source)
+                adapter = lora.adapter_from_stream(stream, header, source)
+                self._load_adapter(adapter, source)
+                digest = adapter.digest
             else:
-                load_state_strict(self.model, dict(iter_tensors(stream, header, source)), source)
+                reader = iter_tensors(stream, header, source)
+                load_state_strict(self.model, dict(reader), source)
+                digest = reader.digest
                 self._lora_merged = None
                 if self._lora_base is None:
                     self._full_file_loaded = True
         self.policy_version = int(version)
+        return digest
 
     @torch.no_grad()
     def _load_adapter(self, adapter, path: str) -> None:

@@ -147,8 +147,9 @@ class HFEngine:
         with self._cond:
             return self._running + len(self._waiting)
 
-    def load_weights(self, path: Path, version: int) -> None:
-        """`HFBackend.load_weights` while the engine is idle; drops every kept KV (computed by the old weights).
+    def load_weights(self, path: Path, version: int) -> str:
+        """`HFBackend.load_weights` while the engine is idle (returns its verified digest); drops every kept KV
+        (computed by the old weights).
 
         Raises RuntimeError when requests are in flight (the caller drains
         first: no request of version v may run after v+1 is loaded), and what
@@ -160,7 +161,7 @@ class HFEngine:
             with self.backend.lock:
                 self._store.clear()
                 self._store_bytes = 0
-                self.backend.load_weights(path, version)
+                return self.backend.load_weights(path, version)
 
     def close(self) -> None:
         """Stop the thread; requests still waiting fail with RuntimeError (cancelled ones stay cancelled).

@@ -4,9 +4,9 @@ A Hub id ("org/name") is resolved by huggingface_hub itself, as ``from_pretraine
 under HF_HOME (or HF_HUB_CACHE), a download of what is missing unless HF_HUB_OFFLINE is set, HF_TOKEN for
 a gated or private repository, and ``model.revision`` (a branch, tag or commit; None is "main"). Only what
 a model needs is fetched: config, generation config, tokenizer files, chat template, the repo's own Python
-code (used with ``model.trust_remote_code``) and safetensors weights; ``pytorch_model*.bin`` only when the
-repo has no safetensors; never GGUF, ONNX, subfolders or ``consolidated.*`` copies. An existing local path
-wins over a Hub id, as in from_pretrained.
+code (run only with ``model.trust_remote_code``) and safetensors weights; never pickle weights
+(``pytorch_model*.bin``: unpickling can run code, opsd.models.trust), GGUF, ONNX, subfolders or
+``consolidated.*`` copies. An existing local path wins over a Hub id, as in from_pretrained.
 
 `opsd run` resolves its models once, before any role starts (`resolve_run`), pins each Hub model's
 revision to the resolved commit in the run's config.yaml (every role then loads that same snapshot, from
@@ -31,7 +31,6 @@ MODEL_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_t
                "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.jinja",
                "chat_template.json", "*.py"]
 SAFETENSORS = ["*.safetensors", "*.safetensors.index.json"]
-PYTORCH_BIN = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]  # only for a repo without safetensors
 # Subfolders (other formats, original checkpoints) and Mistral's consolidated.* second copy of the weights.
 SKIPPED = ["*/*", "consolidated.*"]
 RUN_FILE = "model.json"  # <run_dir>/model.json: the models `opsd run` resolved
@@ -127,16 +126,14 @@ def _from_hub(cfg: ModelSection, what: str) -> ResolvedModel:
     try:
         path = Path(snapshot_download(cfg.name, revision=revision, allow_patterns=MODEL_FILES + SAFETENSORS,
                                       ignore_patterns=SKIPPED))
-        if not any(path.glob("*.safetensors")):  # an older repo: its .bin weights, from the same commit
-            path = Path(snapshot_download(cfg.name, revision=path.name, allow_patterns=MODEL_FILES + PYTORCH_BIN,
-                                          ignore_patterns=SKIPPED))
     except (OSError, ValueError, httpx2.HTTPError, httpx2.InvalidURL, XetDownloadError) as e:
         raise _unavailable(cfg, what, e) from e
     if not (path / "config.json").is_file():
         raise _refusal(cfg, what, f"the snapshot {path} has no config.json (not a transformers model?)")
-    files = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
-    if not files:
-        raise _refusal(cfg, what, f"the snapshot {path} has no weights (*.safetensors, pytorch_model*.bin)")
+    files = list(path.glob("*.safetensors"))
+    if not files:  # an older repo with pytorch_model*.bin alone: opsd never unpickles weights
+        raise _refusal(cfg, what, f"the snapshot {path} has no safetensors weights (*.safetensors; pickle weights "
+                                  "such as pytorch_model*.bin are never loaded)")
     missing = [p.name for p in files if not p.is_file()]
     if missing:  # a snapshot link whose blob is gone (an interrupted download, a pruned cache)
         raise _refusal(cfg, what, f"the snapshot {path} links {', '.join(sorted(missing))} to a missing file")
@@ -145,7 +142,7 @@ def _from_hub(cfg: ModelSection, what: str) -> ResolvedModel:
 
 def _weights(path: Path) -> bool:
     """True when every weights file of the snapshot `path` is readable (a link to its blob, not a dangling one)."""
-    files = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    files = list(path.glob("*.safetensors"))
     return bool(files) and all(p.is_file() for p in files)
 
 

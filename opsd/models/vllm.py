@@ -138,7 +138,8 @@ class VLLMBackend:
     engine's worker processes and change only through `load_weights`.
     Every method may be called from any thread (not from the loop thread).
 
-    Raises ImportError (naming the install target) when vLLM is not installed.
+    Raises ImportError (naming the install target) when vLLM is not installed; opsd.models.trust.UntrustedModelError
+    as `HFBackend` does (the directory's own code without ``cfg.trust_remote_code``; pickle-only weights).
     """
 
     def __init__(self, cfg: ModelSection, device: str = "auto"):
@@ -152,6 +153,7 @@ class VLLMBackend:
         from transformers import AutoConfig
 
         from opsd.models.tokenizer import load_tokenizer, turn_stop_ids
+        from opsd.models.trust import check_weight_files, remote_code_refused
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self.cfg = cfg
@@ -159,7 +161,9 @@ class VLLMBackend:
         self.max_model_len = cfg.max_model_len
         self.path = ensure_model(cfg)
         self.tokenizer = load_tokenizer(cfg, self.path)
-        hf_config = AutoConfig.from_pretrained(self.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        check_weight_files(self.path, f"model {cfg.name!r}")  # and load_format below: never a pickle file
+        with remote_code_refused(self.path, cfg.trust_remote_code):
+            hf_config = AutoConfig.from_pretrained(self.path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
         self.vocab_size: int = int(hf_config.vocab_size)
         self.max_positions: int = int(getattr(hf_config, "max_position_embeddings", 0) or cfg.max_model_len)
         self.eos_token_id, self.stop_token_ids = turn_stop_ids(cfg, self.tokenizer, self.path)
@@ -190,6 +194,7 @@ class VLLMBackend:
         args = AsyncEngineArgs(
             model=str(self.path),
             trust_remote_code=cfg.trust_remote_code,
+            load_format="safetensors",
             dtype=cfg.dtype,
             max_model_len=self.max_positions,
             enable_prefix_caching=True,

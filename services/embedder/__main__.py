@@ -27,8 +27,8 @@ def main() -> None:
         fatal(ROLE, str(e))
     proc.unready = "loading the encoder"
     try:
-        encoder = Encoder(cfg.encoder, cfg.device)
-    except (RuntimeError, ValueError) as e:  # device: cuda without a GPU
+        encoder = Encoder(cfg.encoder, cfg.device, cfg.trust_remote_code)
+    except (RuntimeError, ValueError) as e:  # device: cuda without a GPU; a directory needing its own code
         fatal(ROLE, str(e))
     proc.status.update(encoder=cfg.encoder, dim=encoder.dim)
     corpus = corpus_for_config(proc.cfg)

@@ -45,7 +45,7 @@ from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
 from opsd.footprint import checkpoint_interval
-from opsd.models import ModelUnavailableError, load_backend, resolve_model, served_dtype
+from opsd.models import ModelUnavailableError, UntrustedModelError, load_backend, resolve_model, served_dtype
 from opsd.queue import StreamNames
 from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, RoleProcess, fatal
 from opsd.skills import privileged_text
@@ -195,8 +195,8 @@ def train() -> None:
     try:
         # The transformers model, fp32 master weights (bf16 compute under autocast / FSDP2's policy with model.dtype bf16)
         backend = load_backend(cfg.model, backend="hf", weights_dtype=torch.float32)
-    except ModelUnavailableError as e:  # a Hub model this machine cannot have: a restart cannot help
-        fatal(ROLE, str(e))
+    except (ModelUnavailableError, UntrustedModelError) as e:  # a Hub model this machine cannot have, or one that
+        fatal(ROLE, str(e))  # needs its own code without model.trust_remote_code: a restart cannot help
     if main:
         check_disk(cfg, backend.path, run_dir)
     model = backend.model
@@ -375,7 +375,7 @@ def train() -> None:
         from opsd.lora import save_merged
 
         with finishing():
-            save_merged(backend.model, backend.tokenizer, run_dir / "final_model")
+            save_merged(backend.model, backend.tokenizer, run_dir / "final_model", cfg.model.trust_remote_code)
     if not cfg.trainer.keep_optimizer_state:
         with finishing():
             freed = drop_optimizer_state(run_dir / "checkpoint")
