@@ -850,7 +850,9 @@ class RunConfig(_Section):
             # grpo has no teacher, so no gap to shrink: the setting would be silently without effect
             raise ValueError(f"credit.teacher_guard {guard} acts on a teacher's gap, and run.method "
                              f"{self.run.method} has no teacher: use report")
-        if "teacher_guard_weight" in self.credit.model_fields_set and guard != "downweight":
+        weight_default = CreditSection.model_fields["teacher_guard_weight"].default
+        # by value, not model_fields_set: a config dumped and read again (opsd run, --resume) sets every field
+        if self.credit.teacher_guard_weight != weight_default and guard != "downweight":
             raise ValueError(f"credit.teacher_guard_weight is used only with credit.teacher_guard: downweight "
                              f"(got {guard}): remove it or set the guard to downweight")
         if self.run.method == "alignopsd" and self.credit.teacher_guard != "report":

@@ -116,3 +116,6 @@ def test_a_guard_setting_without_effect_is_refused():
     cfg = RunConfig.model_validate({"run": {"method": "opsd"},
                                     "credit": {"teacher_guard": "downweight", "teacher_guard_weight": 0.2}})
     assert cfg.credit.teacher_guard_weight == 0.2
+    for method in ("grpo", "opsd"):  # a config written out in full and read again (opsd run's config.yaml) loads
+        full = RunConfig.model_validate({"run": {"method": method}}).model_dump(mode="json")
+        assert RunConfig.model_validate(full).credit.teacher_guard == "report"
