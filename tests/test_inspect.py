@@ -225,6 +225,27 @@ def test_nothing_outside_the_run_dir_is_served(tmp_path):
     assert c.get("/api/run", headers=AUTH).json()["steps"] == []
 
 
+def test_a_symlink_loop_in_the_run_dir_is_a_404_never_a_500(tmp_path):
+    """A dump, metrics.jsonl or credit/ that links to itself (Python 3.11's resolve() raises RuntimeError on it):
+    the step is a 404 naming the loop, the run page lists the other steps, and a run dir whose metrics.jsonl loops
+    still answers."""
+    run = tmp_path / "run"
+    write_run(run)
+    (run / "credit" / "step_00090.json").symlink_to(run / "credit" / "step_00090.json")
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(run / "metrics.jsonl")
+    c = TestClient(create_app(run, TOKEN), raise_server_exceptions=False)
+    r = c.get("/api/step", params={"step": 90}, headers=AUTH)
+    assert r.status_code == 404 and "symlink loop" in r.json()["detail"], (r.status_code, r.text[:200])
+    info = c.get("/api/run", headers=AUTH)
+    assert info.status_code == 200, info.text[:200]
+    assert [s["step"] for s in info.json()["steps"]] == list(range(len(registered()))) and info.json()["metrics"] == {}
+    shutil.rmtree(run / "credit")
+    (run / "credit").symlink_to(run / "credit")
+    assert c.get("/api/run", headers=AUTH).json()["steps"] == []
+    assert c.get("/api/step", params={"step": 0}, headers=AUTH).status_code == 404
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

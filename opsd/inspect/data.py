@@ -9,8 +9,8 @@ AlignOPSD schema for `alignopsd`, row-per-turn arrays for every other method),
 observation, thinking, action, text, token ids).
 
 Every problem with the input is an `InspectError` carrying an HTTP status:
-404 (no such step, group or trajectory), 403 (a path that resolves outside
-RUN_DIR), 413 (a dump too large to open), 422 (a partial or malformed dump, a
+404 (no such step, group or trajectory, or a path in a symlink loop), 403 (a path
+that resolves outside RUN_DIR), 413 (a dump too large to open), 422 (a partial or malformed dump, a
 bad compare request). Nothing outside RUN_DIR is ever opened: each path is
 resolved (symlinks followed) and must stay under the resolved RUN_DIR.
 """
@@ -48,9 +48,13 @@ class InspectError(Exception):
 
 
 def inside(run_dir: Path, rel: str) -> Path:
-    """`run_dir / rel` resolved (symlinks followed); InspectError 403 when it leaves the resolved run_dir."""
-    root = Path(run_dir).resolve()
-    path = (root / rel).resolve()
+    """`run_dir / rel` resolved (symlinks followed); InspectError 403 when it leaves the resolved run_dir, 404 when
+    it cannot be resolved (a symlink loop)."""
+    try:
+        root = Path(run_dir).resolve()
+        path = (root / rel).resolve()
+    except (OSError, RuntimeError):  # RuntimeError: Python < 3.13's "Symlink loop"
+        raise InspectError(404, f"{rel} cannot be resolved (a symlink loop?)") from None
     if not path.is_relative_to(root):
         raise InspectError(403, f"{rel} resolves outside the run directory")
     return path
