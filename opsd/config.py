@@ -896,7 +896,7 @@ class RunConfig(_Section):
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
-        """Read a YAML file (`read_yaml`); raises FileNotFoundError, ValueError (an alias bomb) or
+        """Read a YAML file (`read_yaml`); raises FileNotFoundError, ValueError (an alias bomb, nesting too deep) or
         pydantic.ValidationError."""
         data = read_yaml(path) or {}
         return cls.model_validate(data)
@@ -913,8 +913,13 @@ MAX_CONFIG_VALUES = 100_000
 def read_yaml(path: str | Path) -> Any:
     """The YAML document of `path` (yaml.safe_load). Raises OSError, UnicodeDecodeError, yaml.YAMLError, or
     ValueError when its aliases expand it past MAX_CONFIG_VALUES values (counted without expanding: the
-    walk stops at the cap, a self-referencing alias included)."""
-    data = yaml.safe_load(Path(path).read_text())
+    walk stops at the cap, a self-referencing alias included) or it nests deeper than PyYAML's recursive
+    parser can follow."""
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except RecursionError:  # `[[[[...` a few thousand deep: a RuntimeError, outside every caller's one-line path
+        raise ValueError("the document nests deeper than a YAML parser follows (thousands of [ or {?): refused") from None
     count, stack = 0, [data]
     while stack:
         value = stack.pop()

@@ -909,6 +909,24 @@ def test_a_yaml_anchor_bomb_is_refused_at_once(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_yaml_nested_too_deep_to_parse_is_one_line(tmp_path):
+    """`[[[[...` (or `{a: {a: ...`) 20,000 deep: PyYAML's parser recurses and raised RecursionError, a traceback
+    out of `opsd run` and out of every role's RunConfig.load (a RuntimeError, outside their one-line paths)."""
+    from typer.testing import CliRunner
+
+    from opsd.cli import app
+
+    for i, text in enumerate(["run: " + "[" * 20_000 + "]" * 20_000, "run: " + "{a: " * 20_000 + "1" + "}" * 20_000]):
+        path = tmp_path / f"deep{i}.yaml"
+        path.write_text(text + "\n")
+        result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs")])
+        assert result.exit_code == 2 and "nests deeper" in result.output, result.output[-500:]
+        assert "Traceback" not in result.output and len(result.output) < 600
+        with pytest.raises(ValueError, match="nests deeper"):
+            RunConfig.load(path)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_bad_value_is_shown_bounded(tmp_path):
     """A wrong value of a huge size (under the alias cap) is named in one short line, not printed whole."""
     from typer.testing import CliRunner
