@@ -64,6 +64,7 @@ EXIT_WHEN_DONE_ENV = "OPSD_EXIT_WHEN_DONE"
 # name that is one path component: a DNS label, as k8s/README.md asks.
 RUN_NAME_ENV = "OPSD_RUN_NAME"
 _RUN_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+LOG_LEVEL_ENV = "OPSD_LOG_LEVEL"  # every role's log level (compose passes it through; INFO when unset)
 
 
 def add_observability(app: FastAPI, role: str, health: Callable[[], dict[str, Any]], *,
@@ -214,6 +215,7 @@ class RoleProcess:
             if os.environ.get(PORT_ENV):
                 env_port(os.environ[PORT_ENV])
             check_run_name(run_dir)
+            log_level = env_log_level()
         except (OSError, ValueError, yaml.YAMLError) as e:  # pydantic's ValidationError is a ValueError
             fatal(role, str(e))
         # `opsd run` sets the prefix in the resolved config; a role started by a container platform
@@ -222,7 +224,7 @@ class RoleProcess:
         proc = cls(role=role, cfg=cfg, run_dir=Path(run_dir))
         metrics.init_series(role)
         logging.basicConfig(
-            level=os.environ.get("OPSD_LOG_LEVEL", "INFO"),
+            level=log_level,
             format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
         )
         # httpx logs every request at INFO (one line per embedder call in the teacher's log): its warnings stay.
@@ -340,6 +342,19 @@ def check_run_name(run_dir: str | os.PathLike) -> None:
     if Path(run_dir).resolve().name != name:
         raise ValueError(f"{RUN_NAME_ENV}={name!r} but the run directory is {run_dir}: KEDA polls the streams "
                          f"opsd:{name}:..., the roles would use opsd:{Path(run_dir).resolve().name}:...")
+
+
+def env_log_level() -> int:
+    """OPSD_LOG_LEVEL as a `logging` level: a level name in any case ("debug", "INFO", "warning"), INFO when unset or
+    empty. Raises ValueError naming the variable for anything else: logging.basicConfig refused "debug" and any
+    unknown name with a traceback out of every role's start (exit 1: restarted, to fail the same way)."""
+    text = os.environ.get(LOG_LEVEL_ENV, "").strip()
+    if not text:
+        return logging.INFO
+    level = logging.getLevelName(text.upper())  # the level's number for a name, else the string "Level ..."
+    if not isinstance(level, int):
+        raise ValueError(f"{LOG_LEVEL_ENV}={text!r} is not a log level: DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
 
 
 def fatal(role: str, reason: str) -> NoReturn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -107,6 +108,33 @@ def test_a_run_name_that_is_no_dns_label_is_fatal(tmp_path, keep_signals, monkey
         RoleProcess.start("rollout", str(write_config(tmp_path / "c.yaml")), f"{tmp_path}/runs/{name}")
     assert exit_.value.code == FATAL_EXIT
     assert "OPSD_RUN_NAME" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["verbose", "10", "INFO,DEBUG"])
+def test_an_unknown_log_level_is_fatal_in_one_line(tmp_path, keep_signals, monkeypatch, capsys, value):
+    """OPSD_LOG_LEVEL (compose passes it to every role) that logging does not know: one line and FATAL_EXIT, not
+    logging.basicConfig's ValueError traceback (exit 1, restarted to fail the same way)."""
+    monkeypatch.delenv("OPSD_PARENT_PID", raising=False)
+    monkeypatch.setenv("OPSD_LOG_LEVEL", value)
+    with pytest.raises(SystemExit) as exit_:
+        RoleProcess.start("rollout", str(write_config(tmp_path / "c.yaml")), str(tmp_path / "run"))
+    assert exit_.value.code == FATAL_EXIT
+    err = capsys.readouterr().err
+    assert err.startswith("rollout: cannot start: OPSD_LOG_LEVEL=") and len(err.splitlines()) == 1, err
+
+
+def test_a_log_level_is_read_in_any_case():
+    """"debug" is what people type; logging.basicConfig refused it (it knows "DEBUG" only)."""
+    from opsd.service import env_log_level
+
+    env = {"debug": logging.DEBUG, " Warning ": logging.WARNING, "ERROR": logging.ERROR, "": logging.INFO}
+    for value, level in env.items():
+        os.environ["OPSD_LOG_LEVEL"] = value
+        try:
+            assert env_log_level() == level, value
+        finally:
+            del os.environ["OPSD_LOG_LEVEL"]
+    assert env_log_level() == logging.INFO
 
 
 def test_a_run_name_must_name_the_run_dir(tmp_path, keep_signals, monkeypatch, capsys):
