@@ -363,21 +363,25 @@ def fatal(role: str, reason: str) -> NoReturn:
     sys.exit(FATAL_EXIT)
 
 
-def load_worker_backend(role: str, cfg, model=None) -> Any:
-    """`opsd.models.load_backend(model or cfg.model)` for rollout and teacher; what cannot start is fatal.
+def load_worker_backend(role: str, cfg, model=None, **load_args) -> Any:
+    """`opsd.models.load_backend(model or cfg.model, **load_args)` for rollout, teacher and trainer (which passes
+    backend="hf" and its master weights' dtype); what cannot start is fatal.
 
-    model: a ModelSection (the teacher passes `cfg.teacher_model`). An
-    ImportError (backend vllm without vLLM in this environment), an OSError
-    (a missing model directory or weight file), a ModelUnavailableError (a
-    Hub model that cannot be had) or an UntrustedModelError (its own code
-    without trust_remote_code, pickle-only weights) exits FATAL_EXIT with the
-    reason's first line: restarting the role cannot fix it.
+    model: a ModelSection (the teacher passes `cfg.teacher_model`). Every error of the load but a RuntimeError
+    exits FATAL_EXIT with its first line: an ImportError (backend vllm without vLLM), an OSError (a missing
+    model directory or weight file), a ModelUnavailableError, an UntrustedModelError, and what a malformed
+    directory raises from transformers, tokenizers or safetensors (a config.json that is a list: TypeError; a
+    tokenizer_config.json that is one: AttributeError; a truncated model.safetensors: SafetensorError; a
+    field of the wrong type: huggingface_hub's validation error): restarting the role cannot fix the files.
+    A RuntimeError (out of memory, a device error) propagates: a restart may find the device free.
     """
-    from opsd.models import ModelUnavailableError, UntrustedModelError, load_backend
+    from opsd.models import load_backend
 
     try:
-        return load_backend(model or cfg.model)
-    except (ImportError, OSError, ModelUnavailableError, UntrustedModelError) as e:  # OSError: a missing model dir or weight file, a corrupt config
+        return load_backend(model or cfg.model, **load_args)
+    except RuntimeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the boundary of a role's start: the files are wrong, one line
         fatal(role, (str(e).strip().splitlines() or [type(e).__name__])[0])
 
 

@@ -205,6 +205,35 @@ def test_pickle_only_weights_are_refused_by_the_teacher_check_and_at_load(tmp_pa
         check_teacher_model(ModelSection(name="tiny-random"), ModelSection(name=str(d)))
 
 
+MALFORMED = {  # file -> contents, and what transformers / tokenizers / safetensors raised reading it
+    "config.json": "[]",  # TypeError
+    "tokenizer_config.json": "[]",  # AttributeError
+    "model.safetensors": "",  # safetensors' SafetensorError (not an OSError)
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_model_directory_is_one_fatal_line_never_a_traceback(tmp_path, capsys, name):
+    """A role started by compose or k8s (no `opsd run` check before it) on a model directory whose file is
+    malformed: the load's TypeError / AttributeError / SafetensorError escaped the role's start as a traceback
+    (exit 1, restarted to fail the same way); and the teacher check let the first two out of `opsd run`'s
+    one-line path. Now: FATAL_EXIT with one line, and the teacher check's ValueError naming teacher.model."""
+    from opsd.models import check_teacher_model
+    from opsd.service import FATAL_EXIT, load_worker_backend
+
+    d = tmp_path / "odd"
+    shutil.copytree(ensure_model(ModelSection(name="tiny-random")), d)
+    (d / name).write_text(MALFORMED[name])
+    with pytest.raises(SystemExit) as exit_:
+        load_worker_backend("rollout", None, ModelSection(name=str(d), device="cpu"))
+    assert exit_.value.code == FATAL_EXIT
+    err = capsys.readouterr().err
+    assert err.startswith("rollout: cannot start: ") and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(ValueError) as e:
+        check_teacher_model(ModelSection(name="tiny-random"), ModelSection(name=str(d)))
+    assert str(d) in str(e.value) and "\n" not in str(e.value), e.value
+
+
 # -- every load says trust_remote_code; nothing prompts ------------------------------------------------------
 
 # Calls that may import a model directory's own code: each must pass trust_remote_code explicitly.

@@ -75,8 +75,8 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
     a packaged one is converted once), each with its own ``trust_remote_code``:
     a directory that needs its own code while that setting is false is
     refused (UntrustedModelError, a ValueError, naming the setting), its code never run.
-    Raises ValueError with one line naming ``teacher.model`` and the first
-    problem (ModelUnavailableError, a ValueError, for a Hub model that cannot
+    Raises ValueError with one line naming ``teacher.model`` (or ``model``) and the first
+    problem (whatever transformers raises reading a malformed directory included) (ModelUnavailableError, a ValueError, for a Hub model that cannot
     be had; FileNotFoundError for a name that is no model); cross-tokenizer
     distillation is out of scope.
     """
@@ -101,7 +101,8 @@ def check_teacher_model(student: ModelSection, teacher: ModelSection) -> None:
             raise  # already one line naming the model, its revision and the command that fetches it
         except UntrustedModelError as e:
             raise UntrustedModelError(f"{who}: {e}") from e
-        except (OSError, ValueError) as e:  # json errors are ValueErrors; a missing file or dir an OSError
+        except Exception as e:  # noqa: BLE001 - a boundary check: a config.json that is a list is a TypeError, a
+            # tokenizer_config.json that is one an AttributeError, a field of the wrong type huggingface_hub's own error
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"{who}: cannot load its tokenizer and config ({first})") from e
     check_weight_files(paths[1], what)  # a pickle-only teacher would pass here and fail only at load

@@ -45,9 +45,9 @@ from opsd.config import config_hash, hashed_config
 from opsd.credit.diagnostics import DIAGNOSTICS
 from opsd.envs import EnvContext, get_adapter
 from opsd.footprint import checkpoint_interval
-from opsd.models import ModelUnavailableError, UntrustedModelError, load_backend, resolve_model, served_dtype
+from opsd.models import ModelUnavailableError, resolve_model, served_dtype
 from opsd.queue import StreamNames
-from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, RoleProcess, fatal
+from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, RoleProcess, fatal, load_worker_backend
 from opsd.skills import privileged_text
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
@@ -192,11 +192,8 @@ def train() -> None:
         torch.set_num_threads(cfg.trainer.threads)
 
     proc.unready = "loading the model and its checkpoint"
-    try:
-        # The transformers model, fp32 master weights (bf16 compute under autocast / FSDP2's policy with model.dtype bf16)
-        backend = load_backend(cfg.model, backend="hf", weights_dtype=torch.float32)
-    except (ModelUnavailableError, UntrustedModelError) as e:  # a Hub model this machine cannot have, or one that
-        fatal(ROLE, str(e))  # needs its own code without model.trust_remote_code: a restart cannot help
+    # The transformers model, fp32 master weights (bf16 compute under autocast / FSDP2's policy with model.dtype bf16)
+    backend = load_worker_backend(ROLE, cfg, backend="hf", weights_dtype=torch.float32)
     if main:
         check_disk(cfg, backend.path, run_dir)
     model = backend.model
