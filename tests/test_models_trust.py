@@ -318,3 +318,25 @@ def test_every_model_load_in_opsd_and_services_passes_trust_remote_code_and_noth
             "AutoModelForCausalLM.from_config", "sentence_transformers.SentenceTransformer",
             "vllm.engine.arg_utils.AsyncEngineArgs"} <= {x.split(": ")[1] for x in loads}, loads
     assert [x for _, b in found for x in b] == []
+
+
+@pytest.mark.parametrize("change, why", [({"num_hidden_layers": 3}, "missing from its weight files"),
+                                         ({"num_hidden_layers": 1}, "not in its config's architecture"),
+                                         ({"intermediate_size": 40}, "of another shape")])
+def test_a_config_that_does_not_match_its_weights_is_refused(tmp_path, capsys, change, why):
+    """config.json saying more layers than the weights hold loaded with those layers at random, and fewer layers
+    loaded a truncated model: transformers only logged either (and a wrong shape was a RuntimeError, which a role
+    takes for an outage and restarts on). Now one fatal line naming what disagrees."""
+    from opsd.service import FATAL_EXIT, load_worker_backend
+
+    d = tmp_path / "odd"
+    shutil.copytree(ensure_model(ModelSection(name="tiny-random")), d)
+    config = json.loads((d / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["intermediate_size"] != 40  # the tiny model's
+    (d / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(SystemExit) as exit_:
+        load_worker_backend("teacher", None, ModelSection(name=str(d), device="cpu"))
+    assert exit_.value.code == FATAL_EXIT
+    err = capsys.readouterr().err
+    assert why in err and "config.json and the weights are not the same model" in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -226,6 +226,34 @@ def served_dtype(cfg: ModelSection) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
+@contextlib.contextmanager
+def _load_report_dropped():
+    """Drop transformers' "LOAD REPORT" warning (a table of the keys `_check_loading_info` refuses in one line)."""
+    log = logging.getLogger("transformers.modeling_utils")
+    def drop(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
+def _check_loading_info(info: dict, what: str) -> None:
+    """Refuse a checkpoint whose weight files and config.json disagree: weights the architecture needs but the
+    files lack (transformers initialises them at random, with only a log line) or tensors the architecture has
+    no place for (left out: e.g. a config with fewer layers than the weights). `info` is from_pretrained's
+    `output_loading_info`; tied and ignorable keys are already left out of it. Raises ValueError."""
+    for key, why in (("missing_keys", "missing from its weight files (they would be initialised at random)"),
+                     ("unexpected_keys", "in its weight files but not in its config's architecture (they would be dropped)"),
+                     ("mismatched_keys", "of another shape in its weight files than its config says")):
+        names = sorted(k if isinstance(k, str) else str(k[0]) for k in info.get(key) or ())  # mismatched: (key, ...)
+        if names:
+            raise ValueError(f"{what}: {len(names)} weights {why}, e.g. {', '.join(names[:3])}: "
+                             f"config.json and the weights are not the same model")
+
+
 class HFBackend:
     """A causal LM served with transformers on one device (the vLLM backend keeps this interface).
 
@@ -262,11 +290,15 @@ class HFBackend:
         quiet_progress_bars()
         self.tokenizer = load_tokenizer(cfg, self.path)
         check_weight_files(self.path, f"model {cfg.name!r}")
-        with remote_code_refused(self.path, cfg.trust_remote_code):
-            self.model = AutoModelForCausalLM.from_pretrained(
+        # ignore_mismatched_sizes: a wrong shape comes back in `info` (refused below) instead of a RuntimeError that
+        # reads as an outage; transformers' multi-line report of the same keys is left out of the role's log.
+        with remote_code_refused(self.path, cfg.trust_remote_code), _load_report_dropped():
+            self.model, info = AutoModelForCausalLM.from_pretrained(
                 self.path, dtype=self.weights_dtype, local_files_only=True, trust_remote_code=cfg.trust_remote_code,
-                use_safetensors=True,
-            ).to(self.device)
+                use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True,
+            )
+        _check_loading_info(info, f"model {cfg.name!r} ({self.path})")
+        self.model.to(self.device)
         self.model.eval()
         self.lock = threading.RLock()  # generate/score/branch/load_weights and HFEngine's waves take turns
         self.policy_version = 0
