@@ -340,3 +340,21 @@ def test_a_config_that_does_not_match_its_weights_is_refused(tmp_path, capsys, c
     err = capsys.readouterr().err
     assert why in err and "config.json and the weights are not the same model" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{}", b"not safetensors at all"])
+def test_a_weights_file_whose_header_does_not_read_is_refused_before_any_role_starts(tmp_path, content):
+    """An empty or truncated model.safetensors passed `opsd prepare` / `opsd run` (only the name was checked)
+    and every role then failed on it. The header is now read where the name was checked: one line."""
+    from opsd.models import check_teacher_model
+    from opsd.models.trust import check_weight_files
+
+    d = tmp_path / "odd"
+    shutil.copytree(ensure_model(ModelSection(name="tiny-random")), d)
+    check_weight_files(d)  # the intact copy passes
+    (d / "model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match="is not a readable safetensors file") as e:
+        check_weight_files(d)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        check_teacher_model(ModelSection(name="tiny-random"), ModelSection(name=str(d)))

@@ -48,10 +48,21 @@ def check_weight_files(path: Path, what: str | None = None) -> None:
     level, as from_pretrained reads them); `what` starts the message when given (e.g. "teacher.model 'x'").
 
     Raises UntrustedModelError when its weights are pickle files only (PICKLE_WEIGHTS: loading one unpickles
-    it, which can run code), ValueError when it holds no weight file at all. One line each.
+    it, which can run code), ValueError when it holds no weight file at all or one whose header does not read
+    (empty, truncated, not safetensors: only the header is read). One line each.
     """
+    from safetensors import safe_open
+
     path, lead = Path(path), f"{what}: " if what else ""
-    if any(path.glob("*.safetensors")):
+    files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        try:
+            with safe_open(f, "pt") as weights:
+                weights.keys()
+        except Exception as e:  # noqa: BLE001 - SafetensorError is no OSError; a directory or dangling link is one
+            raise ValueError(f"{lead}{f} is not a readable safetensors file ({f.stat().st_size if f.is_file() else 0} "
+                             f"bytes: empty, truncated or another format): {str(e).splitlines()[0][:200]}") from None
+    if files:
         return
     pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
     if pickles:
