@@ -386,6 +386,15 @@ def _usage_error(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _prepare_or_exit(cfg: RunConfig, models: dict) -> None:
+    """`prepare`, or its one-line refusal and exit 2 (a model that is not there, a teacher of another tokenizer)."""
+    try:
+        prepare(cfg, models)
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2)
+
+
 @app.command()
 def run(
     config: Optional[Path] = typer.Argument(None, exists=True, dir_okay=False, help="run config (YAML); or use --resume"),
@@ -405,6 +414,14 @@ def run(
 
     if (config is None) == (resume is None):
         _usage_error("give exactly one of CONFIG and --resume RUN_DIR")
+    if os.environ.get("OPSD_API_TOKEN"):  # a user's own token: refused here, before any run dir, not in every role
+        from opsd.auth import api_token
+
+        try:
+            api_token()
+        except RuntimeError as e:
+            console.print(f"[red]error:[/red] {escape(str(e))}")
+            raise typer.Exit(2)
     if resume is not None:
         if output_dir is not None:
             _usage_error("--output-dir cannot be used with --resume: a resumed run keeps its directory")
@@ -427,6 +444,7 @@ def run(
                          f"dropped, so it cannot train on; start a new run with model.name: {run_dir / 'checkpoint'}")
         models = resolve_models(cfg)  # the commits config.yaml pins: the snapshot the run started with
         check_disk(cfg, models, run_dir, held=sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file()))
+        _prepare_or_exit(cfg, models)
         # The old run's DONE and port files would make this run look finished, or point at dead services.
         (run_dir / "DONE").unlink(missing_ok=True)
         shutil.rmtree(run_dir / "ports", ignore_errors=True)
@@ -436,6 +454,7 @@ def run(
                                      output_dir=None if output_dir is None else str(output_dir)))
         models = resolve_models(cfg)  # before the run directory exists: a model that cannot be had leaves nothing
         check_disk(cfg, models, Path(cfg.run.output_dir))
+        _prepare_or_exit(cfg, models)  # a model or chat template opsd cannot serve leaves no run directory
         run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
         resolved = run_dir / "config.yaml"
         lock = lock_run_dir(run_dir)
@@ -453,19 +472,6 @@ def run(
     verb = f"resuming after {done_before} logged steps" if resume is not None else "->"
     console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} step{'' if cfg.run.steps == 1 else 's'}, {cfg.model.backend} backend {verb} {run_dir}")
 
-    if os.environ.get("OPSD_API_TOKEN"):  # a user's own token: refuse a weak one here, not in every role
-        from opsd.auth import api_token
-
-        try:
-            api_token()
-        except RuntimeError as e:
-            console.print(f"[red]error:[/red] {escape(str(e))}")
-            raise typer.Exit(2)
-    try:
-        prepare(cfg, models)
-    except (ValueError, OSError) as e:  # a model that is not there, a teacher of another tokenizer
-        console.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(2)
     redis_dir = run_dir / "redis" if cfg.redis.appendonly else None
     try:
         redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log", redis_dir, cfg.redis.appendonly)

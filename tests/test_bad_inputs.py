@@ -909,6 +909,21 @@ def test_a_yaml_anchor_bomb_is_refused_at_once(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_weak_api_token_is_refused_before_the_run_directory_exists(tmp_path):
+    """OPSD_API_TOKEN too short: refused in one line, as before, but the run directory (config.yaml, logs/,
+    model.json) was already made for a run that never started."""
+    from typer.testing import CliRunner
+
+    from opsd.cli import app
+
+    path = tmp_path / "ok.yaml"
+    path.write_text("run:\n  steps: 1\nmodel:\n  name: tiny-random\n")
+    result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs")],
+                                env={"OPSD_API_TOKEN": "short"})
+    assert result.exit_code == 2 and "OPSD_API_TOKEN" in result.output, result.output
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_yaml_nested_too_deep_to_parse_is_one_line(tmp_path):
     """`[[[[...` (or `{a: {a: ...`) 20,000 deep: PyYAML's parser recurses and raised RecursionError, a traceback
     out of `opsd run` and out of every role's RunConfig.load (a RuntimeError, outside their one-line paths)."""
