@@ -98,11 +98,11 @@ demo: $(STAMP)
 test: test-main test-vllm
 
 test-main: $(STAMP) $(TOKENIZER_FILES) $(PROMTOOL) | java chromium
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests --ignore=tests/vllm
+	$(PY) -m pytest -q -rfEs -p no:cacheprovider --durations=25 tests --ignore=tests/vllm
 
 # The vLLM backend against transformers, weight updates, one quickstart step on vLLM (about 12 min on 2 cores).
 test-vllm: $(VLLM_STAMP) | java
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	$(VLLM_PY) -m pytest -q -rfEs -p no:cacheprovider tests/vllm
 
 # The transport benchmark compares with redis-benchmark (Debian's redis-tools): install it when missing;
 # without it that benchmark still runs and says so in its rows.

@@ -92,6 +92,7 @@ case | tests
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -104,6 +105,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,13 +249,18 @@ def test_msgpack_bombs_only_raise_wire_error():
         + msgpack.packb("body") + b"\xdd\xff\xff\xff\xff"  # claims 4 billion elements
     ext = msgpack.packb({"schema": 1, "type": "TaskGroup", "body": {**body, "game": {"t": msgpack.Timestamp(1, 0)}}},
                         datetime=False)
-    for data in (deep, header_bomb, ext, b"\xdf\xff\xff\xff\xff", b"\xc1", b""):
-        t0 = time.monotonic()
-        with pytest.raises(WireError):
-            decode(data, TaskGroup, LIMIT)
-        # Milliseconds when refused up front; a bomb that went off would take minutes and GBs (4 billion
-        # elements, 100k nested frames). 5 s leaves a loaded machine room and still tells them apart.
-        assert time.monotonic() - t0 < 5.0
+    # Refused up front, each allocates tens of KB (measured: at most 61 KB, for the 100 KB `deep`); a bomb
+    # that went off would allocate GBs (4 billion elements, 100k nested frames). Bytes, not seconds.
+    tracemalloc.start()
+    try:
+        for data in (deep, header_bomb, ext, b"\xdf\xff\xff\xff\xff", b"\xc1", b""):
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            with pytest.raises(WireError):
+                decode(data, TaskGroup, LIMIT)
+            assert tracemalloc.get_traced_memory()[1] - before < 1 << 20, data[:16]
+    finally:
+        tracemalloc.stop()
 
 
 def _refuse_constant(name: str):
@@ -887,25 +894,56 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))  # 9**9 values
 
 
+@contextlib.contextmanager
+def lines_run_in(fn, budget: int):
+    """Count the lines Python runs in each call of function `fn` (sys.settrace) while the block runs;
+    yields the list of counts, one per call. Past `budget` lines in one call the tracer raises
+    RuntimeError inside it, so a walk that does not stop ends as an error instead of a hang."""
+    counts: list[int] = []
+
+    def in_fn(frame, event, arg):
+        if event == "line":
+            counts[-1] += 1
+            if counts[-1] > budget:
+                raise RuntimeError(f"{fn.__qualname__} ran more than {budget} lines")
+        return in_fn
+
+    def on_call(frame, event, arg):
+        if frame.f_code is not fn.__code__:
+            return None
+        counts.append(0)
+        return in_fn
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield counts
+    finally:
+        sys.settrace(previous)
+
+
 def test_a_yaml_anchor_bomb_is_refused_at_once(tmp_path):
     """A few hundred bytes of nested aliases (9**9 values) are refused when read, by the CLI and by every
-    role's RunConfig.load, in well under a second; so is an alias that refers to itself."""
+    role's RunConfig.load, after walking at most MAX_CONFIG_VALUES of them (not 9**9: 39 s and more before
+    the cap); so is an alias that refers to itself (a walk without the cap never ends). The work is
+    counted in lines run, not seconds: under 10 a value walked."""
     from typer.testing import CliRunner
 
     from opsd.cli import app
+    from opsd.config import MAX_CONFIG_VALUES, read_yaml
 
     path = tmp_path / "bomb.yaml"
     path.write_text("run:\n  name: &n [1]\n" + "".join("  " + line + "\n" for line in BOMB.splitlines()))
     assert len(path.read_bytes()) < 600
-    t0 = time.perf_counter()
-    result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs")])
-    assert result.exit_code == 2 and "expands to more than" in result.output and len(result.output) < 400
-    with pytest.raises(ValueError, match="expands to more than"):
-        RunConfig.load(path)
     (tmp_path / "loop.yaml").write_text("run: &r\n  name: *r\n")
-    with pytest.raises(ValueError, match="expands to more than"):
-        RunConfig.load(tmp_path / "loop.yaml")
-    assert time.perf_counter() - t0 < 15.0  # 39 s before the cap, on a loaded 2-core machine
+    with lines_run_in(read_yaml, budget=10 * MAX_CONFIG_VALUES) as reads:
+        result = CliRunner().invoke(app, ["run", str(path), "--output-dir", str(tmp_path / "runs")])
+        assert result.exit_code == 2 and "expands to more than" in result.output and len(result.output) < 400
+        with pytest.raises(ValueError, match="expands to more than"):
+            RunConfig.load(path)
+        with pytest.raises(ValueError, match="expands to more than"):
+            RunConfig.load(tmp_path / "loop.yaml")
+    assert len(reads) == 3 and all(MAX_CONFIG_VALUES < n <= 10 * MAX_CONFIG_VALUES for n in reads), reads
     assert not (tmp_path / "runs").exists()
 
 

@@ -353,11 +353,11 @@ def test_a_wrong_redis_password_is_fatal_not_an_outage(redis_url, tmp_path, monk
     wrong = redis_url.replace("redis://:", "redis://:wrong-", 1)
     monkeypatch.setenv("REDIS_URL", wrong)
     proc = proc_for(tmp_path, "test-auth")
-    threading.Timer(20.0, proc.stop.set).start()  # were it retried as an outage, the call would return at 20 s
-    t0 = time.monotonic()
+    # Were it retried as an outage, the call would return (no SystemExit) when this stops it.
+    threading.Timer(20.0, proc.stop.set).start()
     with pytest.raises(SystemExit) as exit_:
         proc.open_queue("test-auth:tasks", TaskGroup)
-    assert exit_.value.code == FATAL_EXIT and time.monotonic() - t0 < 15
+    assert exit_.value.code == FATAL_EXIT
     assert "refused the password" in capsys.readouterr().err
 
 

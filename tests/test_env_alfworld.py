@@ -5,15 +5,25 @@ alfworld wheel ships; every category's gold path is played on the engine.
 The data-dir test writes OUR GENERATED games into the folder layout of the real
 ALFWorld download (json_2.1.1/<split>/<task-type>-.../<trial>/game.tw-pddl +
 traj_data.json); it checks the reading of that layout, not real ALFWorld data.
+Without an importable alfworld the module skips with the reason, and fails under
+OPSD_REQUIRE_ALFWORLD=1 (.ci/run sets it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-pytest.importorskip("alfworld")
+REQUIRE_ENV = "OPSD_REQUIRE_ALFWORLD"
+try:
+    import alfworld  # noqa: F401
+except ImportError as e:  # a failed build of its planner (fast-downward) leaves it uninstalled
+    reason = f"alfworld is not importable ({type(e).__name__}: {e}); `make install` builds it"
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_ENV}=1 requires it)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
 
 from opsd.config import EnvSection  # noqa: E402
 from opsd.envs import get_adapter  # noqa: E402
