@@ -277,6 +277,9 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+_ASYNC_HASH_BYTES = 1 << 16  # reads at least this long are hashed on the worker thread, overlapped with the next read
+
+
 def _stream_size(stream: BinaryIO) -> int | None:
     """The total bytes `stream` will deliver when known: a served file's Content-Length (`size`), a file's
     length; None otherwise."""
@@ -337,7 +340,12 @@ class TensorReader:
                     k = _fill(stream, view[done:done + min(nbytes - done, _CHUNK)])
                     if not k:
                         raise WeightsError(f"{source}: truncated: tensor {e.name!r} ends {nbytes - done} bytes early")
-                    hashed = pool.submit(h.update, view[done:done + k])  # hashes this chunk while the next is read
+                    if k >= _ASYNC_HASH_BYTES:
+                        hashed = pool.submit(h.update, view[done:done + k])  # hashes this chunk while the next is read
+                    else:  # a short read (a trickling socket): handing it to the thread costs more than hashing it
+                        if hashed is not None:
+                            hashed.result()  # the updates stay in file order
+                        h.update(view[done:done + k])
                     done += k
                 t = torch.frombuffer(buf, dtype=dtype).reshape(e.shape) if nbytes else torch.empty(e.shape, dtype=dtype)
                 if not all_finite(t):
