@@ -86,6 +86,7 @@ class HFEngine:
         self._store_bytes = 0
         self._stats = EngineStats()
         self._closed = False
+        self._stopped = False  # set by the engine thread as it leaves its loop
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
         self._thread.start()
 
@@ -170,6 +171,10 @@ class HFEngine:
             self._closed = True
             left, self._waiting = self._waiting, []
             self._cond.notify_all()
+            if self._thread is not threading.current_thread():
+                # wait() lets go of the lock however deep a caller holds it, so the thread can see `_closed`
+                # (a join here would wait out its timeout while the caller holds the lock)
+                self._cond.wait_for(lambda: self._stopped or not self._thread.is_alive(), timeout=60)
         for p in left:
             if p.future.set_running_or_notify_cancel():
                 p.future.set_exception(RuntimeError("the engine was closed"))
@@ -186,6 +191,8 @@ class HFEngine:
                 while not self._waiting and not self._closed:
                     self._cond.wait()
                 if self._closed:
+                    self._stopped = True
+                    self._cond.notify_all()
                     return
                 wave = self._take()
                 self._running = len(wave)
