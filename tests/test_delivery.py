@@ -185,8 +185,15 @@ def test_consume_forever_holds_several_jobs_and_acks_each_when_its_own_output_is
         producer.produce_to(names.tasks, t)
     proc = role_process(tmp_path, stream_prefix, block_ms=200)
     worker = task_queue(connect_like(redis_client), names, "rollout-1")
-    together = threading.Barrier(3, timeout=30)  # passes only with three jobs in the handler at once
     seen_in_flight, lock = [], threading.Lock()
+
+    def three_held() -> None:  # run once all three are in the handler, before any may finish
+        # the loop sets the gauge just after it hands a job over, so the third job can start before it is counted
+        wait_until(lambda: metric("opsd_groups_in_flight", role="rollout") == 3.0, timeout_s=30,
+                   what="the in-flight gauge at three")
+        seen_in_flight.append(metric("opsd_groups_in_flight", role="rollout"))
+
+    together = threading.Barrier(3, action=three_held, timeout=60)  # passes only with three jobs in the handler at once
     fail_once = {tasks[1].group_id}
     first_three = {t.group_id for t in tasks[:3]}
 
