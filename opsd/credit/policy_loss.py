@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: beyond it a ratio is an error, not a signal
+SEQ_LOG_RATIO_MAX = 10.0  # GSPO's upper clamp of the sequence log-ratio (verl compute_policy_loss_gspo)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+IMPORTANCE_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_MODES = ("truncate", "mask")
 
 
 def token_logprobs(logits_BTV: torch.Tensor, token_ids_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -49,26 +54,123 @@ def entropy_from_logits(logits_BTV: torch.Tensor, temperature: float = 1.0) -> t
     return torch.logsumexp(z, dim=-1) - pz.sum(dim=-1)
 
 
+def _sampler_log_ratio(
+    old_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, loss_mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool mask [B, T], detached float32 old - sampler on the mask, 0 off it); ValueError on a shape mismatch."""
+    if not (old_logprobs_BT.shape == sampler_logprobs_BT.shape == loss_mask_BT.shape):
+        raise ValueError(
+            f"old {tuple(old_logprobs_BT.shape)}, sampler {tuple(sampler_logprobs_BT.shape)} and mask "
+            f"{tuple(loss_mask_BT.shape)} must have one shape"
+        )
+    mask = loss_mask_BT.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=old_logprobs_BT.device)
+    # where, not a multiply: padding off the mask may be inf/NaN.
+    return mask, torch.where(mask, old_logprobs_BT.detach().float() - sampler_logprobs_BT.detach().float(), zero)
+
+
+def importance_weight(
+    old_logprobs_BT: torch.Tensor,
+    sampler_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    level: str = "token",
+    mode: str = "truncate",
+    cap: float = 5.0,
+    cap_low: float | None = None,
+) -> torch.Tensor:
+    """Importance-sampling weight pi_old / pi_sampler of each loss token, truncated or masked.
+
+    The sampler (vLLM) and the trainer (old = the trainer's pi_old recomputation)
+    score the same tokens slightly differently; the weight re-weights each
+    token's policy-gradient term towards the trainer's distribution.
+      level "token":    w = exp(clip(old - sampler, +-20)) per token.
+      level "sequence": w_b = exp(clip(sum over row b's loss tokens of (old - sampler), +-20)),
+                        the same on every token of the row.
+      mode "truncate":  w clamped to [cap_low, cap] (cap_low None: no lower bound).
+      mode "mask":      w set to 0 where w > cap or w < cap_low (at sequence level the
+                        whole row), else kept; ppo_loss reports the zeroed share as
+                        ppo/is_masked_frac.
+    Spec §5's min(exp(clip(old - rollout, +-20)), 5) is level "token", mode "truncate", cap 5.
+    Follows verl b178a3cd (verl/trainer/ppo/rollout_corr_helper.py
+    compute_rollout_correction_weights: rollout_is token|sequence, SAFETY_BOUND 20) and
+    TRL f2cd5771 (trl/trainer/grpo_trainer.py, vllm_importance_sampling_mode
+    token_truncate|token_mask|sequence_truncate|sequence_mask with clip_min/clip_max;
+    TRL does not bound the log-ratio at +-20, so the two differ only where |log w| > 20).
+    Example: old - sampler = -1 and 0.5 on two 5-token rows, cap 2: token/truncate
+    gives 0.368 and 1.649 (verl tests/trainer/ppo/test_rollout_corr.py test_mask_mode);
+    with cap_low 0.5, mask mode zeroes the first row.
+
+    Args: old_logprobs_BT, sampler_logprobs_BT float [B, T] (nats; off-mask values may
+      be inf/NaN padding); loss_mask_BT 0/1 [B, T]; level "token" | "sequence";
+      mode "truncate" | "mask"; cap > 0 (math.inf: no upper bound, TRL's clip_max=None);
+      cap_low None or 0 <= cap_low < cap.
+    Returns: float32 [B, T], detached, 0 off the mask.
+    Raises: ValueError on an unknown level or mode, cap <= 0, cap_low outside [0, cap),
+      or a shape mismatch.
+    """
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance-weight level must be one of {IMPORTANCE_LEVELS}, got {level!r}")
+    if mode not in IS_MODES:
+        raise ValueError(f"importance-weight mode must be one of {IS_MODES}, got {mode!r}")
+    if cap <= 0:
+        raise ValueError(f"the IS cap must be > 0, got {cap}")
+    if cap_low is not None and not 0 <= cap_low < cap:
+        raise ValueError(f"the IS lower cap must satisfy 0 <= cap_low < cap, got cap_low={cap_low}, cap={cap}")
+    mask, log_w = _sampler_log_ratio(old_logprobs_BT, sampler_logprobs_BT, loss_mask_BT)
+    zero = torch.zeros((), dtype=torch.float32, device=log_w.device)
+    if level == "sequence":
+        log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
+    w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if mode == "truncate":
+        w = w.clamp(min=cap_low, max=cap)
+    else:
+        outside = (w > cap) if cap_low is None else (w > cap) | (w < cap_low)
+        w = torch.where(outside, zero, w)
+    return torch.where(mask, w, zero)
+
+
 def truncated_is_weight(old_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, cap: float = 5.0) -> torch.Tensor:
     """Truncated importance-sampling weight min(exp(clip(old - rollout, -20, 20)), cap) (spec §5).
 
-    The sampler (rollout) and the trainer (old = the trainer's pi_old
-    recomputation) compute slightly different log-probs of the same tokens
-    (kernels, batching, dtype); the weight re-weights each token's
-    policy-gradient term towards the trainer's distribution, and the cap bounds
-    its variance. Examples (cap 5): old = rollout -> 1; old - rollout = ln 10 -> 5;
+    `importance_weight` at level "token", mode "truncate" on every position.
+    Examples (cap 5): old = rollout -> 1; old - rollout = ln 10 -> 5;
     old - rollout = -30 -> exp(-20).
 
     Args: old_logprobs_BT, rollout_logprobs_BT float [B, T] (nats); cap > 0.
     Returns: float32 [B, T], detached (the weight carries no gradient).
     Raises: ValueError on cap <= 0 or a shape mismatch.
     """
-    if cap <= 0:
-        raise ValueError(f"the truncated-IS cap must be > 0, got {cap}")
-    if old_logprobs_BT.shape != rollout_logprobs_BT.shape:
-        raise ValueError(f"old {tuple(old_logprobs_BT.shape)} and rollout {tuple(rollout_logprobs_BT.shape)} log-probs disagree")
-    log_w = (old_logprobs_BT.detach().float() - rollout_logprobs_BT.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(log_w).clamp(max=cap)
+    everywhere = torch.ones(old_logprobs_BT.shape, dtype=torch.bool, device=old_logprobs_BT.device)
+    return importance_weight(old_logprobs_BT, rollout_logprobs_BT, everywhere, cap=cap)
+
+
+def kl_penalty(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from the sampled tokens' log-probs (J. Schulman, "Approximating KL").
+
+    With d = ref - logp: "k1" = logp - ref (= -d); "k2" = 0.5 (logp - ref)^2;
+    "k3" = exp(d) - d - 1 with d clamped to +-20 and the result to [-10, 10]
+    (verl's low_var_kl). k1 and k2 are unclamped, as in verl b178a3cd
+    verl/trainer/ppo/core_algos.py kl_penalty_forward. TRL f2cd5771 GRPO's KL
+    term is k3 without the clamps. Example: logp = 0, ref = ln 2: k1 = -0.693,
+    k2 = 0.240, k3 = 2 - ln 2 - 1 = 0.307.
+
+    Args: logprobs_BT float [B, T] (nats, carries the gradient); ref_logprobs_BT
+      float [B, T] (nats, detached); estimator "k1" | "k2" | "k3".
+    Returns: float32 [B, T]; elementwise, so the caller masks padding first.
+    Raises: ValueError on an unknown estimator or a shape mismatch.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if logprobs_BT.shape != ref_logprobs_BT.shape:
+        raise ValueError(f"logprobs {tuple(logprobs_BT.shape)} and ref {tuple(ref_logprobs_BT.shape)} disagree")
+    logp = logprobs_BT.float()
+    ref = ref_logprobs_BT.detach().float()
+    if estimator == "k1":
+        return logp - ref
+    if estimator == "k2":
+        return 0.5 * (logp - ref).square()
+    d = (ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
 
 
 def sampler_mismatch_k3(old_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -85,16 +187,56 @@ def sampler_mismatch_k3(old_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torc
     Returns: float32 [B, T], 0 off the mask (padding may be inf/NaN), detached.
     Raises: ValueError on a shape mismatch.
     """
-    if not (old_logprobs_BT.shape == sampler_logprobs_BT.shape == loss_mask_BT.shape):
-        raise ValueError(
-            f"old {tuple(old_logprobs_BT.shape)}, sampler {tuple(sampler_logprobs_BT.shape)} and mask "
-            f"{tuple(loss_mask_BT.shape)} must have one shape"
-        )
-    mask = loss_mask_BT.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=old_logprobs_BT.device)
-    d = torch.where(mask, old_logprobs_BT.detach().float() - sampler_logprobs_BT.detach().float(), zero)
+    mask, d = _sampler_log_ratio(old_logprobs_BT, sampler_logprobs_BT, loss_mask_BT)
+    zero = torch.zeros((), dtype=torch.float32, device=d.device)
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.where(mask, torch.expm1(d) - d, zero)
+
+
+def _aggregation(
+    loss_agg: str,
+    mask_BT: torch.Tensor,
+    total_loss_tokens: int | float | torch.Tensor,
+    total_sequences: int | float | torch.Tensor | None,
+    norm_tokens: int | float | None,
+) -> tuple[torch.Tensor, float]:
+    """(row scale float32 [B, 1], denominator) with loss = sum_b scale_b sum_t x_bt / denominator.
+
+    Both depend only on the row and on the WHOLE mini-batch, so the micro-batch
+    losses sum to the mini-batch loss. Raises ValueError as ppo_loss documents.
+    """
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
+    n_B1 = mask_BT.sum(dim=-1, keepdim=True, dtype=torch.float32)
+    ones = torch.ones_like(n_B1)  # x * 1.0 is exact: token-mean stays bit-identical to the sum / N it always was
+    if loss_agg == "token-mean":
+        return ones, float(total_loss_tokens)
+    if total_sequences is None:
+        raise ValueError(f"loss_agg={loss_agg!r} needs total_sequences (the mini-batch's sequences with >= 1 loss token)")
+    n_rows = int((n_B1 > 0).sum())
+    if float(total_sequences) < n_rows:
+        raise ValueError(f"total_sequences={float(total_sequences)} is smaller than this micro-batch's {n_rows} non-empty rows")
+    if loss_agg == "seq-mean-token-mean":
+        return 1.0 / n_B1.clamp_min(1.0), float(total_sequences)
+    if loss_agg == "seq-mean-token-sum":
+        return ones, float(total_sequences)
+    if norm_tokens is None or norm_tokens <= 0:
+        raise ValueError(
+            f"loss_agg='seq-mean-token-sum-norm' needs norm_tokens > 0 (e.g. the generation budget), got {norm_tokens}"
+        )
+    return ones, float(total_sequences) * float(norm_tokens)
+
+
+def _log_ratio(logp_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, level: str) -> torch.Tensor:
+    """log pi / pi_old per loss token (0 off the mask), at token or sequence (GSPO-token) level; see ppo_loss."""
+    zero = torch.zeros((), dtype=torch.float32, device=logp_BT.device)
+    # torch.where (not a multiply) so -inf/NaN padding off the mask gives no NaN gradient.
+    log_ratio = torch.where(mask_BT, logp_BT - old_logprobs_BT.detach().float(), zero)
+    if level == "token":
+        return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_B1 = log_ratio.detach().sum(dim=-1, keepdim=True) / mask_BT.sum(dim=-1, keepdim=True).clamp_min(1)
+    logp = torch.where(mask_BT, logp_BT, zero)
+    return torch.where(mask_BT, logp - logp.detach() + seq_B1, zero).clamp(max=SEQ_LOG_RATIO_MAX)
 
 
 def ppo_loss(
@@ -105,29 +247,60 @@ def ppo_loss(
     total_loss_tokens: int | float | torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    clip_c: float = 3.0,
+    clip_c: float | None = 3.0,
     entropy_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     ref_logprobs_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     is_weight_BT: torch.Tensor | None = None,
+    *,
+    loss_agg: str = "token-mean",
+    total_sequences: int | float | torch.Tensor | None = None,
+    norm_tokens: int | float | None = None,
+    importance_level: str = "token",
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Dual-clip PPO policy loss of one micro-batch, token-mean over the mini-batch (spec §5).
+    """Dual-clip PPO policy loss of one micro-batch, aggregated over the whole mini-batch (spec §5).
 
-    Per loss token: ratio = exp(logprob - old); pg = max(-A ratio,
-    -A clip(ratio, 1 - clip_low, 1 + clip_high)); for A < 0 additionally
-    pg = min(pg, -A clip_c) (dual clip: a huge ratio on a negative advantage
-    cannot blow the loss up). Optional terms: - entropy_coef * entropy,
-    + kl_coef * low-variance KL (k3) to ref_logprobs_BT, and a per-token
-    weight `is_weight_BT` multiplying pg (the truncated-IS weight of spec §5,
-    `truncated_is_weight`; detached, so each token's gradient scales by exactly
-    its weight).
+    One row of the [B, T] tensors is one whole sequence. Per loss token:
+    ratio = exp(logprob - old); pg = max(-A ratio, -A clip(ratio, 1 - clip_low,
+    1 + clip_high)); for A < 0 additionally pg = min(pg, -A clip_c) (dual clip;
+    clip_c=None turns it off: verl's vanilla loss without dual clip, TRL's
+    "grpo"). A per-token weight `is_weight_BT` multiplies pg (`importance_weight`;
+    detached, so each token's gradient scales by exactly its weight). Optional
+    terms: - entropy_coef * entropy and + kl_coef * kl_penalty(logprob, ref,
+    kl_estimator). Follows verl b178a3cd verl/trainer/ppo/core_algos.py
+    (compute_policy_loss_vanilla, compute_policy_loss_gspo, agg_loss) and TRL
+    f2cd5771 trl/trainer/grpo_trainer.py _compute_loss.
 
-    Aggregation: sum over this micro-batch's loss tokens divided by
-    `total_loss_tokens`, the number of loss tokens of the WHOLE mini-batch
-    (all micro-batches, all ranks). Summing the micro-batch losses then gives
-    the mini-batch token mean (bad-input case 4: 2 tokens of loss 1 plus 6 of
-    loss 0 -> 0.25, where per-micro-batch means would give 0.5).
+    importance_level "sequence" is GSPO (arXiv 2507.18071) in verl's GSPO-token
+    form: log s = logp - sg(logp) + sg(mean over the row's loss tokens of
+    (logp - old)), clamped at max 10; its value is the sequence ratio on every
+    token, its gradient flows through the token's own log-prob. Clipping as for
+    tokens. verl's compute_policy_loss_gspo forces seq-mean-token-mean and has
+    no dual clip: with loss_agg="seq-mean-token-mean", clip_c=None this equals
+    it; with one advantage per sequence it also equals TRL's
+    importance_sampling_level="sequence", gradient included (TRL does not clamp
+    at 10).
+
+    Aggregation (loss_agg), the same for the pg, entropy and KL terms (verl's
+    dp_actor aggregates all three with loss_agg_mode; TRL keeps its entropy
+    bonus a token mean for every loss_type). n_b = row b's loss tokens, S =
+    `total_sequences` = the mini-batch's rows with >= 1 loss token, N =
+    `total_loss_tokens`; a fully masked row contributes nothing:
+      "token-mean":              sum_b sum_t x / N (TRL "dapo"; spec §5)
+      "seq-mean-token-mean":     sum_b (sum_t x / n_b) / S (verl; TRL "grpo"
+                                 divides by all B rows, empty ones included)
+      "seq-mean-token-sum":      sum_b sum_t x / S
+      "seq-mean-token-sum-norm": sum_b sum_t x / (S norm_tokens) (Dr. GRPO, arXiv
+                                 2503.20783; TRL "dr_grpo" with norm_tokens =
+                                 max_completion_length; verl's agg_loss divides by
+                                 loss_scale_factor alone, without S)
+    All denominators are the WHOLE mini-batch's (all micro-batches, all ranks),
+    so the micro-batch losses sum to the mini-batch loss (bad-input case 4:
+    2 tokens of loss 1 plus 6 of loss 0 -> 0.25 token-mean, where per-micro-
+    batch means would give 0.5). Two rows of 1 and 3 tokens with losses 1 and
+    (0, 0, 0): token-mean 1/4, seq-mean-token-mean (1 + 0)/2 = 1/2.
 
     Args:
       logprobs_BT: float [B, T] current policy log-probs (carries the gradient).
@@ -136,15 +309,28 @@ def ppo_loss(
         gradient, even if they are inf/NaN padding.
       total_loss_tokens: >= this micro-batch's mask sum; 0 only if the mask is
         all zero (bad-input case 3: loss 0, zero gradient, metrics 0).
-      clip_low, clip_high: epsilon (0.2 / 0.2); clip_c: dual-clip constant > 1 (3.0).
+      clip_low, clip_high: epsilon (0.2 / 0.2); clip_c: dual-clip constant > 1
+        (3.0) or None (no dual clip).
       entropy_BT: float [B, T] entropy (nats), needed when entropy_coef > 0.
+      ref_logprobs_BT: float [B, T] reference log-probs, needed when kl_coef > 0.
       is_weight_BT: float [B, T] per-token weight of the policy-gradient term, or None (weight 1).
+      loss_agg: one of LOSS_AGG_MODES (above).
+      total_sequences: S, needed by the seq-mean modes; >= this micro-batch's non-empty rows.
+      norm_tokens: > 0, needed by "seq-mean-token-sum-norm" (a constant such as the generation budget).
+      importance_level: "token" | "sequence" (GSPO).
+      kl_estimator: "k1" | "k2" | "k3" (`kl_penalty`).
     Returns: (loss scalar float32 with grad, metrics of this micro-batch's loss
       tokens: ppo/clip_frac, ppo/dual_clip_frac, ppo/ratio_mean,
-      ppo/ratio_dev_max = max |ratio - 1|, ppo/loss_tokens, ppo/pg_loss_sum,
-      ppo/entropy_mean, ppo/kl_mean).
-    Raises: ValueError on shape mismatch, clip_c <= 1, a missing entropy/ref
-      tensor for a non-zero coef, or total_loss_tokens smaller than the mask sum.
+      ppo/ratio_dev_max = max |ratio - 1|, ppo/loss_tokens, ppo/loss_sequences
+      (rows with >= 1 loss token), ppo/pg_loss_sum, ppo/entropy_mean,
+      ppo/kl_mean (token mean of the chosen estimator), ppo/is_masked_frac
+      (share of loss tokens whose is_weight_BT is 0, e.g. rejected by
+      importance_weight's mask mode)).
+    Raises: ValueError on shape mismatch, clip_c <= 1, an unknown loss_agg,
+      importance_level or kl_estimator, a missing entropy/ref tensor for a
+      non-zero coef, total_loss_tokens smaller than the mask sum, a missing or
+      too small total_sequences for a seq-mean mode, or norm_tokens missing or
+      <= 0 for "seq-mean-token-sum-norm".
     """
     shape = logprobs_BT.shape
     named = (("old_logprobs_BT", old_logprobs_BT), ("advantages_BT", advantages_BT), ("loss_mask_BT", loss_mask_BT),
@@ -152,32 +338,38 @@ def ppo_loss(
     for nm, t in named:
         if t is not None and t.shape != shape:
             raise ValueError(f"{nm} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
-    if clip_c <= 1.0:
-        raise ValueError(f"dual-clip constant must be > 1, got {clip_c}")
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"dual-clip constant must be > 1 (or None for no dual clip), got {clip_c}")
+    if importance_level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance_level must be one of {IMPORTANCE_LEVELS}, got {importance_level!r}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if entropy_coef and entropy_BT is None:
         raise ValueError("entropy_coef > 0 needs entropy_BT")
     if kl_coef and ref_logprobs_BT is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs_BT")
     mask = loss_mask_BT.bool()
     n_local = int(mask.sum())
-    denom = float(total_loss_tokens)
-    if denom < n_local:
-        raise ValueError(f"total_loss_tokens={denom} is smaller than this micro-batch's {n_local} loss tokens")
+    if float(total_loss_tokens) < n_local:
+        raise ValueError(f"total_loss_tokens={float(total_loss_tokens)} is smaller than this micro-batch's {n_local} loss tokens")
+    row_scale_B1, denom = _aggregation(loss_agg, mask, total_loss_tokens, total_sequences, norm_tokens)
     zero = torch.zeros((), dtype=torch.float32, device=logprobs_BT.device)
 
     logp = logprobs_BT.float()
-    # torch.where (not a multiply) so -inf/NaN padding off the mask gives no NaN gradient.
-    log_ratio = torch.where(mask, logp - old_logprobs_BT.detach().float(), zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(_log_ratio(logp, old_logprobs_BT, mask, importance_level))
     adv = torch.where(mask, advantages_BT.detach().float(), zero)
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_clip = torch.maximum(pg1, pg2)
-    pg3 = -adv * clip_c
-    pg = torch.where(adv < 0, torch.minimum(pg_clip, pg3), pg_clip)
+    pg = pg_clip
+    if clip_c is not None:
+        pg3 = -adv * clip_c
+        pg = torch.where(adv < 0, torch.minimum(pg_clip, pg3), pg_clip)
+    weight = None
     if is_weight_BT is not None:
         # where: an off-mask weight may be inf/NaN padding.
-        pg = pg * torch.where(mask, is_weight_BT.detach().float(), zero)
+        weight = torch.where(mask, is_weight_BT.detach().float(), zero)
+        pg = pg * weight
     per_token = pg
     ent_sum = zero
     if entropy_BT is not None:
@@ -187,32 +379,35 @@ def ppo_loss(
             per_token = per_token - entropy_coef * ent
     kl_sum = zero
     if ref_logprobs_BT is not None:
-        # k3 estimator exp(ref - logp) - (ref - logp) - 1 >= 0, clamped as in verl's low_var_kl.
-        d = torch.where(mask, ref_logprobs_BT.detach().float() - logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl = (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
+        # Both inputs masked first: the estimator is elementwise and padding may be -inf.
+        kl = kl_penalty(torch.where(mask, logp, zero), torch.where(mask, ref_logprobs_BT.detach().float(), zero), kl_estimator)
         kl_sum = kl.sum()
         if kl_coef:
             per_token = per_token + kl_coef * kl
-    total = torch.where(mask, per_token, zero).sum()
+    total = torch.where(mask, per_token * row_scale_B1, zero).sum()
     loss = total / denom if denom > 0 else total * 0.0
 
     with torch.no_grad():
         if n_local:
             r = ratio[mask]
             a = adv[mask]
+            dual = (a < 0) & (pg_clip[mask] > pg3[mask]) if clip_c is not None else torch.zeros_like(a, dtype=torch.bool)
             metrics = {
                 "ppo/clip_frac": float((pg2[mask] > pg1[mask]).float().mean()),
-                "ppo/dual_clip_frac": float(((a < 0) & (pg_clip[mask] > pg3[mask])).float().mean()),
+                "ppo/dual_clip_frac": float(dual.float().mean()),
                 "ppo/ratio_mean": float(r.mean()),
                 "ppo/ratio_dev_max": float((r - 1.0).abs().max()),
                 "ppo/entropy_mean": float(ent_sum) / n_local,
                 "ppo/kl_mean": float(kl_sum) / n_local,
+                "ppo/is_masked_frac": float((weight[mask] == 0).float().mean()) if weight is not None else 0.0,
             }
         else:
             metrics = dict.fromkeys(
-                ("ppo/clip_frac", "ppo/dual_clip_frac", "ppo/ratio_mean", "ppo/ratio_dev_max", "ppo/entropy_mean", "ppo/kl_mean"), 0.0
+                ("ppo/clip_frac", "ppo/dual_clip_frac", "ppo/ratio_mean", "ppo/ratio_dev_max", "ppo/entropy_mean", "ppo/kl_mean",
+                 "ppo/is_masked_frac"), 0.0
             )
         metrics["ppo/loss_tokens"] = float(n_local)
+        metrics["ppo/loss_sequences"] = float(int(mask.any(dim=-1).sum()))
         metrics["ppo/pg_loss_sum"] = float(torch.where(mask, pg, zero).sum())
     return loss, metrics
 
