@@ -73,6 +73,7 @@ SCRIPTS = [
     Script("precision", "benchmarks/precision.py"),
     Script("memory", "benchmarks/memory.py"),
     Script("weights", "benchmarks/weights.py"),
+    Script("reference KL", "benchmarks/reference_kl.py"),
     Script("learning", "benchmarks/learning.py", default=False),
 ]
 # `--only` names: file stems, the table's names, and "teacher" (the table's teacher-scoring row is backends.py).

@@ -485,6 +485,12 @@ ALIGNOPSD_PROFILES: dict[str, dict] = {
 }
 for _p in ALIGNOPSD_PROFILES.values():
     _p["alignopsd"] = {**_ALIGN_COMMON, **_p["alignopsd"]}
+# What the same launchers set in the trainer (spec 5): the k3 KL to the reference, 0.01 (0.001 for Search), and the
+# entropy bonus 0.001 of the AlignOPSD/AgentOPSD recipes. Applied under the config's own `trainer` keys.
+PROFILE_TRAINER: dict[str, dict] = {
+    name: {"kl_coef": 0.001 if name.startswith("search") else 0.01, "kl_estimator": "k3", "entropy_coef": 0.001}
+    for name in ALIGNOPSD_PROFILES
+}
 
 
 def _under(preset: dict, own: dict) -> dict:
@@ -500,6 +506,10 @@ class CreditSection(_Section):
     profile: Literal["alfworld-3b", "alfworld-7b", "search-3b", "search-7b", "webshop-3b", "webshop-7b"] | None = None
     grpo_scope: Literal["trajectory", "turn"] = "turn"
     norm_adv_by_std: bool = True
+    # A GRPO group of one row (opsd/credit/grpo.py): "zero" = advantage 0 (no sibling to compare), "reference" = the
+    # released code's raw reward / (1 + 1e-6). null = the method's default ("zero"; agentopsd's reference variant
+    # "reference").
+    grpo_singleton: Literal["zero", "reference"] | None = None
     opd_coef: float = Field(1.0, ge=-100, le=100)  # grpo_opd: A = A_grpo + opd_coef * (teacher - student)
     use_invalid_action_penalty: bool = True
     invalid_action_penalty_coef: float = Field(0.1, ge=0)
@@ -569,8 +579,21 @@ class TrainerSection(_Section):
     weight_decay: float = Field(0.01, ge=0)
     clip_ratio_low: float = Field(0.2, gt=0)
     clip_ratio_high: float = Field(0.2, gt=0)
-    clip_ratio_c: float = Field(3.0, gt=1)  # dual-clip constant
+    # Dual-clip constant c (spec 5): a negative advantage's loss is capped at -A c. null = plain clipped PPO.
+    clip_ratio_c: float | None = Field(3.0, gt=1)
     entropy_coef: float = Field(0.001, ge=0)
+    # KL to the reference policy (the run's initial policy, frozen; services/trainer/reference.py), added to each
+    # loss token as kl_coef * estimator (spec 5: k3, coef 0.01; 0.001 for Search). 0 = off: no reference is held.
+    kl_coef: float = Field(0.0, ge=0, le=100)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3 = verl's low_var_kl (clamped); k1 = log-ratio; k2 = half its square
+    # How the per-token loss becomes the mini-batch's loss (opsd.credit.policy_loss.ppo_loss): token-mean (spec 5),
+    # seq-mean-token-mean (TRL grpo), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO: / (sequences x
+    # loss_agg_norm_tokens)). Over the whole mini-batch, never per micro-batch, in every mode.
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    # Dr. GRPO's constant; null = the run's response budget per trajectory: env.max_turns x rollout.max_new_tokens.
+    loss_agg_norm_tokens: int | None = Field(None, ge=1)
+    # "sequence" = GSPO: one ratio per trajectory, exp(mean over its loss tokens of (log pi - log pi_old)).
+    importance_level: Literal["token", "sequence"] = "token"
     grad_clip: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(2, ge=1)  # trajectories per forward/backward
@@ -579,6 +602,12 @@ class TrainerSection(_Section):
     # term is weighted by min(exp(clip(old - sampler, -20, 20)), tis_cap).
     truncated_is: bool = False
     tis_cap: float = Field(5.0, gt=0)
+    tis_cap_low: float | None = Field(None, ge=0)  # a lower bound too (null = none)
+    # token: one weight per token; sequence: exp(sum over the trajectory's loss tokens of (old - sampler)) for all of
+    # them. truncate: the weight is clamped to [tis_cap_low, tis_cap]; mask: outside it the weight is 0 (TRL's
+    # *_mask modes: at sequence level the whole trajectory drops out of the policy-gradient term).
+    tis_level: Literal["token", "sequence"] = "token"
+    tis_mode: Literal["truncate", "mask"] = "truncate"
     # Steps between checkpoints (the resume point; the last step always saves). "auto": every step below 1e9
     # parameters, every 10 steps from 1e9 (opsd.footprint.checkpoint_interval: a 7B fp32 + AdamW checkpoint
     # is ~91 GB, written in the background while the next step's groups are awaited).
@@ -606,6 +635,12 @@ class TrainerSection(_Section):
     # non-reentrant gradient checkpointing): less activation memory for about one more forward pass of compute.
     # Changes memory and time, not what is trained.
     gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _is_bounds(self) -> "TrainerSection":
+        if self.tis_cap_low is not None and self.tis_cap_low >= self.tis_cap:
+            raise ValueError(f"trainer.tis_cap_low ({self.tis_cap_low:g}) must be below trainer.tis_cap ({self.tis_cap:g})")
+        return self
 
 
 class EvalSection(_Section):
@@ -721,6 +756,19 @@ class RunConfig(_Section):
     simulate: SimulateSection = SimulateSection()
     weights: WeightsSection = WeightsSection()
     probes: ProbesSection = ProbesSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_trainer(cls, data):
+        """`credit.profile` also sets the recipe's trainer coefficients (PROFILE_TRAINER) under `trainer`'s own keys."""
+        if not isinstance(data, dict):
+            return data
+        credit = data.get("credit")
+        profile = credit.get("profile") if isinstance(credit, dict) else getattr(credit, "profile", None)
+        trainer = data.get("trainer", {})
+        if profile in PROFILE_TRAINER and isinstance(trainer, dict):
+            return {**data, "trainer": _under(PROFILE_TRAINER[profile], trainer)}
+        return data
 
     def teacher_version(self, policy_version: int) -> int:
         """The policy version the teacher scores a group of `policy_version` with (teacher.version); 0 for an
@@ -950,6 +998,9 @@ ADDED_FIELDS = (
     ("model", "device"), ("model", "vllm"), ("trainer", "lora"), ("env", "eval_pool"), ("env", "privileged"),
     ("env", "twx"), ("env", "scienceworld"), ("env", "alfworld"), ("env", "search"), ("env", "webshop"),
     ("env", "reasoning_gym"), ("embedder", "device"), ("env", "evidence"), ("embedder", "trust_remote_code"),
+    ("trainer", "kl_coef"), ("trainer", "kl_estimator"), ("trainer", "loss_agg"), ("trainer", "loss_agg_norm_tokens"),
+    ("trainer", "importance_level"), ("trainer", "tis_cap_low"), ("trainer", "tis_level"), ("trainer", "tis_mode"),
+    ("credit", "grpo_singleton"),
 )
 # ModelSection fields added after runs already existed, in `model:` and an external teacher's `teacher.model:`
 # alike: at their defaults they are left out of the hash.

@@ -110,16 +110,18 @@ def checkpoint_interval(setting: int | str, params: int) -> int:
 
 
 def role_bytes(params: int, dtype: str = "bfloat16", lora_params: int = 0, ema: bool = False,
-               encoder_params: int = DEFAULT_ENCODER_PARAMS) -> dict[str, int]:
+               encoder_params: int = DEFAULT_ENCODER_PARAMS, reference: bool = False) -> dict[str, int]:
     """Resident bytes of each role's weights and optimizer state (host or GPU memory, whichever holds them).
 
     params: the policy's parameters; dtype: model.dtype (what rollout and teacher serve); lora_params:
     trainer.lora's adapter parameters (0: full fine-tuning); ema: teacher.version ema:D (the trainer keeps
-    an fp32 average); encoder_params: the embedder's encoder (fp32). Returns {"rollout", "teacher",
+    an fp32 average); encoder_params: the embedder's encoder (fp32); reference: trainer.kl_coef > 0 (or ex_opd's
+    initial base: services/trainer/reference.py). Returns {"rollout", "teacher",
     "trainer", "embedder"}:
       rollout = teacher = params * dtype bytes
       trainer = params * 16 (fp32 master + grad + AdamW's two moments), or with LoRA
-                params * 4 (the frozen base, fp32 like every trainer weight) + lora_params * 16; + params * 4 with ema
+                params * 4 (the frozen base, fp32 like every trainer weight) + lora_params * 16; + params * 4 with ema;
+                + params * dtype bytes with a reference under full fine-tuning (its frozen copy; LoRA's is the base)
       embedder = encoder_params * 4
     Excluded: activations, the KV cache, the CUDA context, temporary copies (a checkpoint's optimizer
     state on the host while it is written, FSDP2's full-weight mirror on rank 0). Raises KeyError for an
@@ -127,8 +129,8 @@ def role_bytes(params: int, dtype: str = "bfloat16", lora_params: int = 0, ema: 
     """
     served = params * DTYPE_BYTES[dtype]
     trainer = params * TRAINER_BYTES_PER_PARAM if not lora_params else params * 4 + lora_params * TRAINER_BYTES_PER_PARAM
-    return {"rollout": served, "teacher": served, "trainer": trainer + (params * 4 if ema else 0),
-            "embedder": encoder_params * 4}
+    trainer += (params * 4 if ema else 0) + (served if reference and not lora_params else 0)
+    return {"rollout": served, "teacher": served, "trainer": trainer, "embedder": encoder_params * 4}
 
 
 def disk_peak_bytes(params: int, steps: int, dtype: str = "bfloat16", lora_params: int = 0, max_staleness: int = 0,

@@ -130,6 +130,8 @@ BAD_ARGS = [
     ("transport.py", ["--step-seconds", "-200", "--messages", "0"], "--step-seconds"),
     ("transport.py", ["--step-seconds", "0", "--messages", "0"], "--step-seconds"),
     ("transport.py", ["--quick", "--messages", "0"], "--messages"),
+    ("reference_kl.py", ["--quick", "--steps", "-1"], "--steps"),
+    ("reference_kl.py", ["--config", "missing.yaml"], "--config"),
 ]
 
 

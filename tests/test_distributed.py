@@ -49,22 +49,28 @@ WORLD_TIMEOUT_S = 300
 # (measured 7e-7 at lr 1e-3 with DDP), so AdamW runs only where the order is the same (fsdp2-resume: FSDP2
 # reduces every micro-batch, and this sharding gives each rank the single process's micro-batches): 0 there.
 WEIGHT_ATOL = 1e-6
-SCENARIOS = {  # name: (strategy, batch, resume, optimizer)
-    "ddp-odd": ("ddp", "odd", False, "sgd"),
-    "ddp-single": ("ddp", "single", False, "sgd"),
-    "fsdp2-odd": ("fsdp2", "odd", False, "sgd"),
-    "fsdp2-single": ("fsdp2", "single", False, "sgd"),
+SCENARIOS = {  # name: (strategy, batch, resume, optimizer, loss)
+    "ddp-odd": ("ddp", "odd", False, "sgd", "spec"),
+    "ddp-single": ("ddp", "single", False, "sgd", "spec"),
+    "fsdp2-odd": ("fsdp2", "odd", False, "sgd", "spec"),
+    "fsdp2-single": ("fsdp2", "single", False, "sgd", "spec"),
     # Step 1 runs before wrapping (as a resumed checkpoint's state): FSDP2 shards the existing AdamW state.
-    "fsdp2-resume": ("fsdp2", "odd", True, "adamw"),
+    "fsdp2-resume": ("fsdp2", "odd", True, "adamw", "spec"),
+    # The sequence-level options: their denominators (sequences) and ratios must span both ranks too.
+    "ddp-seq": ("ddp", "odd", False, "sgd", "seq"),
 }
-TRAINER = {"micro_batch_size": 2, "ppo_epochs": 2, "entropy_coef": 0.01, "truncated_is": True}
+# Every scenario trains with the KL to the reference and records the first epoch (the credit dump's loss inputs).
+TRAINER = {"micro_batch_size": 2, "ppo_epochs": 2, "entropy_coef": 0.01, "truncated_is": True, "kl_coef": 0.05,
+           "dump_credit": True}
+LOSSES = {"spec": {}, "seq": {"loss_agg": "seq-mean-token-mean", "importance_level": "sequence", "tis_level": "sequence",
+                              "tis_mode": "mask", "tis_cap": 3.0, "clip_ratio_c": None, "kl_estimator": "k2"}}
 RESUME_ENV = "OPSD_TEST_RESUME_RUN_DIR"  # rank 0's environment only: the run dir holding the checkpoint to resume
 
 
-def run_config():
+def run_config(loss: str = "spec"):
     from opsd.config import RunConfig
 
-    return RunConfig.model_validate({"trainer": TRAINER, "credit": {"sdar": {"coef": 0.1}}})
+    return RunConfig.model_validate({"trainer": TRAINER | LOSSES[loss], "credit": {"sdar": {"coef": 0.1}}})
 
 
 def tiny_model():
@@ -92,6 +98,7 @@ def batch(kind: str, step: int) -> list[Sequence]:
             advantages_S=np.where(mask == 1, rng.normal(0, 1, n), 0).astype(np.float32),
             sampler_logprobs_S=np.where(mask == 1, -rng.uniform(2, 5, n), 0).astype(np.float32),
             teacher_logprobs_S=np.where(mask == 1, -rng.uniform(2, 5, n), 0).astype(np.float32),
+            ref_logprobs_S=np.where(mask == 1, -rng.uniform(2, 5, n), 0).astype(np.float32),
         ))
     return out
 
@@ -107,9 +114,18 @@ def flat_state(optimizer_state: dict) -> dict[str, torch.Tensor]:
     return {f"{i}.{k}": v for i, st in optimizer_state["state"].items() for k, v in st.items() if torch.is_tensor(v)}
 
 
-def update(model, opt, seqs, world=None, dtype: str | None = None) -> dict[str, float]:
-    cfg = run_config()
-    return ppo_update(model, opt, seqs, cfg.trainer, dtype or cfg.model.dtype, cfg.rollout.temperature, cfg.credit.sdar, world)
+def update(model, opt, seqs, world=None, dtype: str | None = None, loss: str = "spec") -> dict[str, float]:
+    """ppo_update with the scenario's config; the metrics plus the first epoch's record (pi_old, entropies, loss, kl)."""
+    from services.trainer.update import FirstEpoch, loss_norm_tokens
+
+    cfg = run_config(loss)
+    record = FirstEpoch()
+    m = ppo_update(model, opt, seqs, cfg.trainer, dtype or cfg.model.dtype, cfg.rollout.temperature, cfg.credit.sdar, world,
+                   loss_norm_tokens(cfg), record)
+    return m | {"record_loss": record.loss, "record_kl": record.kl,
+                "record_old": float(np.concatenate(record.old_logprobs).astype(np.float64).sum()),
+                "record_entropy": float(np.concatenate(record.entropy).astype(np.float64).sum()),
+                "record_tokens": float(sum(len(a) for a in record.old_logprobs))}
 
 
 # ---------------------------------------------------------------------------
@@ -134,26 +150,26 @@ def worker(out: Path) -> None:
     else:
         (out / "wire.msgpack").write_bytes(encode_message(receive(world)))
 
-    for name, (strategy, kind, resume, optimizer) in SCENARIOS.items():
+    for name, (strategy, kind, resume, optimizer, loss) in SCENARIOS.items():
         print(f"{time.perf_counter() - T0:.1f}s: {name}", flush=True)
         model = tiny_model()
         opt = optimizer_of(model, optimizer)
         metrics = {}
         if resume:
-            metrics["step1"] = update(model, opt, batch(kind, 1))  # every rank alone, as each loads the checkpoint
+            metrics["step1"] = update(model, opt, batch(kind, 1), loss=loss)  # every rank alone, as each loads the checkpoint
         par = parallelize(world, model, opt, strategy)
         assert par.strategy == strategy
         if not resume:
-            metrics["step1"] = update(par.module, opt, batch(kind, 1), world)
+            metrics["step1"] = update(par.module, opt, batch(kind, 1), world, loss=loss)
         if world.rank == 0:
             send(world, Message("update", batch(kind, 2)))
-            metrics["step2"] = update(par.module, opt, batch(kind, 2), world)
+            metrics["step2"] = update(par.module, opt, batch(kind, 2), world, loss=loss)
             full_model, full_opt = par.gather(optimizer=True)
             par.stop()
             save_file({k: v.detach().clone() for k, v in full_model.state_dict().items()}, str(out / f"{name}.safetensors"))
             save_file(flat_state(full_opt.state_dict()), str(out / f"{name}.opt.safetensors"))
         else:
-            metrics["updates_followed"] = follow(par, run_config())
+            metrics["updates_followed"] = follow(par, run_config(loss))
         (out / f"{name}.rank{world.rank}.json").write_text(json.dumps(metrics))
 
     # model.dtype bfloat16 under FSDP2: MixedPrecisionPolicy(bf16 params, fp32 reduce), fp32 shards as the master.
@@ -325,11 +341,11 @@ def world_run(tmp_path_factory) -> tuple[Path, float]:
 def reference() -> dict:
     """One process, no process group: per (batch, optimizer), (metrics per step, weights, optimizer state) after two steps."""
     ref = {}
-    for kind, optimizer in {s[1::2] for s in SCENARIOS.values()}:
+    for _, kind, _, optimizer, loss in SCENARIOS.values():
         model = tiny_model()
         opt = optimizer_of(model, optimizer)
-        metrics = {"step1": update(model, opt, batch(kind, 1)), "step2": update(model, opt, batch(kind, 2))}
-        ref[kind, optimizer] = (metrics, model.state_dict(), flat_state(opt.state_dict()))
+        metrics = {"step1": update(model, opt, batch(kind, 1), loss=loss), "step2": update(model, opt, batch(kind, 2), loss=loss)}
+        ref[kind, optimizer, loss] = (metrics, model.state_dict(), flat_state(opt.state_dict()))
     return ref
 
 
@@ -343,8 +359,8 @@ def test_two_ranks_make_the_update_one_rank_makes(name, world_run, reference):
     from safetensors.torch import load_file
 
     out, seconds = world_run
-    _, kind, resume, optimizer = SCENARIOS[name]
-    ref_metrics, ref_weights, ref_opt = reference[kind, optimizer]
+    _, kind, resume, optimizer, loss = SCENARIOS[name]
+    ref_metrics, ref_weights, ref_opt = reference[kind, optimizer, loss]
     weights = load_file(str(out / f"{name}.safetensors"))
     diff = _max_abs_diff(weights, ref_weights)
     opt_diff = _max_abs_diff(load_file(str(out / f"{name}.opt.safetensors")), ref_opt)
@@ -363,6 +379,7 @@ def test_two_ranks_make_the_update_one_rank_makes(name, world_run, reference):
             for k, v in ref_metrics[step].items():
                 assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (step, k)
     assert ref_metrics["step1"]["loss_tokens"] > 0 and ref_metrics["step2"]["sdar_loss"] != 0.0
+    assert ref_metrics["step2"]["kl"] > 0 and ref_metrics["step2"]["record_tokens"] == ref_metrics["step2"]["loss_tokens"]
 
 
 def test_fsdp2_bf16_computes_in_bf16_and_keeps_fp32_master_weights(world_run):

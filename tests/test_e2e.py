@@ -64,6 +64,10 @@ def test_one_step_through_four_services(tmp_path):
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0]
+    # The alfworld-7b profile's KL to the reference: step 0 trains at the reference (KL ~ 0); the dump's loss replayed.
+    assert abs(records[0]["kl"]) < 1e-4 and records[0]["reference_seconds"] > 0
+    case = json.loads(next((run_dir / "credit").iterdir()).read_text())
+    assert case["config"]["opsd_trainer"]["kl_coef"] == 0.01 and case["inputs"]["loss"]["sequences"][0]["ref_log_probs"]
     assert records[0]["policy_version"] == 1
     assert records[0]["episodes"] == 2
     assert 0.0 <= records[0]["success_rate"] <= 1.0
@@ -88,6 +92,7 @@ def test_one_step_through_four_services(tmp_path):
         text = (run_dir / "scrapes" / f"{role}.prom").read_text()
         assert f'opsd_groups_total{{role="{role}"}}' in text, role
     assert 'opsd_policy_version{role="trainer"} 1.0' in (run_dir / "scrapes" / "trainer.prom").read_text()
+    assert 'opsd_reference_kl{role="trainer"}' in (run_dir / "scrapes" / "trainer.prom").read_text()
     for role in ("embedder", "rollout", "teacher", "trainer", "redis"):
         assert (run_dir / "logs" / f"{role}.log").exists(), role
 

@@ -60,6 +60,8 @@ def test_role_bytes_per_role():
                                          "embedder": 4 * DEFAULT_ENCODER_PARAMS}
     assert role_bytes(p, "float32", lora_params=1000, ema=True)["trainer"] == 4 * p + 16 * 1000 + 4 * p
     assert role_bytes(p, "float32")["rollout"] == 4 * p
+    assert role_bytes(p, "bfloat16", reference=True)["trainer"] == 16 * p + 2 * p  # the KL's frozen copy, in bf16
+    assert role_bytes(p, "bfloat16", lora_params=1000, reference=True)["trainer"] == 4 * p + 16 * 1000  # LoRA: the base
 
 
 def test_disk_peak_terms():

@@ -110,32 +110,32 @@ def _step_groups(seed: int = 0):
 
 @pytest.mark.parametrize("method", sorted(set(__import__("opsd.credit", fromlist=["registered"]).registered())))
 def test_every_registered_method_trains_by_name(method, tmp_path):
-    """The trainer's step (`learn`) runs each method from a config: finite advantages on loss tokens,
-    an optimizer step, a dump that `opsd credit check` replays exactly (alignopsd dumps need
-    teacher embeddings, covered in test_credit_check)."""
-    import copy
-
+    """The trainer's step (`learn`) runs each method from a config, with the KL to the reference on: finite
+    advantages on loss tokens, an optimizer step, a dump that `opsd credit check` replays exactly, the loss and
+    its KL too (alignopsd dumps need teacher embeddings, covered in test_credit_check)."""
     from opsd.config import RunConfig
     from opsd.credit.replay import check_file
+    from services.trainer.reference import ReferencePolicy
     from services.trainer.step import learn
 
     sdar = 0.0 if method == "grpo" else 0.01  # SDAR distills from the teacher: not with grpo
-    cfg = RunConfig.model_validate({"run": {"method": method}, "credit": {"sdar": {"coef": sdar}}})
+    cfg = RunConfig.model_validate({"run": {"method": method}, "credit": {"sdar": {"coef": sdar}}, "trainer": {"kl_coef": 0.01}})
     groups, scored = _step_groups()
     model = tiny_llama(num_hidden_layers=1, vocab_size=VOCAB_SIZE)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    base = copy.deepcopy(model).requires_grad_(False) if method == "ex_opd" else None
     dump = tmp_path / "step.json" if method != "alignopsd" else None
-    res = learn(cfg, model, opt, groups, None if method == "grpo" else scored, base, dump)
+    res = learn(cfg, model, opt, groups, None if method == "grpo" else scored, ReferencePolicy.build(model, cfg), dump)
     mask = res.batch.loss_mask_ML > 0
     assert np.isfinite(res.advantages_ML).all() and not res.advantages_ML[~mask].any()
     assert res.update["loss_tokens"] == mask.sum() and np.isfinite(res.update["loss"])
     assert (res.update["sdar_loss"] != 0.0) == (sdar > 0)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert res.update["kl"] == pytest.approx(0.0, abs=1e-6)  # step 0: the policy is the reference
     if dump is not None:
         r = check_file(dump)
         assert r.ok, (r.error, [(f.name, f.detail) for f in r.fields if not f.ok])
+        assert {"advantages", "loss", "kl"} <= {f.name for f in r.fields}
 
 
 def _with_sampler(seqs, sampler_logprobs):

@@ -487,7 +487,7 @@ def agentopsd_advantages(
       rewards_M: per-row rewards overriding episode_reward minus the penalty
         (the replay passes the refvector's token_level_rewards row sums).
       prior_scores_M: see agentopsd_core (default: the per-row rewards).
-      singleton: one-row GRPO groups; default "zero" (paper) / "reference".
+      singleton: one-row GRPO groups; default cfg.grpo_singleton, else "zero" (paper) / "reference".
     Returns: AgentOPSDResult. Raises: ValueError (missing teacher, bad input).
     """
     if batch.teacher_logprobs_ML is None:
@@ -503,7 +503,7 @@ def agentopsd_advantages(
         batch.teacher_logprobs_ML, batch.student_logprobs_ML, rewards_M, batch.episode_reward, a,
         grpo_scope=cfg.grpo_scope if paper else "turn",
         norm_by_std=cfg.norm_adv_by_std,
-        singleton=singleton or ("zero" if paper else "reference"),
+        singleton=singleton or cfg.grpo_singleton or ("zero" if paper else "reference"),
         prior_scores_M=prior_scores_M,
     )
 

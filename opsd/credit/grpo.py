@@ -11,7 +11,7 @@ Bad-input case 2 asks for advantage 0 instead: a lone row has no sibling to
 compare with, and pushing its raw reward (10 on the ALFWorld scale) into the
 policy gradient is the failure users reported. Both are offered through
 `singleton`: "zero" (the product default) or "reference" (reproduces the
-released code). Neither can produce NaN.
+released code); a run chooses with `credit.grpo_singleton`. Neither can produce NaN.
 """
 
 from __future__ import annotations
@@ -189,10 +189,11 @@ def edge_case_metrics(batch, prefix: str) -> dict[str, float]:
 
 
 @register("grpo")
-def grpo_estimator(batch, cfg, singleton: Singleton = "zero"):
+def grpo_estimator(batch, cfg, singleton: Singleton | None = None):
     """Registered `grpo`: spec §0 advantage broadcast to the turn's loss tokens.
 
-    Uses cfg.grpo_scope and cfg.norm_adv_by_std; with
+    Uses cfg.grpo_scope, cfg.norm_adv_by_std and, unless `singleton` is given, cfg.grpo_singleton ("zero" when
+    null); with
     cfg.use_invalid_action_penalty the reward of an invalid turn is lowered
     by cfg.invalid_action_penalty_coef before grouping. Returns
     (advantages_ML float32, metrics).
@@ -200,6 +201,7 @@ def grpo_estimator(batch, cfg, singleton: Singleton = "zero"):
     rewards_M = np.asarray(batch.episode_reward, dtype=np.float32)
     if cfg.use_invalid_action_penalty:
         rewards_M = apply_invalid_action_penalty(rewards_M, batch.is_action_valid, cfg.invalid_action_penalty_coef)
+    singleton = singleton or cfg.grpo_singleton or "zero"
     adv_M = grpo_sequence_advantage(rewards_M, batch.task_id, batch.rollout_id, cfg.grpo_scope, cfg.norm_adv_by_std, singleton)
     mask_ML = np.asarray(batch.loss_mask_ML, dtype=np.float32)
     metrics = {

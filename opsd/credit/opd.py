@@ -62,7 +62,8 @@ def grpo_opsd_estimator(batch, cfg):
     rewards_M = np.asarray(batch.episode_reward, dtype=np.float32)
     if cfg.use_invalid_action_penalty:
         rewards_M = apply_invalid_action_penalty(rewards_M, batch.is_action_valid, cfg.invalid_action_penalty_coef)
-    adv_M = grpo_sequence_advantage(rewards_M, batch.task_id, batch.rollout_id, cfg.grpo_scope, cfg.norm_adv_by_std)
+    adv_M = grpo_sequence_advantage(rewards_M, batch.task_id, batch.rollout_id, cfg.grpo_scope, cfg.norm_adv_by_std,
+                                    cfg.grpo_singleton or "zero")
     gap_ML = opd_token_gap(batch.teacher_logprobs_ML, batch.student_logprobs_ML, batch.loss_mask_ML)
     adv_ML = (mask_ML * adv_M[:, None] + np.float32(cfg.opd_coef) * gap_ML).astype(np.float32)
     return adv_ML, _gap_metrics(gap_ML, mask_ML) | edge_case_metrics(batch, "opd")

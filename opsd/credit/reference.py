@@ -156,10 +156,10 @@ def run_reference_case(
 
 def run_product_case(inputs: Mapping[str, Any], cfg: CreditSection) -> dict[str, Any]:
     """`run_reference_case` with the product's settings: the run's CreditSection
-    `cfg`, one-row groups -> advantage 0, turns without loss tokens -> weight 1,
+    `cfg`, one-row groups -> credit.grpo_singleton (advantage 0 by default), turns without loss tokens -> weight 1,
     the product's ablation variants. Used to replay a run's credit dump
     (inputs in the AlignOPSD refvector schema); returns the same fields."""
-    return _run_case(inputs, cfg, singleton="zero", empty_turns="weight_one", reference_ablations=False)
+    return _run_case(inputs, cfg, singleton=cfg.grpo_singleton or "zero", empty_turns="weight_one", reference_ablations=False)
 
 
 def replay_case(case: Mapping[str, Any]) -> dict[str, Any]:

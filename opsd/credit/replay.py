@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from opsd.config import CreditSection
+from opsd.config import CreditSection, TrainerSection
 from opsd.types import CreditBatch
 
 DEFAULT_TOL = 1e-5
@@ -84,20 +84,72 @@ def replay_product(case: Mapping[str, Any]) -> dict[str, Any]:
     rectification and allocation with the product's settings
     (`opsd.credit.reference.run_product_case`); other methods run
     `compute_advantages` on `batch_from_inputs`.
+    A dump with `inputs.loss` also replays the first PPO epoch's loss and KL (`replay_loss`).
     Returns {"expected": {"advantages": [B][L], ...}}.
     """
     from opsd.credit import compute_advantages
 
     cfg = CreditSection.model_validate(case["config"]["opsd_credit"])
     method = str(case["method"])
+    loss = replay_loss(case["inputs"]["loss"], case["config"], cfg) if "loss" in case["inputs"] else {}
     if method == "alignopsd":
         from opsd.credit.reference import run_product_case
 
         out = run_product_case(case["inputs"], cfg)
         out["advantages"] = out["final_token_advantage"]
-        return {"expected": out}
+        return {"expected": out | loss}
     adv_ML, _ = compute_advantages(method, batch_from_inputs(case["inputs"]), cfg)
-    return {"expected": {"advantages": np.asarray(adv_ML, dtype=np.float64).tolist()}}
+    return {"expected": {"advantages": np.asarray(adv_ML, dtype=np.float64).tolist()} | loss}
+
+
+def replay_loss(loss: Mapping[str, Any], config: Mapping[str, Any], credit: CreditSection) -> dict[str, float]:
+    """The first PPO epoch's loss and KL of a dump's `inputs.loss` (services/trainer/dump.py), recomputed with
+    `opsd.credit.policy_loss` under `config.opsd_trainer` (and credit.sdar): at the first epoch pi = pi_old, so
+    each loss token's ratio is 1 and the loss is the aggregation of -A w - entropy_coef H + kl_coef KL(pi_old, ref)
+    (+ the SDAR term), w the importance weight of pi_old against the sampler.
+
+    Returns {"loss": float, "kl": float (token-mean of the estimator, 0 without reference log-probs)}.
+    Raises KeyError / ValueError for a malformed section (arrays of unequal lengths, a missing field).
+    """
+    import torch
+
+    from opsd.credit.policy_loss import importance_weight, ppo_loss, sdar_loss
+
+    tcfg = TrainerSection.model_validate({k: v for k, v in config["opsd_trainer"].items() if k != "norm_tokens"})
+    seqs = list(loss["sequences"])
+    if not seqs:
+        return {"loss": 0.0, "kl": 0.0}
+    T = max(len(s["advantages"]) for s in seqs)
+
+    def pad(name: str) -> torch.Tensor:
+        out = torch.zeros(len(seqs), T, dtype=torch.float32)
+        for b, s in enumerate(seqs):
+            v = np.asarray(s[name], dtype=np.float32)
+            if v.shape != (len(s["advantages"]),):
+                raise ValueError(f"inputs.loss sequence {b}: {name} has {v.shape} values, advantages {len(s['advantages'])}")
+            out[b, : len(v)] = torch.from_numpy(v)
+        return out
+
+    mask = torch.zeros(len(seqs), T, dtype=torch.float32)
+    for b, s in enumerate(seqs):
+        mask[b, : len(s["advantages"])] = 1.0
+    old, tokens = pad("old_log_probs"), float(mask.sum())
+    with_ref = all("ref_log_probs" in s for s in seqs)
+    weight = None
+    if tcfg.truncated_is:
+        weight = importance_weight(old, pad("sampler_log_probs"), mask, tcfg.tis_level, tcfg.tis_mode, tcfg.tis_cap,
+                                   tcfg.tis_cap_low)
+    value, metrics = ppo_loss(
+        old, old, pad("advantages"), mask, tokens, tcfg.clip_ratio_low, tcfg.clip_ratio_high, tcfg.clip_ratio_c,
+        entropy_BT=pad("entropy"), entropy_coef=tcfg.entropy_coef, is_weight_BT=weight,
+        ref_logprobs_BT=pad("ref_log_probs") if with_ref else None, kl_coef=tcfg.kl_coef, kl_estimator=tcfg.kl_estimator,
+        loss_agg=tcfg.loss_agg, total_sequences=len(seqs), norm_tokens=config["opsd_trainer"].get("norm_tokens"),
+        importance_level=tcfg.importance_level,
+    )
+    if credit.sdar.coef > 0:
+        aux, _ = sdar_loss(old, pad("teacher_log_probs"), mask, tokens, credit.sdar.coef, credit.sdar.beta)
+        value = value + aux
+    return {"loss": float(value), "kl": float(metrics["ppo/kl_mean"]) if with_ref else 0.0}
 
 
 def replayer(method: str, config: Mapping[str, Any] | None = None) -> Callable[[Mapping[str, Any]], dict[str, Any]]:

@@ -23,7 +23,6 @@ run dir). Rank 0 does all of the above; ranks > 0 only take part in each PPO upd
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -63,6 +62,7 @@ from services.trainer.distributed import init_from_env, parallelize, share_resum
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
+from services.trainer.reference import ReferencePolicy
 from services.trainer.step import learn
 from services.trainer.update import enable_gradient_checkpointing, follow
 from services.trainer.weights_api import weights_app
@@ -206,10 +206,10 @@ def train() -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     checkpoint_every = checkpoint_interval(cfg.trainer.checkpoint_every, sum(p.numel() for p in model.parameters()))
     optimizer = torch.optim.AdamW(trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    # ExOPD extrapolates from the initial policy: keep a frozen copy of it (before a resume loads newer weights).
-    base_model = None
-    if main and cfg.run.method == "ex_opd" and cfg.credit.ex_opd.base == "initial":
-        base_model = copy.deepcopy(model).eval().requires_grad_(False)
+    # The KL term and ExOPD's base need the initial policy, frozen: built before a resume loads newer weights.
+    reference = None
+    if main and (cfg.trainer.kl_coef > 0 or (cfg.run.method == "ex_opd" and cfg.credit.ex_opd.base == "initial")):
+        reference = ReferencePolicy.build(model, cfg, world)
     hashed = hashed_config(cfg)
     state = TrainerState(method=cfg.run.method, config_hash=config_hash(hashed))
     ckpt = None
@@ -302,7 +302,7 @@ def train() -> None:
         # A hung collective or update fails /livez on rank 0; ranks > 0 serve no HTTP: the process group's
         # timeout ends them (k8s/README.md, Probes).
         with proc.liveness.guard("credit assignment and PPO update", cfg.probes.update_s):
-            result = learn(cfg, par.module, optimizer, groups, scored, base_model, dump, world)
+            result = learn(cfg, par.module, optimizer, groups, scored, reference, dump, world)
             if cfg.simulate.enabled:  # simulated compute (opsd.config.SimulateSection): credit + update take trainer_s in all
                 proc.stop.wait(max(0.0, cfg.simulate.trainer_s - (time.perf_counter() - t_compute)))
         record = {"step": step, "policy_version": version + 1, **(models if step == 0 else {}),
@@ -412,6 +412,8 @@ def export_step(record: dict, n_groups: int) -> None:
     metrics.SUCCESS_RATE.labels(ROLE).set(record["success_rate"])
     metrics.INVALID_ACTION_RATE.labels(ROLE).set(1.0 - record["format_valid_rate"])
     metrics.SAMPLER_MISMATCH_KL.labels(ROLE).set(record["mismatch_kl"])
+    if "kl" in record:
+        metrics.REFERENCE_KL.labels(ROLE).set(record["kl"])
     if "teacher_student_gap" in record:
         metrics.TEACHER_STUDENT_GAP.labels(ROLE).set(record["teacher_student_gap"])
     if record.get("privileged_signal") is not None:

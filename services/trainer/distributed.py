@@ -64,9 +64,10 @@ class Sequence:
     advantages_S: np.ndarray
     sampler_logprobs_S: np.ndarray
     teacher_logprobs_S: np.ndarray | None = None  # identity privileged view; needed by the SDAR term
+    ref_logprobs_S: np.ndarray | None = None  # the reference policy's (services/trainer/reference.py); the KL term
 
 
-SEQUENCE_FIELDS = ("token_ids_S", "loss_mask_S", "advantages_S", "sampler_logprobs_S", "teacher_logprobs_S")
+SEQUENCE_FIELDS = ("token_ids_S", "loss_mask_S", "advantages_S", "sampler_logprobs_S", "teacher_logprobs_S", "ref_logprobs_S")
 _WIRE_KINDS = "biuf"  # bool, signed/unsigned int, float: the only array kinds a message may carry
 
 
@@ -207,7 +208,7 @@ def _decode_array(d: dict) -> np.ndarray:
     return np.frombuffer(d["data"], dtype=dtype).reshape(shape).copy()  # copy: writable, owns its memory
 
 
-REQUIRED_FIELDS = SEQUENCE_FIELDS[:4]  # teacher_logprobs_S may be absent (no SDAR term)
+REQUIRED_FIELDS = SEQUENCE_FIELDS[:4]  # teacher_logprobs_S, ref_logprobs_S may be absent (no SDAR, no KL term)
 
 
 def _decode_sequence(s: dict):

@@ -24,6 +24,14 @@ same float32 (what the trainer computed with; every reader converts them to
 float32), rewards and embeddings as float64 text. Dumps written before that
 hold 17-digit float64 text of the same float32 values and read the same.
 
+`inputs.loss` and `config.opsd_trainer` (when the update's first epoch was recorded; `opsd credit check`
+replays the loss from them, `opsd.credit.replay.replay_loss`): one entry per trajectory trained on, each array
+holding the values at its loss tokens in order: `advantages`, `old_log_probs` (the trainer's pi_old),
+`sampler_log_probs`, `entropy`, `ref_log_probs` (the reference policy's, with trainer.kl_coef > 0) and
+`teacher_log_probs` (with the SDAR term); `config.opsd_trainer` is the run's trainer section plus `norm_tokens`
+(Dr. GRPO's resolved constant); `expected.loss` is the first epoch's loss, `expected.kl` its KL to the reference
+(token-mean of trainer.kl_estimator, nats/token).
+
 `display` (when the step's groups are given; read by `opsd inspect`, ignored by
 the replay): one entry per row, in the rows' order, with the turn's
 `observation` (the env's reply to it), `thinking`, `action`, decoded `text`,
@@ -45,6 +53,7 @@ import orjson
 
 from opsd.config import RunConfig
 from opsd.types import CreditBatch, RolloutGroup, ScoredGroup
+from services.trainer.update import FirstEpoch, loss_norm_tokens
 
 _TOKEN_FIELDS = (
     ("teacher_log_probs", "teacher_logprobs_ML"),
@@ -161,11 +170,28 @@ def alignopsd_inputs(batch: CreditBatch, groups: list[RolloutGroup], scored: lis
     }
 
 
+def loss_inputs(record: FirstEpoch, with_teacher: bool) -> dict[str, Any]:
+    """`inputs.loss` (module docstring) of the update's first epoch: float32 arrays at each trajectory's loss tokens."""
+    out = []
+    for s, old, ent in zip(record.sequences, record.old_logprobs, record.entropy):
+        pos = np.flatnonzero(s.loss_mask_S[1:]) + 1  # loss tokens; token 0 is always prompt
+        seq = {"advantages": _tokens(s.advantages_S[pos]), "old_log_probs": _tokens(old),
+               "sampler_log_probs": _tokens(s.sampler_logprobs_S[pos]), "entropy": _tokens(ent)}
+        if s.ref_logprobs_S is not None:
+            seq["ref_log_probs"] = _tokens(s.ref_logprobs_S[pos])
+        if with_teacher and s.teacher_logprobs_S is not None:
+            seq["teacher_log_probs"] = _tokens(s.teacher_logprobs_S[pos])
+        out.append(seq)
+    return {"sequences": out}
+
+
 def credit_case(
     cfg: RunConfig, batch: CreditBatch, advantages_ML: np.ndarray,
     groups: list[RolloutGroup] | None = None, scored: list[ScoredGroup] | None = None, case: str = "step",
+    record: FirstEpoch | None = None,
 ) -> dict[str, Any]:
-    """The vector-file dict of one step (module docstring). `batch` must be in canonical order.
+    """The vector-file dict of one step (module docstring). `batch` must be in canonical order; with `record` (the
+    update's first epoch) the loss inputs and the expected loss and KL too.
 
     The per-token arrays are float32 numpy arrays (`write_credit_dump` writes them as nested lists); every
     other value is a JSON type.
@@ -188,6 +214,10 @@ def credit_case(
         "inputs": inputs,
         "expected": {"advantages": _tokens(advantages_ML)},
     }
+    if record is not None:
+        out["inputs"]["loss"] = loss_inputs(record, cfg.credit.sdar.coef > 0)
+        out["config"]["opsd_trainer"] = cfg.trainer.model_dump(mode="json") | {"norm_tokens": loss_norm_tokens(cfg)}
+        out["expected"] |= {"loss": record.loss, "kl": record.kl}
     if groups is not None:
         out["display"] = display_rows(batch, groups)
     return out
@@ -195,7 +225,7 @@ def credit_case(
 
 def write_credit_dump(
     path: Path, cfg: RunConfig, batch: CreditBatch, advantages_ML: np.ndarray,
-    groups: list[RolloutGroup] | None = None, scored: list[ScoredGroup] | None = None,
+    groups: list[RolloutGroup] | None = None, scored: list[ScoredGroup] | None = None, record: FirstEpoch | None = None,
 ) -> Path:
     """Write `credit_case(...)` as JSON to `path` atomically (tmp file + rename); returns the path.
 
@@ -203,7 +233,7 @@ def write_credit_dump(
     at 256 tokens a turn takes 75 MB instead of 125 MB of float64 text (benchmarks/inspect_page.py).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = credit_case(cfg, batch, advantages_ML, groups, scored, case=path.stem)
+    data = credit_case(cfg, batch, advantages_ML, groups, scored, case=path.stem, record=record)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY))
     os.replace(tmp, path)

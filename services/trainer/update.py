@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from opsd.config import RunConfig, SDARSection, TrainerSection
 from opsd.credit.policy_loss import (
-    entropy_from_logits, ppo_loss, sampler_mismatch_k3, sdar_loss, token_logprobs, truncated_is_weight,
+    entropy_from_logits, importance_weight, ppo_loss, sampler_mismatch_k3, sdar_loss, token_logprobs,
 )
 from opsd.models.hf import autocast
 from services.trainer.distributed import Parallel, Sequence, World, all_reduce, receive, shard
@@ -40,6 +41,7 @@ def _pad(seqs: list[Sequence], device: torch.device | str = "cpu") -> dict[str, 
         "adv": torch.zeros(B, S, dtype=torch.float32),
         "sampler": torch.zeros(B, S, dtype=torch.float32),
         "teacher": torch.zeros(B, S, dtype=torch.float32),
+        "ref": torch.zeros(B, S, dtype=torch.float32),
     }
     for b, s in enumerate(seqs):
         n = len(s.token_ids_S)
@@ -50,6 +52,8 @@ def _pad(seqs: list[Sequence], device: torch.device | str = "cpu") -> dict[str, 
         out["sampler"][b, :n] = torch.from_numpy(s.sampler_logprobs_S)
         if s.teacher_logprobs_S is not None:
             out["teacher"][b, :n] = torch.from_numpy(s.teacher_logprobs_S)
+        if s.ref_logprobs_S is not None:
+            out["ref"][b, :n] = torch.from_numpy(s.ref_logprobs_S)
     # LM-head positions of the update (`_loss_position_logprobs`): t where some row's id t+1 is a loss token;
     # at least one, so a loss-free placeholder micro-batch still runs the same forward and backward.
     keep = out["mask"][:, 1:].any(0).nonzero().flatten()
@@ -61,7 +65,29 @@ def _placeholder(with_teacher: bool) -> Sequence:
     """A 2-token sequence without loss tokens: a rank with fewer micro-batches than the others runs it so every
     rank makes the same forward/backward collectives; it adds exactly 0 to the loss, gradients and metrics."""
     z = np.zeros(2, np.float32)
-    return Sequence(np.zeros(2, np.int64), np.zeros(2, np.uint8), z, z, z if with_teacher else None)
+    return Sequence(np.zeros(2, np.int64), np.zeros(2, np.uint8), z, z, z if with_teacher else None, z)
+
+
+@dataclass
+class FirstEpoch:
+    """What the first PPO epoch computed, for the credit dump's loss replay (services/trainer/dump.py).
+
+    sequences: the sequences trained on, in the step's order; old_logprobs / entropy: float32 [n_i] per sequence,
+    the trainer's log-probs (pi_old, nats) and entropies (nats) at its loss tokens; loss: the epoch's loss; kl: its
+    `kl` metric (the token-mean of the KL estimator against the reference, nats/token; 0 without one).
+    """
+
+    sequences: list[Sequence] = field(default_factory=list)
+    old_logprobs: list[np.ndarray] = field(default_factory=list)
+    entropy: list[np.ndarray] = field(default_factory=list)
+    loss: float = 0.0
+    kl: float = 0.0
+
+
+def loss_norm_tokens(cfg: RunConfig) -> int:
+    """Dr. GRPO's constant of `trainer.loss_agg: seq-mean-token-sum-norm`: trainer.loss_agg_norm_tokens, or the
+    run's response budget per trajectory, env.max_turns x rollout.max_new_tokens (tokens)."""
+    return cfg.trainer.loss_agg_norm_tokens or cfg.env.max_turns * cfg.rollout.max_new_tokens
 
 
 def _accumulating(model: torch.nn.Module, last: bool):
@@ -72,6 +98,7 @@ def _accumulating(model: torch.nn.Module, last: bool):
 def ppo_update(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[Sequence], cfg: TrainerSection,
     dtype: str = "float32", temperature: float = 1.0, sdar: SDARSection | None = None, world: World | None = None,
+    norm_tokens: int | None = None, record: FirstEpoch | None = None,
 ) -> dict[str, float]:
     """Run `cfg.ppo_epochs` epochs of dual-clip PPO over `seqs`; returns step metrics.
 
@@ -84,8 +111,16 @@ def ppo_update(
     `mismatch_kl` = token-mean of k3 = exp(d) - 1 - d, d = pi_old - sampler
     (an estimate of KL(sampler || trainer), nats/token, >= 0; spec §5).
     With `cfg.truncated_is` each token's policy-gradient term is weighted by
-    min(exp(clip(pi_old - sampler, +-20)), cfg.tis_cap) (spec §5), fixed
-    from the first epoch like pi_old.
+    `opsd.credit.policy_loss.importance_weight(pi_old, sampler)` at cfg.tis_level with cfg.tis_mode and the caps
+    (spec §5's min(exp(clip(pi_old - sampler, +-20)), tis_cap) by default), fixed from the first epoch like
+    pi_old; `is_masked_frac` = share of loss tokens the mask mode zeroed.
+    The loss is aggregated with cfg.loss_agg (`norm_tokens`: Dr. GRPO's constant, `loss_norm_tokens`), the ratio
+    taken at cfg.importance_level, the dual clip at cfg.clip_ratio_c (None: off).
+
+    With `cfg.kl_coef > 0` every sequence must carry `ref_logprobs_S` (the reference policy's,
+    services/trainer/reference.py; ValueError otherwise) and cfg.kl_coef x the cfg.kl_estimator term joins the
+    loss; `kl` = the estimator's token-mean over the loss tokens (nats/token, mean over the epochs), reported
+    whenever the sequences carry reference log-probs.
 
     Sequences without loss tokens add nothing to the loss or its gradient and
     are left out. Sequences holding a token id outside the model's vocabulary
@@ -99,6 +134,9 @@ def ppo_update(
     With `sdar.coef > 0` the SDAR auxiliary loss (`opsd.credit.policy_loss.sdar_loss`)
     against each sequence's `teacher_logprobs_S` is added (`sdar_loss` metric);
     ValueError if a sequence lacks teacher log-probs then.
+
+    With `record`, the first epoch's pi_old, entropies and loss are written into it (`FirstEpoch`; on every rank
+    under torchrun, gathered from all ranks).
 
     With a distributed `world` (torchrun), every rank passes the SAME `seqs`
     (the whole step) and `model` wrapped by `services.trainer.distributed`
@@ -114,10 +152,13 @@ def ppo_update(
     use_sdar = sdar is not None and sdar.coef > 0
     if use_sdar and any(s.teacher_logprobs_S is None for s in seqs):
         raise ValueError("the SDAR auxiliary loss (credit.sdar.coef > 0) needs teacher log-probs for every sequence")
+    if cfg.kl_coef > 0 and any(s.ref_logprobs_S is None for s in seqs):
+        raise ValueError("the KL term (trainer.kl_coef > 0) needs the reference policy's log-probs for every sequence")
     vocab = _vocab_size(model)
     usable = [s for s in seqs if s.loss_mask_S.any()]
     seqs = [s for s in usable if vocab is None or _ids_in_range(s.token_ids_S, vocab)]
     dropped = len(usable) - len(seqs)
+    with_ref = bool(seqs) and all(s.ref_logprobs_S is not None for s in seqs)
     total_tokens = float(sum(float(s.loss_mask_S.sum()) for s in seqs))
     parallel = world is not None and world.distributed
     local = shard(seqs, world.rank, world.size) if parallel else seqs
@@ -134,21 +175,26 @@ def ppo_update(
                  world.size, len(local), len(seqs), own_tokens, summed)
         total_tokens = summed
         micro += [[_placeholder(use_sdar)]] * (int(n_micro) - len(micro))
+    if record is not None:
+        record.sequences = list(seqs)
     if total_tokens == 0:
         return dict.fromkeys(
             ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "mismatch_kl", "loss_tokens",
-             "sdar_loss"), 0.0
+             "sdar_loss", "kl", "is_masked_frac"), 0.0
         ) | {"dropped_sequences": float(dropped), "skipped_steps": 0.0}
     model.train()
     device = next(model.parameters()).device
     batches = [_pad(mb, device) for mb in micro]
     old: list[torch.Tensor | None] = [None] * len(batches)
     is_weight: list[torch.Tensor | None] = [None] * len(batches)
-    sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0, "sdar": 0.0}
+    sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0, "sdar": 0.0, "kl": 0.0}
     kl_sum = 0.0
+    masked_sum = 0.0
+    first_loss = first_kl = 0.0
+    first: list[tuple[torch.Tensor, torch.Tensor]] = []  # the first epoch's (pi_old, entropy) per micro-batch, for `record`
     grad_norm = 0.0
     skipped = 0
-    for _epoch in range(cfg.ppo_epochs):
+    for epoch_i in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch = dict.fromkeys(sums, 0.0)  # merged into sums only if the epoch's gradient is finite
         for j, b in enumerate(batches):
@@ -164,11 +210,18 @@ def ppo_update(
                     # A NaN trainer log-prob (its epoch is skipped, see skipped_steps) adds 0, not NaN.
                     kl_sum += float(sampler_mismatch_k3(old[j], sampler, mask).nan_to_num(nan=0.0).sum())
                     if cfg.truncated_is:
-                        is_weight[j] = truncated_is_weight(old[j], sampler, cfg.tis_cap)
+                        is_weight[j] = importance_weight(old[j], sampler, mask, cfg.tis_level, cfg.tis_mode, cfg.tis_cap,
+                                                         cfg.tis_cap_low)
+                        masked_sum += float(((is_weight[j] == 0) & mask.bool()).sum())
+                    if record is not None:
+                        first.append((old[j], ent.detach()))
                 loss, m = ppo_loss(
                     lp, old[j], b["adv"][:, 1:], mask, total_tokens,
                     cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
                     entropy_BT=ent, entropy_coef=cfg.entropy_coef, is_weight_BT=is_weight[j],
+                    ref_logprobs_BT=b["ref"][:, 1:] if with_ref else None, kl_coef=cfg.kl_coef,
+                    kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, total_sequences=len(seqs),
+                    norm_tokens=norm_tokens, importance_level=cfg.importance_level,
                 )
                 if use_sdar:
                     aux, _ = sdar_loss(lp, b["teacher"][:, 1:], mask, total_tokens, sdar.coef, sdar.beta)
@@ -178,8 +231,11 @@ def ppo_update(
                 epoch["loss"] += float(loss.detach())
                 share = float(mask.sum()) / max(total_tokens, 1)
                 epoch["clip_frac"] += float(m["ppo/clip_frac"]) * share
+                epoch["kl"] += float(m["ppo/kl_mean"]) * share
                 epoch["entropy"] += float((ent.detach() * mask).sum()) / max(total_tokens, 1)
                 epoch["ratio_dev_max"] = max(epoch["ratio_dev_max"], float(m["ppo/ratio_dev_max"]))
+        if epoch_i == 0:
+            first_loss, first_kl = epoch["loss"], epoch["kl"]
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a replicated DTensor
         # The same decision on every rank, or one would step while another waits in the next collective.
@@ -194,10 +250,14 @@ def ppo_update(
             sums[k] = max(sums[k], v) if k == "ratio_dev_max" else sums[k] + v
     model.eval()
     if parallel:  # each rank's sums are over its own tokens, already divided by the step's total
-        keys = ("loss", "clip_frac", "entropy", "mismatch", "sdar")
-        *reduced, kl_sum = all_reduce([sums[k] for k in keys] + [kl_sum], "sum", world)
+        keys = ("loss", "clip_frac", "entropy", "mismatch", "sdar", "kl")
+        *reduced, kl_sum, masked_sum, first_loss, first_kl = all_reduce(
+            [sums[k] for k in keys] + [kl_sum, masked_sum, first_loss, first_kl], "sum", world)
         sums.update(zip(keys, reduced))
         sums["ratio_dev_max"] = all_reduce([sums["ratio_dev_max"]], "max", world)[0]
+    if record is not None:
+        _fill_record(record, micro, first, world)
+        record.loss, record.kl = first_loss, first_kl
     e = float(max(cfg.ppo_epochs - skipped, 1))
     return {
         "loss": sums["loss"] / e,
@@ -211,12 +271,39 @@ def ppo_update(
         "dropped_sequences": float(dropped),
         "skipped_steps": float(skipped),
         "sdar_loss": sums["sdar"] / e,
+        "kl": sums["kl"] / e,
+        "is_masked_frac": masked_sum / total_tokens,
     }
+
+
+def _fill_record(record: FirstEpoch, micro: list[list[Sequence]], first: list[tuple[torch.Tensor, torch.Tensor]],
+                 world: World | None) -> None:
+    """`record`'s per-sequence pi_old and entropies at the loss tokens from this rank's first-epoch micro-batches;
+    under torchrun each rank fills its own sequences' slots of one flat buffer and a sum over the ranks gives every
+    rank all of them (a collective)."""
+    seqs = record.sequences
+    counts = [int(np.count_nonzero(s.loss_mask_S[1:])) for s in seqs]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    index = {id(s): i for i, s in enumerate(seqs)}
+    flat = np.zeros((2, int(starts[-1])), np.float64)
+    for mb, (old_BT, ent_BT) in zip(micro, first):
+        for r, s in enumerate(mb):
+            i = index.get(id(s))
+            if i is None:  # a placeholder
+                continue
+            pos = np.flatnonzero(s.loss_mask_S[1:])  # position t-1 of the results belongs to token t
+            flat[0, starts[i] : starts[i + 1]] = old_BT[r, pos].cpu().numpy()
+            flat[1, starts[i] : starts[i + 1]] = ent_BT[r, pos].cpu().numpy()
+    if world is not None and world.distributed:
+        flat = np.asarray(all_reduce(flat.ravel().tolist(), "sum", world)).reshape(flat.shape)
+    record.old_logprobs = [flat[0, starts[i] : starts[i + 1]].astype(np.float32) for i in range(len(seqs))]
+    record.entropy = [flat[1, starts[i] : starts[i + 1]].astype(np.float32) for i in range(len(seqs))]
 
 
 def _loss_position_logprobs(
     model: torch.nn.Module, b: dict[str, torch.Tensor], dtype: str, device: torch.device, temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each id given the ids before it, and the entropies they were drawn from: float32 [B, S-1].
 
     Position t of the results belongs to id t+1 (position 0 is always prompt). Only the positions where
@@ -230,19 +317,22 @@ def _loss_position_logprobs(
         logits = model(input_ids=b["ids"], attention_mask=b["attn"], logits_to_keep=keep, use_cache=False).logits  # [B, K, V]
     logits = logits.float()
     lp_BK = token_logprobs(logits, b["ids"][:, keep + 1], temperature)
-    ent_BK = entropy_from_logits(logits, temperature)
     zeros = lp_BK.new_zeros((b["ids"].shape[0], b["ids"].shape[1] - 1))
-    return zeros.index_copy(1, keep, lp_BK), zeros.index_copy(1, keep, ent_BK)
+    if not with_entropy:
+        return zeros.index_copy(1, keep, lp_BK), None
+    return zeros.index_copy(1, keep, lp_BK), zeros.index_copy(1, keep, entropy_from_logits(logits, temperature))
 
 
 @torch.no_grad()
 def sequence_logprobs(
     model: torch.nn.Module, seqs: list[Sequence], dtype: str = "float32", temperature: float = 1.0, micro_batch_size: int = 2,
 ) -> list[np.ndarray]:
-    """Log-probs of every sequence's own tokens under `model` (e.g. the frozen initial policy for ex_opd).
+    """Log-probs of every sequence's own tokens under `model` (the reference policy: the KL term, ex_opd's base).
 
-    Returns float32 [S] per sequence: position t holds log softmax(logits_{t-1}/T)[id_t],
-    position 0 (always prompt) holds 0.
+    Returns float32 [S] per sequence: position t holds log softmax(logits_{t-1}/T)[id_t] wherever some sequence
+    of its micro-batch has a loss token at t (every loss token of its own), 0 elsewhere (position 0, always
+    prompt, included): only those positions go through the LM head, as in the update (`_loss_position_logprobs`),
+    so a long prompt never makes a [S, V] logits tensor.
     """
     out: list[np.ndarray] = []
     model.eval()
@@ -250,9 +340,7 @@ def sequence_logprobs(
     for j in range(0, len(seqs), micro_batch_size):
         mb = seqs[j : j + micro_batch_size]
         b = _pad(mb, device)
-        with autocast(dtype, device):
-            logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits
-        lp = token_logprobs(logits[:, :-1].float(), b["ids"][:, 1:], temperature)
+        lp, _ = _loss_position_logprobs(model, b, dtype, device, temperature, with_entropy=False)
         for r, s in enumerate(mb):
             arr = np.zeros(len(s.token_ids_S), dtype=np.float32)
             arr[1:] = lp[r, : len(s.token_ids_S) - 1].cpu().numpy()
@@ -299,7 +387,7 @@ def follow(par: Parallel, cfg: RunConfig) -> int:
             return updates
         if msg.op == "update":
             ppo_update(par.module, par.optimizer, msg.seqs, cfg.trainer, cfg.model.dtype, cfg.rollout.temperature,
-                       cfg.credit.sdar, par.world)
+                       cfg.credit.sdar, par.world, loss_norm_tokens(cfg), FirstEpoch() if cfg.trainer.dump_credit else None)
             updates += 1
         elif msg.op == "gather":
             par._collect(bool(msg.args.get("optimizer")))

@@ -334,8 +334,8 @@ def alignopsd_credit(
 @register("alignopsd")
 def alignopsd_estimator(batch: CreditBatch, cfg: CreditSection) -> tuple[np.ndarray, dict[str, float]]:
     """Registered `alignopsd` (spec §4): `alignopsd_credit` with the product
-    settings (one-row groups -> 0, turns without loss tokens -> weight 1,
+    settings (one-row groups -> credit.grpo_singleton, 0 by default; turns without loss tokens -> weight 1,
     cfg.alignopsd.ablation as documented there).
     Returns (final token advantages float32 [M, L], metrics)."""
-    out = alignopsd_credit(batch, cfg)
+    out = alignopsd_credit(batch, cfg, singleton=cfg.grpo_singleton or "zero")
     return out.final_token_advantage_ML, out.metrics

@@ -1,0 +1,185 @@
+"""The KL to the reference policy through the trainer (issue 38): config, the reference itself, the update, the dump.
+
+The loss formulas against verl's and TRL's are in tests/test_policy_loss_modes.py; here: that the trainer holds the
+run's initial policy frozen (a copy, or LoRA's base), feeds its log-probs to the loss, reports the KL, and that a
+dump replays the loss the trainer computed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from opsd.config import LoRASection, RunConfig, config_hash, hashed_config
+from opsd.credit.replay import check_file
+from services.trainer.distributed import Message, decode_message, encode_message
+from services.trainer.reference import ReferencePolicy
+from services.trainer.step import learn
+from services.trainer.update import sequence_logprobs
+from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, ppo_sequences, tiny_llama
+
+
+@pytest.mark.parametrize(("profile", "coef"), [("alfworld-7b", 0.01), ("webshop-3b", 0.01), ("search-3b", 0.001),
+                                               ("search-7b", 0.001)])
+def test_a_credit_profile_sets_the_recipes_kl_and_explicit_keys_win(profile, coef):
+    cfg = RunConfig.model_validate({"credit": {"profile": profile}})
+    assert (cfg.trainer.kl_coef, cfg.trainer.kl_estimator, cfg.trainer.entropy_coef) == (coef, "k3", 0.001)
+    own = RunConfig.model_validate({"credit": {"profile": profile}, "trainer": {"kl_coef": 0.0, "kl_estimator": "k2"}})
+    assert (own.trainer.kl_coef, own.trainer.kl_estimator) == (0.0, "k2")
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # a saved config reads back the same
+
+
+def test_new_loss_settings_at_their_defaults_leave_the_config_hash_alone():
+    cfg = RunConfig()
+    data = hashed_config(cfg)
+    for key in ("kl_coef", "kl_estimator", "loss_agg", "importance_level", "tis_level", "tis_mode", "tis_cap_low"):
+        assert key not in data["trainer"]
+    assert "grpo_singleton" not in data["credit"]
+    on = RunConfig.model_validate({"trainer": {"kl_coef": 0.01}})
+    assert config_hash(hashed_config(on)) != config_hash(data)
+
+
+def test_loss_settings_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="tis_cap_low"):
+        RunConfig.model_validate({"trainer": {"tis_cap": 2.0, "tis_cap_low": 2.0}})
+    with pytest.raises(ValueError):
+        RunConfig.model_validate({"trainer": {"kl_estimator": "k4"}})
+    with pytest.raises(ValueError):
+        RunConfig.model_validate({"trainer": {"clip_ratio_c": 1.0}})
+    assert RunConfig.model_validate({"trainer": {"clip_ratio_c": None}}).trainer.clip_ratio_c is None
+
+
+def test_grpo_singleton_comes_from_the_run_config():
+    """A task with one trajectory: "zero" gives it advantage 0, "reference" its raw reward / (1 + 1e-6)."""
+    from opsd.credit import compute_advantages
+    from services.trainer.batch import build_credit_batch
+
+    groups = [make_rollout_group(G=1, turns=2, seed=3, rewards=[2.0])]
+    batch, _ = build_credit_batch(groups, None)
+    mask = batch.loss_mask_ML > 0
+    got = {}
+    for choice in (None, "zero", "reference"):
+        cfg = RunConfig.model_validate({"credit": {"grpo_singleton": choice, "grpo_scope": "trajectory",
+                                                   "use_invalid_action_penalty": False}})
+        adv, _ = compute_advantages("grpo", batch, cfg.credit)
+        got[choice] = np.unique(adv[mask])
+    assert got[None].tolist() == got["zero"].tolist() == [0.0]
+    assert got["reference"] == pytest.approx([2.0 / (1 + 1e-6)], rel=1e-6)
+
+
+def _cfg(**trainer):
+    return RunConfig.model_validate({"trainer": {"micro_batch_size": 2, "entropy_coef": 0.0, **trainer}})
+
+
+def test_the_reference_is_the_initial_policy_frozen_while_the_policy_trains():
+    model = tiny_llama()
+    seqs = ppo_sequences(1.0, True)
+    before = sequence_logprobs(model, seqs)
+    ref = ReferencePolicy.build(model, _cfg(kl_coef=0.01))
+    assert not ref.adapters_off and all(not p.requires_grad for p in ref.module.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(3):  # the policy moves away
+        from services.trainer.update import ppo_update
+
+        ppo_update(model, opt, seqs, _cfg().trainer)
+    moved = sequence_logprobs(model, seqs)
+    assert max(np.abs(a - b).max() for a, b in zip(moved, before)) > 1e-2
+    for a, b in zip(ref.logprobs(seqs, "float32", 1.0, 2), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_with_lora_the_reference_is_the_base_without_a_copy_and_the_adapters_still_train():
+    from opsd.lora import apply_lora
+
+    base = tiny_llama()
+    seqs = ppo_sequences(1.0, True)
+    want = sequence_logprobs(base, seqs)
+    model = copy.deepcopy(base)
+    apply_lora(model, LoRASection(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():  # adapters away from B = 0: the policy is no longer the base
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    ref = ReferencePolicy.build(model, _cfg(kl_coef=0.01))
+    assert ref.adapters_off and ref.module is model
+    assert max(np.abs(a - b).max() for a, b in zip(sequence_logprobs(model, seqs), want)) > 1e-3
+    for a, b in zip(ref.logprobs(seqs, "float32", 1.0, 2), want):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)  # switched back on, trainable again
+
+
+def test_the_kl_term_is_zero_at_the_reference_and_pulls_the_policy_back_to_it():
+    """Step 0: policy = reference, so k3 = 0 exactly. After the policy moved, the KL is positive, and with only the
+    KL term in the loss (advantages 0) an update lowers it."""
+    from services.trainer.update import ppo_update
+
+    model = tiny_llama()
+    ref = ReferencePolicy.build(model, _cfg(kl_coef=1.0))
+    seqs = ppo_sequences(1.0, True)
+    with_ref = [replace(s, ref_logprobs_S=lp) for s, lp in zip(seqs, ref.logprobs(seqs, "float32", 1.0, 2))]
+    cfg = _cfg(kl_coef=1.0, grad_clip=1e9).trainer
+    m0 = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), with_ref, cfg)
+    assert m0["kl"] == pytest.approx(0.0, abs=1e-7)
+    ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), seqs, _cfg().trainer)  # away from the reference
+    still = [replace(s, advantages_S=np.zeros_like(s.advantages_S)) for s in with_ref]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kls = [ppo_update(model, opt, still, cfg)["kl"] for _ in range(5)]
+    assert kls[0] > 1e-3 and all(b < a for a, b in zip(kls, kls[1:])), kls
+
+
+def test_a_kl_coef_without_reference_log_probs_is_refused():
+    from services.trainer.update import ppo_update
+
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="reference policy's log-probs"):
+        ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), ppo_sequences(1.0, True), _cfg(kl_coef=0.01).trainer)
+    cfg = RunConfig.model_validate({"trainer": {"kl_coef": 0.01}})
+    groups = [make_rollout_group(G=2, turns=2, seed=1)]
+    with pytest.raises(ValueError, match="reference policy"):
+        learn(cfg, tiny_llama(vocab_size=VOCAB_SIZE), torch.optim.SGD(model.parameters(), lr=0.1), groups, None)
+
+
+def test_reference_log_probs_travel_to_the_other_ranks():
+    seqs = [replace(s, ref_logprobs_S=np.linspace(-3, 0, len(s.token_ids_S)).astype(np.float32)) for s in ppo_sequences()]
+    got = decode_message(encode_message(Message("update", seqs))).seqs
+    for a, b in zip(got, seqs):
+        np.testing.assert_array_equal(a.ref_logprobs_S, b.ref_logprobs_S)
+    assert decode_message(encode_message(Message("update", ppo_sequences()))).seqs[0].ref_logprobs_S is None
+
+
+@pytest.mark.parametrize("trainer", [
+    {"kl_coef": 0.05, "kl_estimator": "k3"},
+    {"kl_coef": 0.05, "kl_estimator": "k1", "loss_agg": "seq-mean-token-mean", "truncated_is": True,
+     "tis_level": "sequence", "tis_mode": "mask", "tis_cap": 3.0},
+    {"kl_coef": 0.05, "kl_estimator": "k2", "loss_agg": "seq-mean-token-sum-norm", "importance_level": "sequence",
+     "clip_ratio_c": None, "truncated_is": True, "tis_cap_low": 0.5, "micro_batch_size": 1},
+])
+def test_a_dump_replays_the_loss_and_kl_the_trainer_computed(trainer, tmp_path):
+    """grpo_opd with SDAR, entropy bonus and the KL term: `opsd credit check` recomputes the first epoch's loss and
+    KL from the dump within 1e-5; a dump whose loss was changed by 1e-3 fails."""
+    cfg = RunConfig.model_validate({"run": {"method": "grpo_opd"}, "credit": {"sdar": {"coef": 0.01}},
+                                    "trainer": {"entropy_coef": 0.01, "ppo_epochs": 2, **trainer}})
+    scored = [make_scored_group(G=3, turns=3, seed=s) for s in (0, 1)]
+    model = tiny_llama(num_hidden_layers=1, vocab_size=VOCAB_SIZE)
+    ref = ReferencePolicy.build(model, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    learn(cfg, model, opt, [s.rollout for s in scored], scored, ref)  # the policy moves: step 2's KL is not 0
+    dump = tmp_path / "step.json"
+    res = learn(cfg, model, opt, [s.rollout for s in scored], scored, ref, dump)
+    assert res.update["kl"] != 0  # k1 may be negative on a sample
+    case = json.loads(dump.read_text())
+    assert case["expected"]["kl"] != 0 and case["config"]["opsd_trainer"]["kl_coef"] == 0.05
+    seqs = case["inputs"]["loss"]["sequences"]
+    assert len(seqs) == 6 and all(len(s["ref_log_probs"]) == len(s["advantages"]) > 0 for s in seqs)
+    r = check_file(dump)
+    assert r.ok, (r.error, [(f.name, f.detail) for f in r.fields if not f.ok])
+    assert {"loss", "kl", "advantages"} <= {f.name for f in r.fields}
+    case["expected"]["loss"] += 1e-3
+    dump.write_text(json.dumps(case))
+    bad = check_file(dump)
+    assert not bad.ok and [f.name for f in bad.fields if not f.ok] == ["loss"]
