@@ -183,3 +183,21 @@ def test_a_dump_replays_the_loss_and_kl_the_trainer_computed(trainer, tmp_path):
     dump.write_text(json.dumps(case))
     bad = check_file(dump)
     assert not bad.ok and [f.name for f in bad.fields if not f.ok] == ["loss"]
+
+
+def test_a_bf16_reference_casts_its_weights_and_keeps_its_buffers():
+    """model.dtype bfloat16: the copy holds 2 bytes a parameter (half the fp32 trainer's), ties kept, while buffers
+    such as the rotary frequencies stay fp32 (casting them would move every position's angle)."""
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    cfg = RunConfig.model_validate({"model": {"dtype": "bfloat16"}, "trainer": {"kl_coef": 0.01}})
+    ref = ReferencePolicy.build(model, cfg).module
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the policy is untouched
+    assert ref.get_input_embeddings().weight is ref.get_output_embeddings().weight
+    assert {b.dtype for b in ref.buffers() if b.is_floating_point()} == {torch.float32}
+    lp = ReferencePolicy(ref, False).logprobs(ppo_sequences(), "bfloat16", 1.0, 2)
+    want = sequence_logprobs(model, ppo_sequences(), "bfloat16")
+    for a, b in zip(lp, want):  # bf16 weights vs bf16 autocast of fp32 weights: the same matmuls, up to bf16 rounding
+        np.testing.assert_allclose(a, b, atol=0.05)

@@ -46,13 +46,16 @@ class ReferencePolicy:
     def build(cls, model: torch.nn.Module, cfg: RunConfig, world: World | None = None) -> "ReferencePolicy":
         """The reference of `model` (the unwrapped trainer model, its initial weights loaded, LoRA applied or not).
 
-        A copy is cast to cfg.model.dtype, in eval mode, without gradients, on the model's device.
+        A copy's parameters are cast to cfg.model.dtype (its buffers, e.g. rotary frequencies, keep theirs, as a
+        bf16 checkpoint loaded by transformers does), in eval mode, without gradients, on the model's device.
         """
         fsdp = world is not None and world.distributed and pick_strategy(world, cfg.trainer.data_parallel) == "fsdp2"
         if is_lora_model(model) and not fsdp:
             log.info("reference policy: the policy with its LoRA adapters switched off (no extra memory)")
             return cls(model, adapters_off=True)
-        ref = copy.deepcopy(model).to(dtype=getattr(torch, cfg.model.dtype)).eval().requires_grad_(False)
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+        for p in ref.parameters():  # tied weights are one Parameter: cast once, still tied
+            p.data = p.data.to(getattr(torch, cfg.model.dtype))
         n = sum(p.numel() * p.element_size() for p in ref.parameters())
         log.info("reference policy: a frozen copy of the initial weights, %.2f GB in %s", n / 1e9, cfg.model.dtype)
         return cls(ref, adapters_off=False)
