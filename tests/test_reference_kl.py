@@ -183,3 +183,43 @@ def test_a_dump_replays_the_loss_and_kl_the_trainer_computed(trainer, tmp_path):
     dump.write_text(json.dumps(case))
     bad = check_file(dump)
     assert not bad.ok and [f.name for f in bad.fields if not f.ok] == ["loss"]
+
+
+def test_the_loss_replay_pads_micro_batches_of_similar_lengths_not_the_whole_step(tmp_path, monkeypatch):
+    """`opsd credit check` replays a dump's loss in micro-batches of at most MAX_REPLAY_PADDED padded values (or one
+    sequence), as the trainer does: a file of a few MB with thousands of one-token sequences and one long one once
+    became one [sequences, longest] batch per array (a 1 MB file: 2 GB). Split or not, the loss and KL are the same."""
+    import opsd.credit.policy_loss as policy_loss
+    from opsd.credit import replay
+
+    cfg = RunConfig.model_validate({"run": {"method": "grpo_opd"}, "credit": {"sdar": {"coef": 0.01}}, "trainer": {
+        "entropy_coef": 0.01, "kl_coef": 0.05, "kl_estimator": "k2", "loss_agg": "seq-mean-token-sum-norm",
+        "importance_level": "sequence", "truncated_is": True, "tis_level": "sequence", "tis_cap": 3.0, "tis_cap_low": 0.5}})
+    scored = [make_scored_group(G=3, turns=3, seed=s) for s in (0, 1)]
+    model = tiny_llama(num_hidden_layers=1, vocab_size=VOCAB_SIZE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ref = ReferencePolicy.build(model, cfg)
+    learn(cfg, model, opt, [s.rollout for s in scored], scored, ref)
+    dump = tmp_path / "step.json"
+    learn(cfg, model, opt, [s.rollout for s in scored], scored, ref, dump)
+    shapes = []
+    real = policy_loss.ppo_loss
+    monkeypatch.setattr(policy_loss, "ppo_loss", lambda lp, *a, **k: (shapes.append(tuple(lp.shape)), real(lp, *a, **k))[1])
+    monkeypatch.setattr(replay, "MAX_REPLAY_PADDED", 40)
+    r = check_file(dump)
+    assert r.ok, (r.error, [(f.name, f.detail) for f in r.fields if not f.ok])
+    assert len(shapes) > 1 and all(b * t <= 40 or b == 1 for b, t in shapes), shapes
+
+    case = json.loads(dump.read_text())
+    one = case["inputs"]["loss"]["sequences"][0]
+    short = {k: v[:1] for k, v in one.items()}
+    long = {k: (v * 100)[:1000] for k, v in one.items()}
+    hostile = {"sequences": [short] * 300 + [long]}
+    shapes.clear()
+    split = replay.replay_loss(hostile, case["config"], cfg.credit)
+    assert max(b * t for b, t in shapes) == 1000 and sum(b for b, _ in shapes) == 301, shapes
+    monkeypatch.setattr(replay, "MAX_REPLAY_PADDED", 10**9)
+    whole = replay.replay_loss(hostile, case["config"], cfg.credit)
+    assert shapes[-1] == (301, 1000)
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5) and split["kl"] == pytest.approx(whole["kl"], rel=1e-5)
+    assert split["kl"] > 0
