@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from opsd.config import LoRASection, RunConfig, config_hash, hashed_config
+from opsd.config import LoRASection, RunConfig, TrainerSection, config_hash, hashed_config
 from opsd.credit.replay import check_file
 from services.trainer.distributed import Message, decode_message, encode_message
 from services.trainer.reference import ReferencePolicy
@@ -31,6 +31,9 @@ def test_a_credit_profile_sets_the_recipes_kl_and_explicit_keys_win(profile, coe
     assert (cfg.trainer.kl_coef, cfg.trainer.kl_estimator, cfg.trainer.entropy_coef) == (coef, "k3", 0.001)
     own = RunConfig.model_validate({"credit": {"profile": profile}, "trainer": {"kl_coef": 0.0, "kl_estimator": "k2"}})
     assert (own.trainer.kl_coef, own.trainer.kl_estimator) == (0.0, "k2")
+    # A TrainerSection, not a dict (Python callers): the profile still applies under its explicitly set fields.
+    obj = RunConfig(credit={"profile": profile}, trainer=TrainerSection(lr=1e-5, kl_estimator="k2"))
+    assert (obj.trainer.kl_coef, obj.trainer.kl_estimator, obj.trainer.lr) == (coef, "k2", 1e-5)
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # a saved config reads back the same
 
 
