@@ -226,3 +226,27 @@ def test_the_loss_replay_pads_micro_batches_of_similar_lengths_not_the_whole_ste
     assert shapes[-1] == (301, 1000)
     assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5) and split["kl"] == pytest.approx(whole["kl"], rel=1e-5)
     assert split["kl"] > 0
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_non_finite_reference_log_prob_skips_the_step(estimator, bad):
+    """A reference that gives a loss token NaN or -inf (probability 0): the epoch is skipped and counted, the weights
+    and the metrics stay finite. k3's clamp gave a NaN loss with a finite gradient (and k1's gradient never depends
+    on the reference), so the step trained on with the token's KL term gone and `loss`/`kl` NaN or inf. k3 of -inf
+    is verl's clamp at 10 (finite, no gradient): that step trains."""
+    from services.trainer.update import ppo_update
+
+    model = tiny_llama()
+    ref = ReferencePolicy.build(model, _cfg(kl_coef=0.1))
+    seqs = ppo_sequences(1.0, True)
+    lps = ref.logprobs(seqs, "float32", 1.0, 2)
+    lps[1][-1] = bad  # a loss token
+    seqs = [replace(s, ref_logprobs_S=lp) for s, lp in zip(seqs, lps)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), seqs, _cfg(kl_coef=0.1, kl_estimator=estimator).trainer)
+    trains = estimator == "k3" and bad == float("-inf")
+    assert m["skipped_steps"] == (0.0 if trains else 1.0) and all(np.isfinite(v) for v in m.values()), m
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) != trains
+    if trains:  # the token's k3 is 10, the others' 0 (policy = reference): the token-mean over 16 loss tokens
+        assert m["kl"] == pytest.approx(10 / 16)
