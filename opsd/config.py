@@ -766,6 +766,8 @@ class RunConfig(_Section):
         credit = data.get("credit")
         profile = credit.get("profile") if isinstance(credit, dict) else getattr(credit, "profile", None)
         trainer = data.get("trainer", {})
+        if isinstance(trainer, TrainerSection):  # its explicitly set fields win, like a dict's keys
+            trainer = trainer.model_dump(include=trainer.model_fields_set)
         if profile in PROFILE_TRAINER and isinstance(trainer, dict):
             return {**data, "trainer": _under(PROFILE_TRAINER[profile], trainer)}
         return data

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from opsd.config import LoRASection, RunConfig, config_hash, hashed_config
+from opsd.config import LoRASection, RunConfig, TrainerSection, config_hash, hashed_config
 from opsd.credit.replay import check_file
 from services.trainer.distributed import Message, decode_message, encode_message
 from services.trainer.reference import ReferencePolicy
@@ -31,6 +31,9 @@ def test_a_credit_profile_sets_the_recipes_kl_and_explicit_keys_win(profile, coe
     assert (cfg.trainer.kl_coef, cfg.trainer.kl_estimator, cfg.trainer.entropy_coef) == (coef, "k3", 0.001)
     own = RunConfig.model_validate({"credit": {"profile": profile}, "trainer": {"kl_coef": 0.0, "kl_estimator": "k2"}})
     assert (own.trainer.kl_coef, own.trainer.kl_estimator) == (0.0, "k2")
+    # A TrainerSection, not a dict (Python callers): the profile still applies under its explicitly set fields.
+    obj = RunConfig(credit={"profile": profile}, trainer=TrainerSection(lr=1e-5, kl_estimator="k2"))
+    assert (obj.trainer.kl_coef, obj.trainer.kl_estimator, obj.trainer.lr) == (coef, "k2", 1e-5)
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # a saved config reads back the same
 
 
@@ -201,3 +204,67 @@ def test_a_bf16_reference_casts_its_weights_and_keeps_its_buffers():
     want = sequence_logprobs(model, ppo_sequences(), "bfloat16")
     for a, b in zip(lp, want):  # bf16 weights vs bf16 autocast of fp32 weights: the same matmuls, up to bf16 rounding
         np.testing.assert_allclose(a, b, atol=0.05)
+
+
+def test_the_loss_replay_pads_micro_batches_of_similar_lengths_not_the_whole_step(tmp_path, monkeypatch):
+    """`opsd credit check` replays a dump's loss in micro-batches of at most MAX_REPLAY_PADDED padded values (or one
+    sequence), as the trainer does: a file of a few MB with thousands of one-token sequences and one long one once
+    became one [sequences, longest] batch per array (a 1 MB file: 2 GB). Split or not, the loss and KL are the same."""
+    import opsd.credit.policy_loss as policy_loss
+    from opsd.credit import replay
+
+    cfg = RunConfig.model_validate({"run": {"method": "grpo_opd"}, "credit": {"sdar": {"coef": 0.01}}, "trainer": {
+        "entropy_coef": 0.01, "kl_coef": 0.05, "kl_estimator": "k2", "loss_agg": "seq-mean-token-sum-norm",
+        "importance_level": "sequence", "truncated_is": True, "tis_level": "sequence", "tis_cap": 3.0, "tis_cap_low": 0.5}})
+    scored = [make_scored_group(G=3, turns=3, seed=s) for s in (0, 1)]
+    model = tiny_llama(num_hidden_layers=1, vocab_size=VOCAB_SIZE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ref = ReferencePolicy.build(model, cfg)
+    learn(cfg, model, opt, [s.rollout for s in scored], scored, ref)
+    dump = tmp_path / "step.json"
+    learn(cfg, model, opt, [s.rollout for s in scored], scored, ref, dump)
+    shapes = []
+    real = policy_loss.ppo_loss
+    monkeypatch.setattr(policy_loss, "ppo_loss", lambda lp, *a, **k: (shapes.append(tuple(lp.shape)), real(lp, *a, **k))[1])
+    monkeypatch.setattr(replay, "MAX_REPLAY_PADDED", 40)
+    r = check_file(dump)
+    assert r.ok, (r.error, [(f.name, f.detail) for f in r.fields if not f.ok])
+    assert len(shapes) > 1 and all(b * t <= 40 or b == 1 for b, t in shapes), shapes
+
+    case = json.loads(dump.read_text())
+    one = case["inputs"]["loss"]["sequences"][0]
+    short = {k: v[:1] for k, v in one.items()}
+    long = {k: (v * 100)[:1000] for k, v in one.items()}
+    hostile = {"sequences": [short] * 300 + [long]}
+    shapes.clear()
+    split = replay.replay_loss(hostile, case["config"], cfg.credit)
+    assert max(b * t for b, t in shapes) == 1000 and sum(b for b, _ in shapes) == 301, shapes
+    monkeypatch.setattr(replay, "MAX_REPLAY_PADDED", 10**9)
+    whole = replay.replay_loss(hostile, case["config"], cfg.credit)
+    assert shapes[-1] == (301, 1000)
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5) and split["kl"] == pytest.approx(whole["kl"], rel=1e-5)
+    assert split["kl"] > 0
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_non_finite_reference_log_prob_skips_the_step(estimator, bad):
+    """A reference that gives a loss token NaN or -inf (probability 0): the epoch is skipped and counted, the weights
+    and the metrics stay finite. k3's clamp gave a NaN loss with a finite gradient (and k1's gradient never depends
+    on the reference), so the step trained on with the token's KL term gone and `loss`/`kl` NaN or inf. k3 of -inf
+    is verl's clamp at 10 (finite, no gradient): that step trains."""
+    from services.trainer.update import ppo_update
+
+    model = tiny_llama()
+    ref = ReferencePolicy.build(model, _cfg(kl_coef=0.1))
+    seqs = ppo_sequences(1.0, True)
+    lps = ref.logprobs(seqs, "float32", 1.0, 2)
+    lps[1][-1] = bad  # a loss token
+    seqs = [replace(s, ref_logprobs_S=lp) for s, lp in zip(seqs, lps)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), seqs, _cfg(kl_coef=0.1, kl_estimator=estimator).trainer)
+    trains = estimator == "k3" and bad == float("-inf")
+    assert m["skipped_steps"] == (0.0 if trains else 1.0) and all(np.isfinite(v) for v in m.values()), m
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) != trains
+    if trains:  # the token's k3 is 10, the others' 0 (policy = reference): the token-mean over 16 loss tokens
+        assert m["kl"] == pytest.approx(10 / 16)

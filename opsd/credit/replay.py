@@ -34,6 +34,8 @@ DEFAULT_TOL = 1e-5
 # README: AgentOPSD beliefs saturated at 1 - 1e-4 keep few float32 digits in
 # their increments; the authors allow 5e-4 there.
 SATURATED_AGENTOPSD_TOL = 5e-4
+# Padded [micro-batch, tokens] values per loss-replay micro-batch (`replay_loss`): 4 MB a float32 tensor.
+MAX_REPLAY_PADDED = 1 << 20
 
 # refvector `method` -> (module, function).
 _REPLAYERS: dict[str, tuple[str, str]] = {
@@ -117,39 +119,54 @@ def replay_loss(loss: Mapping[str, Any], config: Mapping[str, Any], credit: Cred
 
     tcfg = TrainerSection.model_validate({k: v for k, v in config["opsd_trainer"].items() if k != "norm_tokens"})
     seqs = list(loss["sequences"])
-    if not seqs:
-        return {"loss": 0.0, "kl": 0.0}
-    T = max(len(s["advantages"]) for s in seqs)
-
-    def pad(name: str) -> torch.Tensor:
-        out = torch.zeros(len(seqs), T, dtype=torch.float32)
-        for b, s in enumerate(seqs):
-            v = np.asarray(s[name], dtype=np.float32)
-            if v.shape != (len(s["advantages"]),):
-                raise ValueError(f"inputs.loss sequence {b}: {name} has {v.shape} values, advantages {len(s['advantages'])}")
-            out[b, : len(v)] = torch.from_numpy(v)
-        return out
-
-    mask = torch.zeros(len(seqs), T, dtype=torch.float32)
-    for b, s in enumerate(seqs):
-        mask[b, : len(s["advantages"])] = 1.0
-    old, tokens = pad("old_log_probs"), float(mask.sum())
+    lengths = [len(s["advantages"]) for s in seqs]
+    tokens = float(sum(lengths))
     with_ref = all("ref_log_probs" in s for s in seqs)
-    weight = None
-    if tcfg.truncated_is:
-        weight = importance_weight(old, pad("sampler_log_probs"), mask, tcfg.tis_level, tcfg.tis_mode, tcfg.tis_cap,
-                                   tcfg.tis_cap_low)
-    value, metrics = ppo_loss(
-        old, old, pad("advantages"), mask, tokens, tcfg.clip_ratio_low, tcfg.clip_ratio_high, tcfg.clip_ratio_c,
-        entropy_BT=pad("entropy"), entropy_coef=tcfg.entropy_coef, is_weight_BT=weight,
-        ref_logprobs_BT=pad("ref_log_probs") if with_ref else None, kl_coef=tcfg.kl_coef, kl_estimator=tcfg.kl_estimator,
-        loss_agg=tcfg.loss_agg, total_sequences=len(seqs), norm_tokens=config["opsd_trainer"].get("norm_tokens"),
-        importance_level=tcfg.importance_level,
-    )
-    if credit.sdar.coef > 0:
-        aux, _ = sdar_loss(old, pad("teacher_log_probs"), mask, tokens, credit.sdar.coef, credit.sdar.beta)
-        value = value + aux
-    return {"loss": float(value), "kl": float(metrics["ppo/kl_mean"]) if with_ref else 0.0}
+    value, kl_sum = 0.0, 0.0
+    for chunk in _micro_batches(lengths):
+        T = max(lengths[i] for i in chunk)
+
+        def pad(name: str) -> torch.Tensor:
+            out = torch.zeros(len(chunk), T, dtype=torch.float32)
+            for b, i in enumerate(chunk):
+                v = np.asarray(seqs[i][name], dtype=np.float32)
+                if v.shape != (lengths[i],):
+                    raise ValueError(f"inputs.loss sequence {i}: {name} has {v.shape} values, advantages {lengths[i]}")
+                out[b, : len(v)] = torch.from_numpy(v)
+            return out
+
+        mask = (torch.arange(T) < torch.tensor([lengths[i] for i in chunk]).unsqueeze(1)).float()
+        old = pad("old_log_probs")
+        weight = None
+        if tcfg.truncated_is:
+            weight = importance_weight(old, pad("sampler_log_probs"), mask, tcfg.tis_level, tcfg.tis_mode, tcfg.tis_cap,
+                                       tcfg.tis_cap_low)
+        part, metrics = ppo_loss(
+            old, old, pad("advantages"), mask, tokens, tcfg.clip_ratio_low, tcfg.clip_ratio_high, tcfg.clip_ratio_c,
+            entropy_BT=pad("entropy"), entropy_coef=tcfg.entropy_coef, is_weight_BT=weight,
+            ref_logprobs_BT=pad("ref_log_probs") if with_ref else None, kl_coef=tcfg.kl_coef,
+            kl_estimator=tcfg.kl_estimator, loss_agg=tcfg.loss_agg, total_sequences=len(seqs),
+            norm_tokens=config["opsd_trainer"].get("norm_tokens"), importance_level=tcfg.importance_level,
+        )
+        value += float(part)
+        kl_sum += metrics["ppo/kl_mean"] * float(mask.sum())
+        if credit.sdar.coef > 0:
+            aux, _ = sdar_loss(old, pad("teacher_log_probs"), mask, tokens, credit.sdar.coef, credit.sdar.beta)
+            value += float(aux)
+    return {"loss": value, "kl": kl_sum / tokens if with_ref and tokens else 0.0}
+
+
+def _micro_batches(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` in micro-batches of similar lengths, each padded to at most MAX_REPLAY_PADDED values (or
+    one sequence): padding all to the longest would take sequences x longest floats, gigabytes for a file of a few
+    MB holding thousands of one-token sequences and one long one."""
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= MAX_REPLAY_PADDED:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def replayer(method: str, config: Mapping[str, Any] | None = None) -> Callable[[Mapping[str, Any]], dict[str, Any]]:

@@ -128,7 +128,7 @@ def ppo_update(
     would crash the trainer). With no loss token at all (bad-input case 3)
     nothing runs: the optimizer is not stepped, so AdamW momentum and weight
     decay cannot move the weights on an empty batch. An epoch whose gradient
-    norm is not finite does not step the optimizer either (counted in
+    norm or loss is not finite does not step the optimizer either (counted in
     `skipped_steps`); the weights never see a NaN.
 
     With `sdar.coef > 0` the SDAR auxiliary loss (`opsd.credit.policy_loss.sdar_loss`)
@@ -239,8 +239,9 @@ def ppo_update(
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a replicated DTensor
         # The same decision on every rank, or one would step while another waits in the next collective.
-        if all_reduce([0.0 if np.isfinite(norm) else 1.0], "max", world)[0] > 0:
-            # A NaN gradient must never reach the weights: skip this optimizer step, count it.
+        if all_reduce([0.0 if np.isfinite(norm) and np.isfinite(epoch["loss"]) else 1.0], "max", world)[0] > 0:
+            # A NaN gradient must never reach the weights: skip this optimizer step, count it. A non-finite loss
+            # too: a NaN reference log-prob gives k3 a NaN whose gradient its clamp zeroes, k1's never depends on it.
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
             continue
