@@ -637,9 +637,17 @@ class TrainerSection(_Section):
     gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
-    def _is_bounds(self) -> "TrainerSection":
+    def _loss_settings(self) -> "TrainerSection":
         if self.tis_cap_low is not None and self.tis_cap_low >= self.tis_cap:
             raise ValueError(f"trainer.tis_cap_low ({self.tis_cap_low:g}) must be below trainer.tis_cap ({self.tis_cap:g})")
+        # A setting that would change nothing is refused, not ignored: the run would not be the one the config says.
+        idle = [k for k, on, default in (
+            ("tis_level", self.truncated_is, "token"), ("tis_mode", self.truncated_is, "truncate"),
+            ("tis_cap_low", self.truncated_is, None), ("kl_estimator", self.kl_coef > 0, "k3"),
+            ("loss_agg_norm_tokens", self.loss_agg == "seq-mean-token-sum-norm", None)) if not on and getattr(self, k) != default]
+        if idle:
+            raise ValueError(f"trainer.{', trainer.'.join(idle)} set without effect: tis_* need truncated_is: true, "
+                             "kl_estimator needs kl_coef > 0, loss_agg_norm_tokens needs loss_agg: seq-mean-token-sum-norm")
         return self
 
 

@@ -29,11 +29,14 @@ from tests.factories import VOCAB_SIZE, make_rollout_group, make_scored_group, p
 def test_a_credit_profile_sets_the_recipes_kl_and_explicit_keys_win(profile, coef):
     cfg = RunConfig.model_validate({"credit": {"profile": profile}})
     assert (cfg.trainer.kl_coef, cfg.trainer.kl_estimator, cfg.trainer.entropy_coef) == (coef, "k3", 0.001)
-    own = RunConfig.model_validate({"credit": {"profile": profile}, "trainer": {"kl_coef": 0.0, "kl_estimator": "k2"}})
-    assert (own.trainer.kl_coef, own.trainer.kl_estimator) == (0.0, "k2")
+    own = RunConfig.model_validate({"credit": {"profile": profile}, "trainer": {"kl_coef": 0.5, "kl_estimator": "k2"}})
+    assert (own.trainer.kl_coef, own.trainer.kl_estimator) == (0.5, "k2")
+    assert RunConfig.model_validate({"credit": {"profile": profile}, "trainer": {"kl_coef": 0}}).trainer.kl_coef == 0
     # A TrainerSection, not a dict (Python callers): the profile still applies under its explicitly set fields.
-    obj = RunConfig(credit={"profile": profile}, trainer=TrainerSection(lr=1e-5, kl_estimator="k2"))
-    assert (obj.trainer.kl_coef, obj.trainer.kl_estimator, obj.trainer.lr) == (coef, "k2", 1e-5)
+    obj = RunConfig(credit={"profile": profile}, trainer=TrainerSection(lr=1e-5))
+    assert (obj.trainer.kl_coef, obj.trainer.kl_estimator, obj.trainer.lr) == (coef, "k3", 1e-5)
+    obj = RunConfig(credit={"profile": profile}, trainer=TrainerSection(kl_coef=0.2, kl_estimator="k2"))
+    assert (obj.trainer.kl_coef, obj.trainer.kl_estimator) == (0.2, "k2")
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # a saved config reads back the same
 
 
@@ -55,6 +58,13 @@ def test_loss_settings_that_cannot_work_are_refused():
     with pytest.raises(ValueError):
         RunConfig.model_validate({"trainer": {"clip_ratio_c": 1.0}})
     assert RunConfig.model_validate({"trainer": {"clip_ratio_c": None}}).trainer.clip_ratio_c is None
+    for idle in ({"tis_level": "sequence"}, {"tis_mode": "mask"}, {"tis_cap_low": 0.1}, {"kl_estimator": "k1"},
+                 {"loss_agg_norm_tokens": 512}):
+        with pytest.raises(ValueError, match=f"trainer.{next(iter(idle))} set without effect"):
+            RunConfig.model_validate({"trainer": idle})
+    on = {"truncated_is": True, "tis_level": "sequence", "tis_mode": "mask", "tis_cap_low": 0.1, "kl_coef": 0.1,
+          "kl_estimator": "k1", "loss_agg": "seq-mean-token-sum-norm", "loss_agg_norm_tokens": 512}
+    assert RunConfig.model_validate({"trainer": on}).trainer.loss_agg_norm_tokens == 512
 
 
 def test_grpo_singleton_comes_from_the_run_config():
@@ -268,3 +278,19 @@ def test_a_non_finite_reference_log_prob_skips_the_step(estimator, bad):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) != trains
     if trains:  # the token's k3 is 10, the others' 0 (policy = reference): the token-mean over 16 loss tokens
         assert m["kl"] == pytest.approx(10 / 16)
+
+
+def test_the_reference_copy_owns_its_storage_in_model_dtype():
+    """A bf16 reference holds 2 bytes a parameter; an fp32 one shares no storage with the policy (a `.to(float32)`
+    of an fp32 tensor returns the tensor itself): training the policy in place leaves the reference unchanged."""
+    model = tiny_llama()
+    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    ref = ReferencePolicy.build(model, RunConfig.model_validate({"model": {"dtype": "bfloat16"}})).module
+    assert sum(p.numel() * p.element_size() for p in ref.parameters()) == fp32_bytes // 2
+    same = ReferencePolicy.build(model, RunConfig()).module
+    assert not {p.data_ptr() for p in model.parameters()} & {p.data_ptr() for p in same.parameters()}
+    assert all(not p.requires_grad for p in same.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(not torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))

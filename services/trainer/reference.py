@@ -53,9 +53,12 @@ class ReferencePolicy:
         if is_lora_model(model) and not fsdp:
             log.info("reference policy: the policy with its LoRA adapters switched off (no extra memory)")
             return cls(model, adapters_off=True)
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
-        for p in ref.parameters():  # tied weights are one Parameter: cast once, still tied
-            p.data = p.data.to(getattr(torch, cfg.model.dtype))
+        dtype = getattr(torch, cfg.model.dtype)
+        # Each parameter is copied straight into model.dtype (deepcopy takes the memo's entry for it): never a second
+        # fp32 model on the GPU on the way (28 GB at 7B). copy=True: an fp32 run must not share the policy's storage.
+        # Tied weights are one Parameter, so one entry: still tied.
+        memo = {id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False) for p in model.parameters()}
+        ref = copy.deepcopy(model, memo).eval()
         n = sum(p.numel() * p.element_size() for p in ref.parameters())
         log.info("reference policy: a frozen copy of the initial weights, %.2f GB in %s", n / 1e9, cfg.model.dtype)
         return cls(ref, adapters_off=False)
