@@ -74,6 +74,7 @@ STEP_COLUMNS = (
     ("teacher_verifier/all/pairwise_disagreement", "disagree", "{:.2f}", "teacher_student_gap"),
     ("mean_span_length", "span", "{:.1f}", None),
     ("loss", "loss", "{:+.4f}", None),
+    ("kl", "kl", "{:.2e}", None),  # the KL to the reference: only with trainer.kl_coef > 0
     ("rollout_seconds", "rollout_s", "{:.0f}", None),
     ("teacher_seconds", "teacher_s", "{:.0f}", None),
     ("train_seconds", "train_s", "{:.0f}", None),

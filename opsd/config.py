@@ -3,7 +3,9 @@
 Unknown keys are errors (a typo must not silently fall back to a default), and
 so are NaN and infinite floats (YAML `.nan`/`.inf`, JSON `NaN`/`Infinity`): no
 hyper-parameter has a meaningful non-finite value, and one would surface as
-NaN advantages or weights mid-run.
+NaN advantages or weights mid-run. A boolean where a number belongs is refused too
+(`kl_coef: true` would be 1.0), and so is a YAML mapping that repeats a key (a
+second `trainer:` block would silently replace the first).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import hashlib
 import json
 import os
 import urllib.parse
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from opsd.types import MAX_GROUP_SIZE, MAX_GROUP_TURNS
 
@@ -29,8 +32,29 @@ CREDIT_METHODS = ("agentopsd", "alignopsd", "ex_opd", "fire_opd", "gc_opd", "grp
 REDIS_RETRY_WAIT_MAX_S = 30.0
 
 
+def _number_not_bool(annotation) -> bool:
+    """True when `annotation` takes an int or a float but not a bool (pydantic would read true as 1)."""
+    kinds: set = set()
+    stack = [annotation]
+    while stack:
+        t = stack.pop()
+        args = typing.get_args(t)
+        if args and typing.get_origin(t) is not Literal:
+            stack.extend(args)
+        else:
+            kinds.add(t)
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value, info: ValidationInfo):
+        if isinstance(value, bool) and _number_not_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expects a number, got {str(value).lower()} (YAML reads true/false/yes/no/on/off as booleans)")
+        return value
 
 
 class RunSection(_Section):
@@ -574,6 +598,21 @@ class LoRASection(_Section):
         return self
 
 
+# verl's and TRL's names for what opsd calls otherwise: a config written for them is told the opsd key to write.
+FOREIGN_TRAINER_KEYS = {
+    "use_kl_loss": "kl_coef (> 0 turns the KL term on)", "kl_loss_coef": "kl_coef", "beta": "kl_coef",
+    "kl_loss_type": "kl_estimator (k1, k2, k3 = low_var_kl)", "loss_agg_mode": "loss_agg",
+    "loss_type": "loss_agg (TRL grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm, dapo = token-mean)",
+    "importance_sampling_level": "importance_level", "entropy_coeff": "entropy_coef",
+    "clip_ratio": "clip_ratio_low and clip_ratio_high", "epsilon": "clip_ratio_low", "epsilon_high": "clip_ratio_high",
+    "num_iterations": "ppo_epochs", "max_grad_norm": "grad_clip", "learning_rate": "lr",
+    "rollout_is": "truncated_is: true and tis_level", "rollout_is_threshold": "tis_cap",
+    "vllm_importance_sampling_correction": "truncated_is", "vllm_importance_sampling_mode": "tis_level and tis_mode",
+    "vllm_importance_sampling_clip_max": "tis_cap", "vllm_importance_sampling_clip_min": "tis_cap_low",
+}
+KL_ESTIMATOR_NAMES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}  # verl's names of the same estimators
+
+
 class TrainerSection(_Section):
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -636,18 +675,40 @@ class TrainerSection(_Section):
     # Changes memory and time, not what is trained.
     gradient_checkpointing: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _foreign_keys(cls, data):
+        if isinstance(data, dict):
+            named = [f"trainer.{k} is not opsd's: write trainer.{FOREIGN_TRAINER_KEYS[k]}" for k in data
+                     if k in FOREIGN_TRAINER_KEYS]
+            if named:
+                raise ValueError("; ".join(named) + " (docs/policy-loss.md)")
+        return data
+
+    @field_validator("kl_estimator", mode="before")
+    @classmethod
+    def _kl_estimator_name(cls, value):
+        return KL_ESTIMATOR_NAMES.get(value, value) if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _loss_settings(self) -> "TrainerSection":
         if self.tis_cap_low is not None and self.tis_cap_low >= self.tis_cap:
             raise ValueError(f"trainer.tis_cap_low ({self.tis_cap_low:g}) must be below trainer.tis_cap ({self.tis_cap:g})")
         # A setting that would change nothing is refused, not ignored: the run would not be the one the config says.
+        # importance_level and the dual clip act from the second epoch: the first one's pi_old is its own forward pass,
+        # so every ratio is exactly 1 (one optimizer step per epoch over the whole step; no mini-batch split).
+        off_policy = self.ppo_epochs > 1
         idle = [k for k, on, default in (
             ("tis_level", self.truncated_is, "token"), ("tis_mode", self.truncated_is, "truncate"),
-            ("tis_cap_low", self.truncated_is, None), ("kl_estimator", self.kl_coef > 0, "k3"),
-            ("loss_agg_norm_tokens", self.loss_agg == "seq-mean-token-sum-norm", None)) if not on and getattr(self, k) != default]
+            ("tis_cap", self.truncated_is, 5.0), ("tis_cap_low", self.truncated_is, None),
+            ("kl_estimator", self.kl_coef > 0, "k3"),
+            ("loss_agg_norm_tokens", self.loss_agg == "seq-mean-token-sum-norm", None),
+            ("importance_level", off_policy, "token"), ("clip_ratio_c", off_policy, 3.0),
+        ) if not on and getattr(self, k) != default]
         if idle:
             raise ValueError(f"trainer.{', trainer.'.join(idle)} set without effect: tis_* need truncated_is: true, "
-                             "kl_estimator needs kl_coef > 0, loss_agg_norm_tokens needs loss_agg: seq-mean-token-sum-norm")
+                             "kl_estimator needs kl_coef > 0, loss_agg_norm_tokens needs loss_agg: seq-mean-token-sum-norm, "
+                             "importance_level and clip_ratio_c need ppo_epochs > 1 (the first epoch's ratio is exactly 1)")
         return self
 
 
@@ -768,17 +829,25 @@ class RunConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _profile_trainer(cls, data):
-        """`credit.profile` also sets the recipe's trainer coefficients (PROFILE_TRAINER) under `trainer`'s own keys."""
+        """The recipes' trainer coefficients under `trainer`'s own keys (a config's explicit keys win): gc_opd's
+        entropy_coef 0 (spec 5), then `credit.profile`'s PROFILE_TRAINER."""
         if not isinstance(data, dict):
             return data
-        credit = data.get("credit")
-        profile = credit.get("profile") if isinstance(credit, dict) else getattr(credit, "profile", None)
+
+        def field(section: str, name: str):
+            value = data.get(section)
+            return value.get(name) if isinstance(value, dict) else getattr(value, name, None)
+
         trainer = data.get("trainer", {})
         if isinstance(trainer, TrainerSection):  # its explicitly set fields win, like a dict's keys
             trainer = trainer.model_dump(include=trainer.model_fields_set)
-        if profile in PROFILE_TRAINER and isinstance(trainer, dict):
-            return {**data, "trainer": _under(PROFILE_TRAINER[profile], trainer)}
-        return data
+        if not isinstance(trainer, dict):
+            return data
+        if field("run", "method") == "gc_opd":
+            trainer = _under({"entropy_coef": 0.0}, trainer)
+        if field("credit", "profile") in PROFILE_TRAINER:
+            trainer = _under(PROFILE_TRAINER[field("credit", "profile")], trainer)
+        return {**data, "trainer": trainer}
 
     def teacher_version(self, policy_version: int) -> int:
         """The policy version the teacher scores a group of `policy_version` with (teacher.version); 0 for an
@@ -968,14 +1037,33 @@ class RunConfig(_Section):
 MAX_CONFIG_VALUES = 100_000
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a mapping that repeats a key: PyYAML keeps the last one silently, so a second
+    `trainer:` block appended to a config would replace the first one whole."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the mapping's own keys
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # SafeLoader refuses it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> Any:
-    """The YAML document of `path` (yaml.safe_load). Raises OSError, UnicodeDecodeError, yaml.YAMLError, or
-    ValueError when its aliases expand it past MAX_CONFIG_VALUES values (counted without expanding: the
-    walk stops at the cap, a self-referencing alias included) or it nests deeper than PyYAML's recursive
-    parser can follow."""
+    """The YAML document of `path` (yaml.safe_load, refusing a repeated key). Raises OSError, UnicodeDecodeError,
+    yaml.YAMLError (a repeated key: ConstructorError), or ValueError when its aliases expand it past
+    MAX_CONFIG_VALUES values (counted without expanding: the walk stops at the cap, a self-referencing alias
+    included) or it nests deeper than PyYAML's recursive parser can follow."""
     text = Path(path).read_text()
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except RecursionError:  # `[[[[...` a few thousand deep: a RuntimeError, outside every caller's one-line path
         raise ValueError("the document nests deeper than a YAML parser follows (thousands of [ or {?): refused") from None
     count, stack = 0, [data]

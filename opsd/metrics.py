@@ -52,7 +52,7 @@ SAMPLER_MISMATCH_KL = Gauge(
 )
 REFERENCE_KL = Gauge(
     "opsd_reference_kl", "KL(policy || reference) estimate on the last step's loss tokens (trainer.kl_estimator, nats/token; "
-    "0 without trainer.kl_coef)", ["role"]
+    "only with trainer.kl_coef > 0)", ["role"]
 )
 GROUPS_IN_FLIGHT = Gauge("opsd_groups_in_flight", "Groups a worker holds now (at most its max_groups_in_flight)", ["role"])
 ENGINE_REQUESTS = Gauge("opsd_engine_requests", "Requests in the worker's inference engine, by state (running, waiting)",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from opsd.config import LoRASection, RunConfig, TrainerSection, config_hash, hashed_config
+from opsd.config import LoRASection, RunConfig, TrainerSection, config_hash, hashed_config, read_yaml
 from opsd.credit.replay import check_file
 from services.trainer.distributed import Message, decode_message, encode_message
 from services.trainer.reference import ReferencePolicy
@@ -57,7 +57,7 @@ def test_loss_settings_that_cannot_work_are_refused():
         RunConfig.model_validate({"trainer": {"kl_estimator": "k4"}})
     with pytest.raises(ValueError):
         RunConfig.model_validate({"trainer": {"clip_ratio_c": 1.0}})
-    assert RunConfig.model_validate({"trainer": {"clip_ratio_c": None}}).trainer.clip_ratio_c is None
+    assert RunConfig.model_validate({"trainer": {"clip_ratio_c": None, "ppo_epochs": 2}}).trainer.clip_ratio_c is None
     for idle in ({"tis_level": "sequence"}, {"tis_mode": "mask"}, {"tis_cap_low": 0.1}, {"kl_estimator": "k1"},
                  {"loss_agg_norm_tokens": 512}):
         with pytest.raises(ValueError, match=f"trainer.{next(iter(idle))} set without effect"):
@@ -65,6 +65,44 @@ def test_loss_settings_that_cannot_work_are_refused():
     on = {"truncated_is": True, "tis_level": "sequence", "tis_mode": "mask", "tis_cap_low": 0.1, "kl_coef": 0.1,
           "kl_estimator": "k1", "loss_agg": "seq-mean-token-sum-norm", "loss_agg_norm_tokens": 512}
     assert RunConfig.model_validate({"trainer": on}).trainer.loss_agg_norm_tokens == 512
+
+
+def test_verl_and_trl_spellings_are_told_the_opsd_key_and_verls_estimator_names_read_as_opsds():
+    with pytest.raises(ValueError, match=r"trainer.use_kl_loss is not opsd's: write trainer.kl_coef .*"
+                                         r"trainer.kl_loss_type is not opsd's: write trainer.kl_estimator"):
+        RunConfig.model_validate({"trainer": {"use_kl_loss": True, "kl_loss_type": "low_var_kl"}})
+    with pytest.raises(ValueError, match="trainer.loss_type is not opsd's: write trainer.loss_agg .*dr_grpo = seq-mean-token-sum-norm"):
+        RunConfig.model_validate({"trainer": {"loss_type": "dr_grpo"}})
+    for name, ours in (("low_var_kl", "k3"), ("kl", "k1"), ("mse", "k2"), ("k2", "k2")):
+        assert RunConfig.model_validate({"trainer": {"kl_coef": 0.1, "kl_estimator": name}}).trainer.kl_estimator == ours
+
+
+def test_a_boolean_for_a_number_and_a_repeated_yaml_key_are_refused(tmp_path):
+    """`kl_coef: true` read as 1.0 (100x the recipe) and a second `trainer:` block silently replacing the first."""
+    for section, key in (("trainer", "kl_coef"), ("trainer", "entropy_coef"), ("run", "steps"), ("rollout", "temperature")):
+        with pytest.raises(ValueError, match="expects a number, got true"):
+            RunConfig.model_validate({section: {key: True}})
+    assert RunConfig.model_validate({"trainer": {"truncated_is": True}}).trainer.truncated_is is True  # a bool stays one
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  lr: 1.0e-6\n  keep_optimizer_state: false\ntrainer:\n  kl_coef: 0.01\n")
+    with pytest.raises(Exception, match="the key 'trainer' appears twice in one mapping"):
+        RunConfig.load(path)
+    path.write_text("base: &b {lr: 1.0e-6}\ntrainer:\n  <<: *b\n  kl_coef: 0.01\n")  # a YAML merge is not a repeat
+    assert read_yaml(path)["trainer"] == {"lr": 1e-6, "kl_coef": 0.01}
+
+
+def test_the_ratio_settings_need_a_second_epoch_and_gc_opd_has_no_entropy_bonus():
+    """One optimizer step per epoch over the whole step: the first epoch's ratio is exactly 1, so GSPO and the dual
+    clip act only with ppo_epochs > 1 (refused otherwise). spec 5: entropy bonus 0 for GC-OPD, 0.001 elsewhere."""
+    for idle in ({"importance_level": "sequence"}, {"clip_ratio_c": None}, {"tis_cap": 2.0}):
+        with pytest.raises(ValueError, match=f"trainer.{next(iter(idle))} set without effect"):
+            RunConfig.model_validate({"trainer": idle})
+        if "tis_cap" not in idle:
+            RunConfig.model_validate({"trainer": {**idle, "ppo_epochs": 2}})
+    assert RunConfig.model_validate({"run": {"method": "gc_opd"}}).trainer.entropy_coef == 0.0
+    assert RunConfig.model_validate({"run": {"method": "grpo"}}).trainer.entropy_coef == 0.001
+    own = RunConfig.model_validate({"run": {"method": "gc_opd"}, "trainer": {"entropy_coef": 0.01}})
+    assert own.trainer.entropy_coef == 0.01
 
 
 def test_grpo_singleton_comes_from_the_run_config():
@@ -225,7 +263,8 @@ def test_the_loss_replay_pads_micro_batches_of_similar_lengths_not_the_whole_ste
 
     cfg = RunConfig.model_validate({"run": {"method": "grpo_opd"}, "credit": {"sdar": {"coef": 0.01}}, "trainer": {
         "entropy_coef": 0.01, "kl_coef": 0.05, "kl_estimator": "k2", "loss_agg": "seq-mean-token-sum-norm",
-        "importance_level": "sequence", "truncated_is": True, "tis_level": "sequence", "tis_cap": 3.0, "tis_cap_low": 0.5}})
+        "importance_level": "sequence", "truncated_is": True, "tis_level": "sequence", "tis_cap": 3.0, "tis_cap_low": 0.5,
+        "ppo_epochs": 2}})
     scored = [make_scored_group(G=3, turns=3, seed=s) for s in (0, 1)]
     model = tiny_llama(num_hidden_layers=1, vocab_size=VOCAB_SIZE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -294,3 +333,16 @@ def test_the_reference_copy_owns_its_storage_in_model_dtype():
         for p in model.parameters():
             p.add_(1.0)
     assert all(not torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))
+
+
+def test_kl_is_reported_only_with_the_kl_term_and_shows_on_the_step_line():
+    from opsd.cli import format_step
+    from services.trainer.update import ppo_update
+
+    model = tiny_llama()
+    off = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), ppo_sequences(), _cfg().trainer)
+    assert "kl" not in off
+    seqs = [replace(s, ref_logprobs_S=np.full(len(s.token_ids_S), -4.0, np.float32)) for s in ppo_sequences()]
+    on = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), seqs, _cfg(kl_coef=0.01).trainer)
+    assert on["kl"] > 0
+    assert "  kl 1.20e-04" in format_step({"step": 3, "loss": 0.5, "kl": 1.2e-4}) and " kl " not in format_step({"step": 3})

@@ -120,7 +120,7 @@ def ppo_update(
     With `cfg.kl_coef > 0` every sequence must carry `ref_logprobs_S` (the reference policy's,
     services/trainer/reference.py; ValueError otherwise) and cfg.kl_coef x the cfg.kl_estimator term joins the
     loss; `kl` = the estimator's token-mean over the loss tokens (nats/token, mean over the epochs), reported
-    whenever the sequences carry reference log-probs.
+    (only) when the sequences carry reference log-probs.
 
     Sequences without loss tokens add nothing to the loss or its gradient and
     are left out. Sequences holding a token id outside the model's vocabulary
@@ -180,8 +180,8 @@ def ppo_update(
     if total_tokens == 0:
         return dict.fromkeys(
             ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "mismatch_kl", "loss_tokens",
-             "sdar_loss", "kl", "is_masked_frac"), 0.0
-        ) | {"dropped_sequences": float(dropped), "skipped_steps": 0.0}
+             "sdar_loss", "is_masked_frac"), 0.0
+        ) | {"dropped_sequences": float(dropped), "skipped_steps": 0.0} | ({"kl": 0.0} if cfg.kl_coef > 0 else {})
     model.train()
     device = next(model.parameters()).device
     batches = [_pad(mb, device) for mb in micro]
@@ -272,9 +272,8 @@ def ppo_update(
         "dropped_sequences": float(dropped),
         "skipped_steps": float(skipped),
         "sdar_loss": sums["sdar"] / e,
-        "kl": sums["kl"] / e,
         "is_masked_frac": masked_sum / total_tokens,
-    }
+    } | ({"kl": sums["kl"] / e} if with_ref else {})
 
 
 def _fill_record(record: FirstEpoch, micro: list[list[Sequence]], first: list[tuple[torch.Tensor, torch.Tensor]],
