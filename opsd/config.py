@@ -4,7 +4,7 @@ Unknown keys are errors (a typo must not silently fall back to a default), and
 so are NaN and infinite floats (YAML `.nan`/`.inf`, JSON `NaN`/`Infinity`): no
 hyper-parameter has a meaningful non-finite value, and one would surface as
 NaN advantages or weights mid-run. A boolean where a number belongs is refused too
-(`kl_coef: true` would be 1.0), and so is a YAML mapping that repeats a key (a
+(`kl_coef: true` would be 1.0; `stop_token_ids: [true]` would be [1]), and so is a YAML mapping that repeats a key (a
 second `trainer:` block would silently replace the first).
 """
 
@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import urllib.parse
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -32,18 +33,33 @@ CREDIT_METHODS = ("agentopsd", "alignopsd", "ex_opd", "fire_opd", "gc_opd", "grp
 REDIS_RETRY_WAIT_MAX_S = 30.0
 
 
-def _number_not_bool(annotation) -> bool:
-    """True when `annotation` takes an int or a float but not a bool (pydantic would read true as 1)."""
-    kinds: set = set()
-    stack = [annotation]
+def _alternatives(annotation) -> list:
+    """`annotation`'s alternatives: Optional, Union and Annotated unwrapped (list[int] and Literal[...] kept whole)."""
+    out, stack = [], [annotation]
     while stack:
         t = stack.pop()
-        args = typing.get_args(t)
-        if args and typing.get_origin(t) is not Literal:
-            stack.extend(args)
+        origin = typing.get_origin(t)
+        if origin is Annotated:
+            stack.append(typing.get_args(t)[0])
+        elif origin in (typing.Union, types.UnionType):
+            stack.extend(typing.get_args(t))
         else:
-            kinds.add(t)
-    return bool(kinds & {int, float}) and bool not in kinds
+            out.append(t)
+    return out
+
+
+def _bool_for_a_number(annotation, value) -> bool:
+    """True when `value` is a bool where `annotation` takes an int or a float but not a bool (pydantic would read
+    true as 1), or a list or dict holding one where the annotation's items do (`stop_token_ids: [true, 2]`)."""
+    kinds = _alternatives(annotation)
+    if isinstance(value, bool):
+        return any(k in (int, float) for k in kinds) and bool not in kinds
+    if not isinstance(value, (list, dict)):
+        return False
+    # list[X] -> X, dict[K, X] -> X: what each of the value's items must be
+    items = [typing.get_args(k)[-1] for k in kinds if typing.get_origin(k) is type(value) and typing.get_args(k)]
+    return bool(items) and any(all(_bool_for_a_number(t, v) for t in items)
+                               for v in (value if isinstance(value, list) else value.values()))
 
 
 class _Section(BaseModel):
@@ -52,8 +68,9 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value, info: ValidationInfo):
-        if isinstance(value, bool) and _number_not_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"expects a number, got {str(value).lower()} (YAML reads true/false/yes/no/on/off as booleans)")
+        if _bool_for_a_number(cls.model_fields[info.field_name].annotation, value):
+            got = json.dumps(value) if isinstance(value, bool) else f"a boolean in {json.dumps(value, default=str)[:80]}"
+            raise ValueError(f"expects a number, got {got} (YAML reads true/false/yes/no/on/off as booleans)")
         return value
 
 

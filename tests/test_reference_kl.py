@@ -12,8 +12,10 @@ import json
 from dataclasses import replace
 
 import numpy as np
+import pydantic
 import pytest
 import torch
+import yaml
 
 from opsd.config import LoRASection, RunConfig, TrainerSection, config_hash, hashed_config, read_yaml
 from opsd.credit.replay import check_file
@@ -89,6 +91,22 @@ def test_a_boolean_for_a_number_and_a_repeated_yaml_key_are_refused(tmp_path):
         RunConfig.load(path)
     path.write_text("base: &b {lr: 1.0e-6}\ntrainer:\n  <<: *b\n  kl_coef: 0.01\n")  # a YAML merge is not a repeat
     assert read_yaml(path)["trainer"] == {"lr": 1e-6, "kl_coef": 0.01}
+
+
+def test_a_boolean_inside_a_list_of_numbers_is_refused_too(tmp_path):
+    """`stop_token_ids: [true, 2]` was read as [1, 2] (and webshop goals [yes, no] as [1, 0]): the rule covers items."""
+    path = tmp_path / "c.yaml"
+    for text, where in (("model:\n  stop_token_ids: [true, 2]\n", "model.stop_token_ids"),
+                        ("env:\n  webshop:\n    goals: [yes, no]\n", "env.webshop.goals"),
+                        ("credit:\n  diagnostic_prompt_buckets: [true, 2048]\n", "credit.diagnostic_prompt_buckets"),
+                        ("teacher:\n  source: model\n  model: {name: tiny-random, stop_token_ids: [0, off]}\n",
+                         "teacher.model.stop_token_ids")):
+        path.write_text(text)
+        with pytest.raises(pydantic.ValidationError, match=rf"{where}\n.*expects a number, got a boolean in \["):
+            RunConfig.load(path)
+    path.write_text("model:\n  stop_token_ids: [1, 2]\n  chat_template_kwargs: {enable_thinking: no, depth: 2}\n")
+    model = RunConfig.load(path).model  # numbers stay numbers; a template variable may be a bool beside numbers
+    assert model.stop_token_ids == [1, 2] and model.chat_template_kwargs == {"enable_thinking": False, "depth": 2}
 
 
 def test_the_ratio_settings_need_a_second_epoch_and_gc_opd_has_no_entropy_bonus():
