@@ -1056,21 +1056,35 @@ MAX_CONFIG_VALUES = 100_000
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader refusing a mapping that repeats a key: PyYAML keeps the last one silently, so a second
-    `trainer:` block appended to a config would replace the first one whole."""
+    `trainer:` block appended to a config would replace the first one whole. A repeated merge key (`<<: *a` twice)
+    is refused too, and so is a repeat inside an inline mapping merged in (`<<: {lr: 1, lr: 2}`), which PyYAML
+    merges without ever constructing it."""
 
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the mapping's own keys
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, typing.Hashable):
-                continue  # SafeLoader refuses it with its own message
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
-                                                        key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()  # id() of the mappings checked (the nodes live as long as the loader)
+
+    def flatten_mapping(self, node):
+        # Called on every mapping before its merge keys are expanded, and on each mapping merged in. Once expanded,
+        # a mapping holds its own keys after the merged ones (an override, not a repeat): checked only once.
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen, merges = set(), 0
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    merges += 1
+                    if merges > 1:
+                        raise yaml.constructor.ConstructorError(None, None, "the merge key << appears twice in one "
+                                                                "mapping (merge several: <<: [*a, *b])", key_node.start_mark)
+                    continue
+                key = self.construct_object(key_node)
+                if not isinstance(key, typing.Hashable):
+                    continue  # SafeLoader refuses it with its own message
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
+                                                            key_node.start_mark)
+                seen.add(key)
+        super().flatten_mapping(node)
 
 
 def read_yaml(path: str | Path) -> Any:

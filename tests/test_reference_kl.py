@@ -109,6 +109,20 @@ def test_a_boolean_inside_a_list_of_numbers_is_refused_too(tmp_path):
     assert model.stop_token_ids == [1, 2] and model.chat_template_kwargs == {"enable_thinking": False, "depth": 2}
 
 
+def test_a_repeated_merge_key_or_a_repeat_in_a_merged_mapping_is_refused_and_an_override_is_not(tmp_path):
+    """PyYAML merges two `<<` keys and an inline mapping merged in without a check; a merged anchor that is itself
+    a merge, aliased again later, was refused as a repeat (its expanded keys hold the override)."""
+    path = tmp_path / "c.yaml"
+    for text, message in (("a: &a {lr: 1}\nb: &b {lr: 2}\ntrainer:\n  <<: *a\n  <<: *b\n", "merge key << appears twice"),
+                          ("trainer:\n  <<: {lr: 1, lr: 2}\n", "the key 'lr' appears twice"),
+                          ("trainer:\n  <<: [{lr: 1}, {kl_coef: 1, kl_coef: 2}]\n", "the key 'kl_coef' appears twice")):
+        path.write_text(text)
+        with pytest.raises(yaml.YAMLError, match=message):
+            read_yaml(path)
+    path.write_text("b: &b {x: 1}\na:\n  <<: &c\n    <<: *b\n    x: 2\n  y: 3\nd: *c\n")
+    assert read_yaml(path) == {"b": {"x": 1}, "a": {"x": 2, "y": 3}, "d": {"x": 2}}
+
+
 def test_the_ratio_settings_need_a_second_epoch_and_gc_opd_has_no_entropy_bonus():
     """One optimizer step per epoch over the whole step: the first epoch's ratio is exactly 1, so GSPO and the dual
     clip act only with ppo_epochs > 1 (refused otherwise). spec 5: entropy bonus 0 for GC-OPD, 0.001 elsewhere."""
