@@ -34,7 +34,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
-import yaml  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -103,7 +102,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.prompts < 1:
         ap.error(f"--prompts must be >= 1 (got {args.prompts})")
-    base = yaml.safe_load(args.config.read_text())
+    from opsd.config import read_yaml
+
+    base = read_yaml(args.config)  # as `opsd run` reads it: a repeated key is refused, not dropped
 
     from opsd.chat import ChatFormat
     from opsd.config import RunConfig

@@ -234,9 +234,11 @@ def main() -> None:
     args.methods = args.methods or list(TEACHER_METHODS if args.teacher else DEFAULT_METHODS)
     if not args.config.is_file():
         ap.error(f"--config {args.config}: not a file (give a run config YAML, e.g. configs/learning.yaml)")
-    try:
-        base = yaml.safe_load(args.config.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+    from opsd.config import read_yaml
+
+    try:  # as `opsd run` reads it: a repeated key (a second trainer: block) is refused, not dropped on the rewrite
+        base = read_yaml(args.config)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as e:
         ap.error(f"--config {args.config}: cannot read it as YAML: {e}")
     if not isinstance(base, dict):
         ap.error(f"--config {args.config}: the top level must be a mapping of sections (run:, model:, ...)")

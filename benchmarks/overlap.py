@@ -103,7 +103,9 @@ class RunResult:
 
 def run_config(base: Path, staleness: int, steps: int, scale: float, work: Path) -> Path:
     """Write `base` with run.max_staleness, run.steps and the simulated times multiplied by `scale` to `work`."""
-    data = yaml.safe_load(base.read_text()) or {}
+    from opsd.config import read_yaml
+
+    data = read_yaml(base) or {}  # as `opsd run` reads it: the rewrite below would drop a repeated key silently
     data.setdefault("run", {}).update(max_staleness=staleness, steps=steps,
                                       name=f"{data['run'].get('name', 'overlap')}-k{staleness}")
     sim = data.get("simulate") or {}

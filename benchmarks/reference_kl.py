@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     path = Path(args.config or ROOT / ("tests/configs/tiny.yaml" if args.quick else "configs/quickstart.yaml"))
     if not path.is_file():
         ap.error(f"--config {path}: no such file")
-    config = yaml.safe_load(path.read_text())
+    from opsd.config import read_yaml
+
+    config = read_yaml(path)  # as `opsd run` reads it: a repeated key is refused, not dropped on the rewrite
     with tempfile.TemporaryDirectory(prefix="opsd-kl-") as tmp:
         off = run(config, 0.0, steps, Path(tmp))
         on = run(config, 0.01, steps, Path(tmp))

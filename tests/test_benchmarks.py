@@ -146,6 +146,22 @@ def test_bad_arguments_exit_2_naming_the_argument(script, args, flag, tmp_path):
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+def test_a_benchmark_reads_its_config_as_opsd_run_does_a_repeated_key_refused(tmp_path):
+    """learning.py and overlap.py rewrite the --config they read: read with yaml.safe_load, a second trainer: block
+    replaced the first silently and the rewritten file passed `opsd run`'s repeated-key check."""
+    from benchmarks import overlap
+
+    config = tmp_path / "twice.yaml"
+    config.write_text((common.REPO / "configs" / "overlap.yaml").read_text() + "trainer:\n  kl_coef: 0.01\n")
+    with pytest.raises(yaml.YAMLError, match="the key 'trainer' appears twice"):
+        overlap.run_config(config, 0, 3, 1.0, tmp_path)
+    assert not list(tmp_path.glob("config-k*.yaml"))
+    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--config", str(config), "--out", str(tmp_path / "out")],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"learning.py: error: --config {config}: cannot read it as YAML" in proc.stderr
+    assert "the key 'trainer' appears twice" in proc.stderr and not (tmp_path / "out").exists()
+
+
 def test_learning_checks_every_methods_config_before_evaluating(tmp_path):
     from benchmarks import learning
     from opsd.config import RunConfig
