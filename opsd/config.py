@@ -1094,7 +1094,11 @@ def read_yaml(path: str | Path) -> Any:
     included) or it nests deeper than PyYAML's recursive parser can follow."""
     text = Path(path).read_text()
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        loader = _UniqueKeyLoader(text)  # what yaml.safe_load does, with the repeated-key check
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except RecursionError:  # `[[[[...` a few thousand deep: a RuntimeError, outside every caller's one-line path
         raise ValueError("the document nests deeper than a YAML parser follows (thousands of [ or {?): refused") from None
     count, stack = 0, [data]
