@@ -105,7 +105,7 @@ def check_config() -> dict:
     cfg["env"].update(num_games=4, game_pool=8, max_turns=3, list_admissible=False, one_shot=False)
     cfg["rollout"].update(group_size=2, max_new_tokens=16, max_groups_in_flight=2)
     cfg["teacher"]["thinking_max_new_tokens"] = 8
-    cfg["trainer"].update(micro_batch_size=4, threads=1)
+    cfg["trainer"].update(micro_batch_size=4, threads=1, kl_coef=0.01)  # the KL to the reference: its panel has data
     cfg["redis"] = {"reclaim_idle_ms": 10_000}
     return cfg
 
