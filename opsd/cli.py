@@ -367,9 +367,15 @@ def finished_steps(run_dir: Path) -> int | None:
 JAVA_ENVS = ("twx", "scienceworld")  # TextWorld-Express and ScienceWorld: py4j over a bundled jar
 
 
-def _installed(cfg: RunConfig) -> RunConfig:
+def _installed(cfg: RunConfig, trackers: bool = False) -> RunConfig:
     """`cfg`, after checking that its model backend is importable here and that its env's runtime is installed
-    (usage error, exit 2, if not)."""
+    (and, with `trackers`, the experiment trackers of run.report_to; usage error, exit 2, if not)."""
+    if trackers:
+        from opsd.tracking import missing_trackers
+
+        problem = missing_trackers(cfg.run.report_to)
+        if problem:
+            _usage_error(problem)
     if cfg.env.name in JAVA_ENVS and shutil.which("java") is None:
         _usage_error(f"env {cfg.env.name} runs a bundled jar and needs Java 11+: `make java` (apt-get install "
                      f"default-jre-headless) or any JRE on PATH")
@@ -433,7 +439,7 @@ def run(
         if not resolved.is_file():
             _usage_error(f"{run_dir} is not a run directory: it has no config.yaml")
         lock = lock_run_dir(run_dir)
-        cfg = _installed(load_config(resolved, steps=steps))
+        cfg = _installed(load_config(resolved, steps=steps), trackers=True)
         done = finished_steps(run_dir)
         if done is not None and done >= cfg.run.steps:
             console.print(f"run {run_dir} already finished: {done} steps (run.steps {cfg.run.steps}); nothing to do")
@@ -452,7 +458,7 @@ def run(
         (run_dir / "logs").mkdir(exist_ok=True)
     else:
         cfg = _installed(load_config(config, backend=backend, steps=steps,
-                                     output_dir=None if output_dir is None else str(output_dir)))
+                                     output_dir=None if output_dir is None else str(output_dir)), trackers=True)
         models = resolve_models(cfg)  # before the run directory exists: a model that cannot be had leaves nothing
         check_disk(cfg, models, Path(cfg.run.output_dir))
         _prepare_or_exit(cfg, models)  # a model or chat template opsd cannot serve leaves no run directory

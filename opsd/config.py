@@ -88,6 +88,16 @@ class RunSection(_Section):
     # and a group more than k policy versions older than the trainer is dropped and counted.
     max_staleness: int = Field(0, ge=0, le=16)
     max_restarts: int = Field(3, ge=0)  # `opsd run` restarts a role that died at most this many times (per role)
+    # Experiment trackers the trainer logs to (opsd/tracking.py; settings in `tracking:`): any of wandb,
+    # tensorboard, mlflow. Each is an optional extra (pip install 'opsd[wandb]'); a missing one is refused at start.
+    report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = []
+
+    @field_validator("report_to")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a tracker twice: {value}")
+        return value
 
 
 class RedisSection(_Section):
@@ -796,6 +806,51 @@ class WeightsSection(_Section):
     url: Annotated[str, AfterValidator(base_url)] | None = None
 
 
+class WandbSection(_Section):
+    """Weights & Biases (run.report_to: [wandb]). None: the WANDB_* variable (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE,
+    WANDB_API_KEY, WANDB_BASE_URL for a server of your own), else W&B's default (project "opsd")."""
+
+    project: str | None = Field(None, min_length=1, max_length=128)
+    entity: str | None = Field(None, min_length=1, max_length=128)
+    group: str | None = Field(None, min_length=1, max_length=128)
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = []
+    mode: Literal["online", "offline", "disabled"] | None = None  # offline: files only, `wandb sync` later
+    dir: str | None = None  # where wandb/ is written (default: the run directory)
+    init_timeout_s: float = Field(90.0, gt=0, le=3600)  # wandb.init's wait for the service (a server down: then counted)
+
+
+class MlflowSection(_Section):
+    """MLflow (run.report_to: [mlflow]). tracking_uri None: MLFLOW_TRACKING_URI, else a SQLite store in the run
+    directory (sqlite:///<run_dir>/mlflow.db); experiment_name None: MLFLOW_EXPERIMENT_NAME, else "opsd"."""
+
+    tracking_uri: str | None = Field(None, min_length=1)
+    experiment_name: str | None = Field(None, min_length=1, max_length=256)
+
+
+class TensorBoardSection(_Section):
+    """TensorBoard (run.report_to: [tensorboard]): event files in log_dir (default <run_dir>/tensorboard)."""
+
+    log_dir: str | None = Field(None, min_length=1)
+
+
+class TrackingSection(_Section):
+    """What the experiment trackers of run.report_to receive besides metrics.jsonl's values (opsd/tracking.py).
+
+    name: the tracker run's name (default: the run directory's name). trajectories_per_step: rows of the
+    per-step trajectory table (0: none); table_chars: the longest text cell (a task, the actions), cut
+    beyond; histogram_bins: bins of the advantage, teacher-student gap and span-length histograms.
+    Reporting only (not part of the config hash): a resumed run may add or drop a tracker.
+    """
+
+    name: str | None = Field(None, min_length=1, max_length=128)
+    trajectories_per_step: int = Field(4, ge=0, le=64)
+    table_chars: int = Field(500, ge=20, le=10_000)
+    histogram_bins: int = Field(64, ge=2, le=1024)
+    wandb: WandbSection = WandbSection()
+    mlflow: MlflowSection = MlflowSection()
+    tensorboard: TensorBoardSection = TensorBoardSection()
+
+
 class ProbesSection(_Section):
     """Readiness and liveness: every role's GET /readyz and /livez (opsd/probes.py, opsd/service.py). Limits in
     seconds, sized for a 7-8B model on real GPUs: a limit too short restarts a healthy worker mid-job, so they err
@@ -842,6 +897,7 @@ class RunConfig(_Section):
     simulate: SimulateSection = SimulateSection()
     weights: WeightsSection = WeightsSection()
     probes: ProbesSection = ProbesSection()
+    tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="before")
     @classmethod
@@ -1124,6 +1180,7 @@ RESUMABLE_FIELDS = (
     ("trainer", "keep_optimizer_state"), ("credit", "diagnostic_prompt_buckets"),  # what is reported, not what is trained
     ("trainer", "gradient_checkpointing"),  # memory, not what is trained
     ("trainer", "checkpoint_every"), ("trainer", "keep_checkpoints"),  # resume points, not what is trained
+    ("run", "report_to"),  # where the run is reported
 )
 # Fields added after runs already existed: at their defaults they are left out of the hash, so a
 # checkpoint written before they existed still resumes.
@@ -1139,7 +1196,7 @@ ADDED_FIELDS = (
 # alike: at their defaults they are left out of the hash.
 ADDED_MODEL_FIELDS = ("revision", "trust_remote_code", "stop_token_ids", "chat_template", "chat_template_kwargs")
 # Sections that never change what a run trains (dropped from the hash whole).
-UNHASHED_SECTIONS = ("eval", "simulate", "weights", "probes")
+UNHASHED_SECTIONS = ("eval", "simulate", "weights", "probes", "tracking")
 
 
 def hashed_config(cfg) -> dict:

@@ -54,6 +54,9 @@ REFERENCE_KL = Gauge(
     "opsd_reference_kl", "KL(policy || reference) estimate on the last step's loss tokens (trainer.kl_estimator, nats/token; "
     "only with trainer.kl_coef > 0)", ["role"]
 )
+TRACKER_ERRORS = Counter(
+    "opsd_tracker_errors_total", "Calls to an experiment tracker (run.report_to) that failed; training went on without them",
+    ["role", "tracker"])
 GROUPS_IN_FLIGHT = Gauge("opsd_groups_in_flight", "Groups a worker holds now (at most its max_groups_in_flight)", ["role"])
 ENGINE_REQUESTS = Gauge("opsd_engine_requests", "Requests in the worker's inference engine, by state (running, waiting)",
                         ["role", "state"])

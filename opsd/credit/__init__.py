@@ -23,7 +23,8 @@ from opsd.credit.registry import get_estimator, register, registered
 from opsd.types import CreditBatch
 
 
-def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection) -> tuple[np.ndarray, dict[str, float]]:
+def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection,
+                       distributions: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """Token advantages of every turn row with the estimator registered as `method`.
 
     Args:
@@ -31,6 +32,8 @@ def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection) -> t
         alignopsd, gc_opd, uni_opd, power_opd, ex_opd, fire_opd (opsd, grpo_opsd: aliases).
       batch: a CreditBatch, rows in any order (M rows, L tokens).
       cfg: the run's CreditSection.
+      distributions: when given, receives the per-item arrays an estimator reports beside its metrics
+        (AlignOPSD: "alignopsd/span_turns", int64 [spans], turns per span), for the trackers' histograms.
     Returns: (advantages_ML float32 [M, L], 0 wherever loss_mask_ML is 0,
       in the caller's row order; metrics: flat dict of finite floats).
     Raises: ValueError for an unknown method (listing the registered ones), a
@@ -51,7 +54,10 @@ def compute_advantages(method: str, batch: CreditBatch, cfg: CreditSection) -> t
     adv_ML = adv_ML * mask_ML  # the contract, whatever an estimator did off the mask
     if not np.isfinite(adv_ML).all():
         raise ValueError(f"credit method {method!r} produced a non-finite advantage")
-    out = {k: float(v) for k, v in metrics.items()}
+    arrays = {k: np.asarray(v) for k, v in metrics.items() if isinstance(v, np.ndarray)}
+    if distributions is not None:
+        distributions.update(arrays)
+    out = {k: float(v) for k, v in metrics.items() if k not in arrays}
     # Metrics are diagnostics: an overflowing one (extreme inputs) is dropped and counted, never exported as inf/NaN.
     bad = [k for k, v in out.items() if not math.isfinite(v)]
     for k in bad:

@@ -14,7 +14,8 @@ import numpy as np
 from opsd.config import CREDIT_METHODS, CreditSection
 from opsd.types import CreditBatch
 
-Estimator = Callable[[CreditBatch, CreditSection], "tuple[np.ndarray, dict[str, float]]"]
+# (advantages_ML, metrics): metrics are floats, or numpy arrays (per-item distributions, see compute_advantages)
+Estimator = Callable[[CreditBatch, CreditSection], "tuple[np.ndarray, dict[str, float | np.ndarray]]"]
 _REGISTRY: dict[str, Estimator] = {}
 
 

@@ -48,6 +48,7 @@ from opsd.models import ModelUnavailableError, resolve_model, served_dtype
 from opsd.queue import StreamNames
 from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, RoleProcess, fatal, load_worker_backend
 from opsd.skills import privileged_text
+from opsd.tracking import missing_trackers
 from opsd.types import RolloutGroup, ScoredGroup
 from opsd.weights import ema_path, keep_snapshot, prune_versions, published_versions, weights_path
 from opsd.weights_http import weights_transport
@@ -63,6 +64,7 @@ from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.ema import PolicyEMA
 from services.trainer.report import append_metrics, model_records, plot_metrics, read_metrics, summarize, write_records
 from services.trainer.reference import ReferencePolicy
+from services.trainer.reporting import Reporter, stage_report
 from services.trainer.step import learn
 from services.trainer.update import enable_gradient_checkpointing, follow
 from services.trainer.weights_api import weights_app
@@ -162,6 +164,8 @@ def train() -> None:
         exit_at_done = exit_when_done()
     except ValueError as e:
         fatal(ROLE, str(e))
+    if missing_trackers(cfg.run.report_to):  # started without `opsd run` (compose, k8s): the same one line
+        fatal(ROLE, missing_trackers(cfg.run.report_to))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
     if local != cfg.trainer.nproc_per_node:  # a silent single process would train N times slower
         fatal(ROLE, f"trainer.nproc_per_node is {cfg.trainer.nproc_per_node} but {local} rank(s) run on this node: "
@@ -243,6 +247,9 @@ def train() -> None:
     write_records(run_dir / "metrics.jsonl", records)  # records of steps after the checkpoint: those steps run again
     if state.step < cfg.run.steps:
         (run_dir / "DONE").unlink(missing_ok=True)
+    reporter = None
+    if cfg.run.report_to:  # one writer per run: rank 0, on a thread of its own (services/trainer/reporting.py)
+        reporter = Reporter(cfg, run_dir, {**cfg.model_dump(mode="json"), "models": models}, state.step, records, ckpt)
 
     games = get_adapter(cfg.env.name).make_tasks(cfg.env, EnvContext(cache_dir=cfg.cache_root), "train")
     try:  # every task type's skill files now, not when a later step first issues it (opsd/skills: refusals)
@@ -280,7 +287,8 @@ def train() -> None:
         log.warning("simulated compute: each step's credit + update is held for %.2f s (simulate.trainer_s), model %s",
                     cfg.simulate.trainer_s, cfg.model.name)
     saved_step = step
-    writer = Checkpointer(run_dir, hashed, backend.tokenizer, cfg.trainer.keep_checkpoints)
+    writer = Checkpointer(run_dir, hashed, backend.tokenizer, cfg.trainer.keep_checkpoints,
+                          on_written=reporter.commit if reporter is not None else None)
     # metrics.png is drawn off the step's path (matplotlib took 1-2.5 s a step on 2 busy cores, which held back
     # the next step's tasks); a plot still drawing is not queued behind, and the last one is drawn at the end.
     plotter, plotting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plot"), None
@@ -327,6 +335,8 @@ def train() -> None:
         # the records, so a resumed run keeps it for every step (its checkpoint and publish follow: seconds).
         record["finished_at"] = time.time()
         records.append(record)
+        if reporter is not None:  # sent once a checkpoint holds the step
+            stage_report(reporter, record, result, groups, scored, cfg)
         due = step % checkpoint_every == 0 or step == cfg.run.steps
         with proc.liveness.guard("gathering and publishing the weights", cfg.probes.update_s):
             full_model, full_optimizer = par.gather(optimizer=due)  # FSDP2: all-gathered (into backend.model); else the model
@@ -359,9 +369,14 @@ def train() -> None:
         if step > saved_step:  # stopped between checkpoints: keep the finished steps
             save_checkpoint(run_dir, *par.gather(optimizer=True), state, hashed, records, backend.tokenizer, ema,
                             keep=cfg.trainer.keep_checkpoints)
+            if reporter is not None:
+                reporter.commit(step)
             collector.release_trained()
             backoff.retry(collector.flush)
     par.stop()  # the other ranks' `follow` returns
+    if reporter is not None:  # what is checkpointed is sent; W&B and MLflow mark the run finished (or not)
+        with finishing():
+            reporter.close(finished=step >= cfg.run.steps, timeout_s=120.0 if step >= cfg.run.steps else 20.0)
     if step < cfg.run.steps:
         log.info("stopped before step %d; resume with the same run dir", step)
         lock.close()

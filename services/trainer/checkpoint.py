@@ -9,6 +9,7 @@ Contents:
   metrics.jsonl            the run's metric records of every step before `step`
   run_config.json          the hashed config (to name the fields that differ on a mismatch)
   ema.safetensors          teacher.version ema:D only: the policy's moving average (services/trainer/ema.py)
+  trackers.json            run.report_to only: the tracker runs' ids and progress (opsd/tracking.py)
   trainer_state.json       TrainerState (below), written last
 
 A save writes `.checkpoint-tmp/`, fsyncs it, then swaps: checkpoint ->
@@ -43,6 +44,8 @@ from safetensors.torch import load_file, save_file
 
 from opsd.config import RESUMABLE_FIELDS, config_hash
 from opsd.models.hf import load_state_strict
+from opsd.tracking import STATE_FILE as TRACKER_STATE_FILE
+from opsd.tracking import read_state as read_tracker_state
 from opsd.weights_io import all_finite
 from services.trainer.ema import CHECKPOINT_FILE as EMA_CHECKPOINT_FILE
 from services.trainer.report import write_records
@@ -156,7 +159,8 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     the steps before `state.step`; `tokenizer` (optional) is saved with the
     model; `ema` (optional, services/trainer/ema.PolicyEMA) as ema.safetensors;
     `rng` the `capture_rng()` of the step's end (default: the RNG states now);
-    `keep` (trainer.keep_checkpoints, >= 1) complete checkpoints stay. Raises
+    `keep` (trainer.keep_checkpoints, >= 1) complete checkpoints stay; the run's trackers.json (tracker run ids)
+    is copied in. Raises
     OSError on write failure (the previous checkpoint stays).
     """
     run_dir = Path(run_dir)
@@ -180,6 +184,9 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
     })
     write_records(tmp / "metrics.jsonl", records)
+    trackers = read_tracker_state(run_dir)
+    if trackers:  # the W&B and MLflow run ids (opsd/tracking.py): a resume continues those runs
+        _write_json(tmp / TRACKER_STATE_FILE, trackers)
     _write_json(tmp / "run_config.json", run_config)
     _write_json(tmp / STATE_FILE, asdict(state))
     for p in tmp.iterdir():
@@ -221,8 +228,9 @@ class Checkpointer:
     trainer: how many trained groups it covers), handed back by `wait`.
     """
 
-    def __init__(self, run_dir: Path, run_config: dict, tokenizer=None, keep: int = 1):
+    def __init__(self, run_dir: Path, run_config: dict, tokenizer=None, keep: int = 1, on_written=None):
         self.run_dir, self.run_config, self.tokenizer, self.keep = Path(run_dir), run_config, tokenizer, keep
+        self.on_written = on_written  # called with the checkpoint's TrainerState.step once it is on disk (its thread)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._covered = None
@@ -245,6 +253,8 @@ class Checkpointer:
             t0 = time.perf_counter()
             save_checkpoint(*args)
             log.info("checkpoint of step %d written in %.1f s", args[3].step, time.perf_counter() - t0)
+            if self.on_written is not None:
+                self.on_written(args[3].step)
         except BaseException as e:  # handed to the main thread by `wait`
             self._error = e
 

@@ -8,7 +8,7 @@ it without services.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,9 @@ class StepResult:
     advantages_ML: np.ndarray  # float32 [M, L], what the update trained on
     credit_metrics: dict[str, float]
     update: dict[str, float]
+    # (group index, trajectory index) -> float32 [S] token advantages (0 off the loss mask): the trackers' table
+    trajectory_advantages: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    distributions: dict[str, np.ndarray] = field(default_factory=dict)  # compute_advantages' per-item arrays
 
 
 def learn(
@@ -74,7 +77,8 @@ def learn(
     guard = {}
     if scored:  # a teacher worse than its student on the winning trajectories: reported, maybe shrunk
         batch, guard = apply_teacher_guard(batch, cfg.credit.teacher_guard, cfg.credit.teacher_guard_weight)
-    advantages_ML, credit_metrics = compute_advantages(cfg.run.method, batch, cfg.credit)
+    distributions: dict[str, np.ndarray] = {}
+    advantages_ML, credit_metrics = compute_advantages(cfg.run.method, batch, cfg.credit, distributions)
     credit_metrics = {**credit_metrics, **guard}
     adv = scatter_advantages(groups, rows, advantages_ML)
     seqs = [
@@ -90,4 +94,4 @@ def learn(
                         world, loss_norm_tokens(cfg), record)
     if dump_path is not None:
         write_credit_dump(dump_path, cfg, batch, advantages_ML, groups, scored, record)
-    return StepResult(batch, advantages_ML, credit_metrics, update | {"reference_seconds": t_ref})
+    return StepResult(batch, advantages_ML, credit_metrics, update | {"reference_seconds": t_ref}, adv, distributions)

@@ -336,6 +336,9 @@ def alignopsd_estimator(batch: CreditBatch, cfg: CreditSection) -> tuple[np.ndar
     """Registered `alignopsd` (spec §4): `alignopsd_credit` with the product
     settings (one-row groups -> credit.grpo_singleton, 0 by default; turns without loss tokens -> weight 1,
     cfg.alignopsd.ablation as documented there).
-    Returns (final token advantages float32 [M, L], metrics)."""
+    Returns (final token advantages float32 [M, L], metrics); metrics["alignopsd/span_turns"] is an array, the
+    turns of each span (int64 [spans]; empty without spans), which compute_advantages hands to its caller apart."""
     out = alignopsd_credit(batch, cfg, singleton=cfg.grpo_singleton or "zero")
-    return out.final_token_advantage_ML, out.metrics
+    seg = out.segment_index_M
+    spans = np.bincount(seg[seg >= 0]) if (seg >= 0).any() else np.zeros(0, np.int64)
+    return out.final_token_advantage_ML, {**out.metrics, "alignopsd/span_turns": spans}

@@ -1,0 +1,407 @@
+"""Experiment trackers (run.report_to): Weights & Biases, TensorBoard and MLflow, each through its own library.
+
+The trainer (services/trainer/reporting.py) and `opsd eval` write here; one writer per run (the trainer's
+rank 0). What a tracker receives for a step is a `StepReport`: the step's metrics.jsonl values under the
+dashboard's groups ("trainer/loss", "learning/success_rate"), histograms (advantages, teacher-student gaps,
+AlignOPSD span lengths) and a bounded table of sampled trajectories.
+
+<run_dir>/trackers.json keeps each tracker's run id (W&B id, MLflow run id, TensorBoard directory), its
+links and how far each tracker has been sent (`sent_through`): a resumed run continues the same tracker
+runs. A tracker that fails (no network, a bad API key, a full disk) never stops training: `Trackers` logs
+its first error, counts every one (opsd_tracker_errors_total{tracker}) and goes on with the others.
+
+The trackers are optional extras: `pip install 'opsd[wandb]'`, `'opsd[tensorboard]'`, `'opsd[mlflow]'`
+(or `opsd[trackers]` for all three); `missing_trackers` names what to install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from opsd import metrics
+
+log = logging.getLogger(__name__)
+
+TRACKERS = ("wandb", "tensorboard", "mlflow")
+# tracker -> (module imported, pip extra, pinned package)
+PACKAGES = {
+    "wandb": ("wandb", "wandb", "wandb==0.31.0"),
+    "tensorboard": ("tensorboard", "tensorboard", "tensorboard==2.21.0"),
+    "mlflow": ("mlflow", "mlflow", "mlflow-skinny==3.18.0 sqlalchemy alembic"),
+}
+STATE_FILE = "trackers.json"
+# The Grafana dashboard's rows, as tracker sections: a metrics.jsonl key goes to the first group listing it
+# (or its prefix before "/"); any other key to "learning".
+GROUPS = {
+    "throughput": ("episodes", "turns", "generated_tokens", "rollout_seconds", "teacher_seconds", "loss_tokens"),
+    "policy": ("policy_version", "staleness_max", "groups_dropped_stale", "groups_dropped_duplicate",
+               "groups_dropped_future", "teacher_version_min", "teacher_version_max"),
+    "trainer": ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "mismatch_kl",
+                "kl", "dropped_sequences", "skipped_steps", "sdar_loss", "reference_seconds", "is_masked_frac",
+                "wait_seconds", "train_seconds", "step_seconds", "finished_at"),
+    "reliability": ("embedder_fallbacks", "teacher_guard", "credit"),
+    "credit": ("alignopsd", "agentopsd", "gc_opd", "gcopd", "grpo", "opd", "grpo_opd", "uni_opd", "power_opd", "ex_opd",
+               "fire_opd", "sdar"),
+}
+_GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
+TABLE_COLUMNS = ("step", "task", "group", "rollout", "turns", "actions", "reward", "won", "turn_advantages")
+
+
+def missing_trackers(report_to: list[str]) -> str | None:
+    """One line naming the install command for the trackers of `report_to` whose library is not importable
+    (None when all are)."""
+    missing = [t for t in report_to if importlib.util.find_spec(PACKAGES[t][0]) is None]
+    if not missing:
+        return None
+    extras = ",".join(PACKAGES[t][1] for t in missing)
+    return (f"run.report_to names {', '.join(missing)}, not installed here: pip install 'opsd[{extras}]' "
+            f"(or: pip install {' '.join(PACKAGES[t][2] for t in missing)}; `make install EXTRAS={extras}`)")
+
+
+def tracker_name(key: str) -> str:
+    """The tracker name of metrics.jsonl key `key`: "<group>/<key>" (GROUPS), or `key` itself when its prefix
+    before "/" is a group already."""
+    head = key.split("/", 1)[0]
+    if head in GROUPS:
+        return key
+    return f"{_GROUP_OF.get(key, _GROUP_OF.get(head, 'learning'))}/{key}"
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numeric values of a metrics.jsonl record under their tracker names (`tracker_name`). Left out: "step"
+    (the tracker's own step axis), None (a non-finite value metrics.jsonl writes as null), bools, strings,
+    lists and objects (the model record, the teacher's names: in the run's config)."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(value):
+            out[tracker_name(key)] = float(value)
+    return out
+
+
+@dataclass
+class Histogram:
+    """A binned distribution (what TensorBoard's raw histogram and W&B's np_histogram take).
+
+    edges: bins + 1 increasing bin edges; counts: bins counts (ints); min/max/sum/sum_squares/num over the
+    raw values (num = sum(counts))."""
+
+    edges: list[float]
+    counts: list[int]
+    min: float
+    max: float
+    sum: float
+    sum_squares: float
+    num: int
+
+    @classmethod
+    def of(cls, values: np.ndarray, bins: int) -> "Histogram | None":
+        """The histogram of the finite entries of `values` (any shape, float) in `bins` equal bins; None without
+        any (a step with no loss token, a method without spans)."""
+        v = np.asarray(values, dtype=np.float64).ravel()
+        v = v[np.isfinite(v)]
+        if v.size == 0:
+            return None
+        lo, hi = float(v.min()), float(v.max())
+        if hi == lo:  # one value: a bin around it (numpy's default width)
+            lo, hi = lo - 0.5, hi + 0.5
+        counts, edges = np.histogram(v, bins=bins, range=(lo, hi))
+        return cls([float(e) for e in edges], [int(c) for c in counts], float(v.min()), float(v.max()),
+                   float(v.sum()), float((v * v).sum()), int(v.size))
+
+
+@dataclass
+class StepReport:
+    """What the trackers receive for one training step (JSON data: the trainer stages it in a file until the
+    checkpoint holding the step is on disk).
+
+    step: the metrics.jsonl step; scalars: `scalars(record)`; histograms: name ("learning/advantages") ->
+    Histogram; trajectories: table rows, one list of TABLE_COLUMNS values per sampled trajectory."""
+
+    step: int
+    scalars: dict[str, float]
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    trajectories: list[list] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StepReport":
+        """Raises KeyError / TypeError / ValueError for data that is not a StepReport's."""
+        return cls(int(data["step"]), {str(k): float(v) for k, v in data["scalars"].items()},
+                   {str(k): Histogram(**h) for k, h in data["histograms"].items()}, [list(r) for r in data["trajectories"]])
+
+
+# ---------------------------------------------------------------- the trackers
+
+
+class WandbTracker:
+    """A W&B run (wandb.init with the saved id and resume="allow"): config, scalars and histograms at the
+    step, the trajectories as a wandb.Table. WANDB_* variables apply where the config leaves a setting None."""
+
+    name = "wandb"
+
+    def __init__(self, tracking, run_dir: Path, run_name: str, config: dict, state: dict, links: dict):
+        import wandb
+
+        self.wandb = wandb
+        c = tracking.wandb
+        saved = state.get("wandb", {})
+        directory = Path(c.dir or run_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=c.project or os.environ.get("WANDB_PROJECT") or "opsd", entity=c.entity, group=c.group,
+            tags=c.tags or None, name=tracking.name or run_name, mode=c.mode, dir=str(directory),
+            id=saved.get("id"), resume="allow", config={**config, "opsd": links}, notes=links["inspect"],
+            settings=wandb.Settings(console="off", init_timeout=c.init_timeout_s, silent=True),
+        )
+        self.state = {"id": self.run.id, "url": self.run.url, "dir": str(directory), "mode": c.mode or os.environ.get("WANDB_MODE")}
+
+    def log_step(self, report: StepReport) -> None:
+        data: dict[str, Any] = dict(report.scalars)
+        for key, h in report.histograms.items():
+            data[key] = self.wandb.Histogram(np_histogram=(h.counts, h.edges))
+        if report.trajectories:
+            data["learning/trajectories"] = self.wandb.Table(columns=list(TABLE_COLUMNS), data=report.trajectories)
+        self.run.log(data, step=report.step)
+
+    def log_eval(self, step: int, values: dict[str, float], table: list[list], columns: list[str]) -> None:
+        self.run.summary.update(values)
+        self.run.log({**values, "eval/table": self.wandb.Table(columns=columns, data=table)})
+
+    def close(self, finished: bool) -> None:
+        self.run.finish(exit_code=0 if finished else 1)
+
+
+class TensorBoardTracker:
+    """Event files in tracking.tensorboard.log_dir (default <run_dir>/tensorboard), written with PyTorch's
+    SummaryWriter: scalars, raw histograms, the config, links and trajectories as text. A resumed run writes
+    to the same directory with purge_step at the first step not yet sent, so TensorBoard hides anything a
+    killed process wrote beyond it."""
+
+    name = "tensorboard"
+
+    def __init__(self, tracking, run_dir: Path, run_name: str, config: dict, state: dict, links: dict, purge_step=None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = Path(tracking.tensorboard.log_dir or Path(run_dir) / "tensorboard")
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=10)
+        self.state = {"log_dir": str(log_dir), "url": f"tensorboard --logdir {log_dir}"}
+        if not state.get("tensorboard"):  # written once: a resumed run's directory has them
+            import yaml
+
+            self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```", 0)
+            self.writer.add_text("run", "\n\n".join(f"**{k}**: `{v}`" for k, v in links.items()), 0)
+
+    def log_step(self, report: StepReport) -> None:
+        for key, value in report.scalars.items():
+            self.writer.add_scalar(key, value, report.step)
+        for key, h in report.histograms.items():
+            self.writer.add_histogram_raw(key, h.min, h.max, h.num, h.sum, h.sum_squares, h.edges[1:], h.counts,
+                                          global_step=report.step)
+        if report.trajectories:
+            self.writer.add_text("learning/trajectories", markdown_table(list(TABLE_COLUMNS), report.trajectories), report.step)
+        self.writer.flush()
+
+    def log_eval(self, step: int, values: dict[str, float], table: list[list], columns: list[str]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.add_text("eval/table", markdown_table(columns, table), step)
+        self.writer.flush()
+
+    def close(self, finished: bool) -> None:
+        self.writer.close()
+
+
+_MLFLOW_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
+_MLFLOW_WORDS = (("<=", "le"), (">=", "ge"), ("<", "lt"), (">", "gt"))
+
+
+def mlflow_key(name: str) -> str:
+    """`name` as an MLflow metric key (letters, digits, _ - . space /): "<1k" -> "lt1k", ">=8k" -> "ge8k", any other
+    character -> "_"."""
+    for sign, word in _MLFLOW_WORDS:
+        name = name.replace(sign, word)
+    return _MLFLOW_BAD.sub("_", name)
+
+
+class MlflowTracker:
+    """An MLflow run through MlflowClient: params (the flattened config), metrics at the step, histograms and
+    trajectories as JSON artifacts (histograms/step_NNNNN.json, trajectories/step_NNNNN.json, a table as
+    mlflow.log_table writes it), tags linking the run directory. The tracking URI: tracking.mlflow.tracking_uri,
+    else MLFLOW_TRACKING_URI, else a SQLite store in the run directory (sqlite:///<run_dir>/mlflow.db, artifacts
+    in <run_dir>/mlflow-artifacts)."""
+
+    name = "mlflow"
+
+    def __init__(self, tracking, run_dir: Path, run_name: str, config: dict, state: dict, links: dict):
+        from mlflow import MlflowClient
+
+        c = tracking.mlflow
+        saved = state.get("mlflow", {})
+        uri = c.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        local = uri is None
+        if local:
+            uri = f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=uri)
+        name = c.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "opsd"
+        if saved.get("run_id"):
+            self.run_id = saved["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is not None:
+                experiment_id = experiment.experiment_id
+            else:
+                artifacts = (Path(run_dir).resolve() / "mlflow-artifacts").as_uri() if local else None
+                experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
+            run = self.client.create_run(experiment_id, run_name=tracking.name or run_name,
+                                         tags={"opsd.run_dir": links["run_dir"], "opsd.inspect": links["inspect"],
+                                               "mlflow.note.content": links["inspect"]})
+            self.run_id = run.info.run_id
+            self._log_params(config)
+        run = self.client.get_run(self.run_id)
+        self.client.log_dict(self.run_id, config, "config.json")
+        self.state = {"run_id": self.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": uri,
+                      "url": f"{uri} experiment {run.info.experiment_id} run {self.run_id}"}
+
+    def _log_params(self, config: dict) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(mlflow_key(k)[:250], str(v)[:500]) for k, v in flatten(config).items()]
+        for lo in range(0, len(params), 100):  # MLflow's log_batch takes at most 100 params
+            self.client.log_batch(self.run_id, params=params[lo:lo + 100])
+
+    def _metrics(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(mlflow_key(k), v, now, step) for k, v in values.items()]
+        for lo in range(0, len(batch), 1000):  # and at most 1000 metrics
+            self.client.log_batch(self.run_id, metrics=batch[lo:lo + 1000])
+
+    def log_step(self, report: StepReport) -> None:
+        self._metrics(report.scalars, report.step)
+        if report.histograms:
+            self.client.log_dict(self.run_id, {k: asdict(h) for k, h in report.histograms.items()},
+                                 f"histograms/step_{report.step:05d}.json")
+        if report.trajectories:
+            self.client.log_dict(self.run_id, {"columns": list(TABLE_COLUMNS), "data": report.trajectories},
+                                 f"trajectories/step_{report.step:05d}.json")
+
+    def log_eval(self, step: int, values: dict[str, float], table: list[list], columns: list[str]) -> None:
+        self._metrics(values, step)
+        self.client.log_dict(self.run_id, {"columns": columns, "data": table}, f"eval/step_{step:05d}.json")
+
+    def close(self, finished: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (lists and scalars are leaves)."""
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A Markdown table (TensorBoard's text plugin renders it); "|" in a cell is escaped."""
+    def cell(v) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the run's trackers, failures contained
+
+
+def read_state(run_dir: Path) -> dict:
+    """<run_dir>/trackers.json as a dict ({} without it, or when it does not read as a JSON object: a new
+    tracker run is started then, and the file rewritten)."""
+    try:
+        data = json.loads((Path(run_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_state(run_dir: Path, state: dict) -> None:
+    """Write <run_dir>/trackers.json atomically."""
+    path = Path(run_dir) / STATE_FILE
+    tmp = path.with_name(f".{STATE_FILE}.tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
+
+
+class Trackers:
+    """The run's open trackers; every call to one is contained: its first error is logged (one line), every
+    error counted in opsd_tracker_errors_total{role, tracker}, and the other trackers and the caller go on.
+    A tracker that cannot start is left out for the rest of the process.
+
+    report_to: tracker names (TRACKERS); tracking: the config's TrackingSection; config: the resolved config
+    (JSON data) with the model record; state: trackers.json's content (ids to continue); role: the Prometheus
+    label; purge_step: TensorBoard's first step to write (steps from it on, written before, are hidden).
+    """
+
+    def __init__(self, report_to: list[str], tracking, run_dir: Path, config: dict, state: dict, role: str,
+                 purge_step: int | None = None):
+        self.role, self.errors, self.open = role, dict.fromkeys(report_to, 0), []
+        run_dir = Path(run_dir)
+        links = {"run_dir": str(run_dir.resolve()), "inspect": f"opsd inspect {run_dir.resolve()}"}
+        makers = {"wandb": WandbTracker, "tensorboard": TensorBoardTracker, "mlflow": MlflowTracker}
+        for name in report_to:
+            metrics.TRACKER_ERRORS.labels(role, name)  # at 0 from the start
+            extra = {"purge_step": purge_step} if name == "tensorboard" else {}
+            tracker = self._call(name, lambda m=makers[name]: m(tracking, run_dir, run_dir.name, config, state, links, **extra))
+            if tracker is not None:
+                self.open.append(tracker)
+                log.info("tracker %s: %s", name, tracker.state.get("url") or tracker.state)
+
+    def _call(self, name: str, fn: Callable):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - whatever a tracker's library raises: training goes on
+            self.errors[name] = self.errors.get(name, 0) + 1
+            metrics.TRACKER_ERRORS.labels(self.role, name).inc()
+            if self.errors[name] == 1:
+                log.warning("tracker %s failed (%s: %s); training goes on, its errors are counted in "
+                            "opsd_tracker_errors_total", name, type(e).__name__, str(e)[:300])
+            return None
+
+    def state(self) -> dict:
+        """{tracker: its ids and link} of the trackers that started."""
+        return {t.name: t.state for t in self.open}
+
+    def each(self, method: str, *args, only: list[str] | None = None) -> list[str]:
+        """Call `method(*args)` on every open tracker (named in `only`, when given); returns the names of those it
+        succeeded on."""
+        done = []
+        for t in self.open:
+            if only is not None and t.name not in only:
+                continue
+            if self._call(t.name, lambda t=t: (getattr(t, method)(*args), True)[1]):
+                done.append(t.name)
+        return done
+
+    def close(self, finished: bool) -> None:
+        self.each("close", finished)
+        self.open = []
