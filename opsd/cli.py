@@ -894,10 +894,32 @@ def eval_cmd(
     console.print(table)
     console.print(f"wrote {escape(report['paths']['json'])} and {escape(report['paths']['png'])} "
                   f"in {time.perf_counter() - t0:.0f}s")
+    if src.run_dir is not None and cfg.run.report_to:
+        _eval_to_trackers(cfg, src.run_dir, report)
     if report["errors"]:
         console.print(f"[yellow]{report['errors']} of {len(report['tasks'])} task(s) failed; their errors are in eval.json[/yellow]")
     if report["tasks"] and report["errors"] == len(report["tasks"]):
         raise typer.Exit(1)
+
+
+def _eval_to_trackers(cfg: RunConfig, run_dir: Path, report: dict) -> None:
+    """Send an eval of a run's policy to the run's trackers (run.report_to), unless its trainer still runs (one
+    writer per tracker run); a tracker not installed here or failing is named, never an error."""
+    import fcntl
+
+    from opsd.tracking import missing_trackers, report_eval
+
+    with open(run_dir / ".trainer.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            console.print("[yellow]the run's trainer is running: the eval is not sent to its trackers (eval.json has it)[/yellow]")
+            return
+        missing = missing_trackers(cfg.run.report_to)
+        if missing:
+            console.print(f"[yellow]{escape(missing)}[/yellow]")
+        sent = report_eval(cfg, run_dir, report)
+    console.print(f"sent to the run's trackers: {', '.join(sent) or 'none (see the log)'}")
 
 
 def main() -> None:

@@ -66,7 +66,7 @@ def missing_trackers(report_to: list[str]) -> str | None:
         return None
     extras = ",".join(PACKAGES[t][1] for t in missing)
     return (f"run.report_to names {', '.join(missing)}, not installed here: pip install 'opsd[{extras}]' "
-            f"(or: pip install {' '.join(PACKAGES[t][2] for t in missing)}; `make install EXTRAS={extras}`)")
+            f"(or: pip install {' '.join(PACKAGES[t][2] for t in missing)}; `make install` installs all three)")
 
 
 def tracker_name(key: str) -> str:
@@ -168,7 +168,8 @@ class WandbTracker:
             id=saved.get("id"), resume="allow", config={**config, "opsd": links}, notes=links["inspect"],
             settings=wandb.Settings(console="off", init_timeout=c.init_timeout_s, silent=True),
         )
-        self.state = {"id": self.run.id, "url": self.run.url, "dir": str(directory), "mode": c.mode or os.environ.get("WANDB_MODE")}
+        url = self.run.url or f"wandb sync {Path(self.run.dir).parent}"  # offline: uploaded later by that command
+        self.state = {"id": self.run.id, "url": url, "dir": str(directory), "mode": c.mode or os.environ.get("WANDB_MODE")}
 
     def log_step(self, report: StepReport) -> None:
         data: dict[str, Any] = dict(report.scalars)
@@ -182,8 +183,8 @@ class WandbTracker:
         self.run.summary.update(values)
         self.run.log({**values, "eval/table": self.wandb.Table(columns=columns, data=table)})
 
-    def close(self, finished: bool) -> None:
-        self.run.finish(exit_code=0 if finished else 1)
+    def close(self, finished: bool | None) -> None:
+        self.run.finish(exit_code=1 if finished is False else 0)
 
 
 class TensorBoardTracker:
@@ -222,7 +223,7 @@ class TensorBoardTracker:
         self.writer.add_text("eval/table", markdown_table(columns, table), step)
         self.writer.flush()
 
-    def close(self, finished: bool) -> None:
+    def close(self, finished: bool | None) -> None:
         self.writer.close()
 
 
@@ -258,8 +259,10 @@ class MlflowTracker:
             uri = f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=uri)
         name = c.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "opsd"
+        self.status_before = None
         if saved.get("run_id"):
             self.run_id = saved["run_id"]
+            self.status_before = self.client.get_run(self.run_id).info.status
             self.client.update_run(self.run_id, status="RUNNING")
         else:
             experiment = self.client.get_experiment_by_name(name)
@@ -306,8 +309,11 @@ class MlflowTracker:
         self._metrics(values, step)
         self.client.log_dict(self.run_id, {"columns": columns, "data": table}, f"eval/step_{step:05d}.json")
 
-    def close(self, finished: bool) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
+    def close(self, finished: bool | None) -> None:
+        """finished: the run ended (FINISHED) or stopped before its last step (KILLED); None: the status it had
+        when opened (`opsd eval` adding results)."""
+        status = {True: "FINISHED", False: "KILLED"}.get(finished, self.status_before or "FINISHED")
+        self.client.set_terminated(self.run_id, status)
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
@@ -402,6 +408,44 @@ class Trackers:
                 done.append(t.name)
         return done
 
-    def close(self, finished: bool) -> None:
+    def close(self, finished: bool | None) -> None:
+        """Close every tracker: `finished` True (the run's last step is sent), False (stopped before it), None
+        (leave the run's status as it was: `opsd eval`)."""
         self.each("close", finished)
         self.open = []
+
+
+EVAL_COLUMNS = ["category", "episodes", "metric", "value", "ci95_low", "ci95_high", "mean_turns", "format_valid_rate", "errors"]
+
+
+def eval_values(report: dict) -> tuple[dict[str, float], list[list]]:
+    """An `opsd eval` report (services/rollout/evaluate.py: "categories" and "overall" rows, each metric a
+    {"value", "ci95": [low, high]}) as tracker values {"eval/<category>/<metric>": value, "..._ci95_low",
+    "..._ci95_high"} (None values left out) and table rows (EVAL_COLUMNS)."""
+    values, rows = {}, []
+    for name, row in [*report["categories"].items(), ("overall", report["overall"])]:
+        for metric in report["metrics"]:
+            v = row[metric]
+            low, high = v["ci95"] if v.get("ci95") else (None, None)
+            rows.append([name, row["episodes"], metric, v["value"], low, high, row.get("mean_turns"),
+                         row.get("format_valid_rate"), row.get("errors")])
+            for suffix, x in (("", v["value"]), ("_ci95_low", low), ("_ci95_high", high)):
+                if isinstance(x, (int, float)) and math.isfinite(x):
+                    values[f"eval/{name}/{metric}{suffix}"] = float(x)
+    return values, rows
+
+
+def report_eval(cfg, run_dir: Path, report: dict) -> list[str]:
+    """Add an `opsd eval` report to the tracker runs of `run_dir` (trackers.json; cfg.run.report_to, those
+    installed here), at step report["policy_version"]. Returns the names of the trackers that took it. Failures
+    are contained as in `Trackers`."""
+    state = read_state(run_dir)
+    names = [t for t in cfg.run.report_to if importlib.util.find_spec(PACKAGES[t][0]) is not None]
+    config = {"run": {"name": cfg.run.name}}  # the run's config is there already; a new tracker run gets this
+    trackers = Trackers(names, cfg.tracking, run_dir, config, state, "eval")
+    values, rows = eval_values(report)
+    done = trackers.each("log_eval", int(report["policy_version"]), values, rows, EVAL_COLUMNS)
+    if trackers.open:  # a tracker run started here (report_to added after training) is found again next time
+        write_state(run_dir, {**state, **trackers.state()})
+    trackers.close(None)
+    return done

@@ -55,10 +55,20 @@ def requirements(variant: str, pyproject: Path = PYPROJECT, extras: tuple[str, .
     overrides = dict(VARIANTS[variant])
     lines = []
     project = tomllib.loads(pyproject.read_text())["project"]
-    for dep in project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]:
+    for dep in project["dependencies"] + _extra_lines(project, extras):
         name = name_of(dep)
         lines.append(overrides.pop(name, dep))
     return lines + list(overrides.values())
+
+
+def _extra_lines(project: dict, extras: tuple[str, ...]) -> list[str]:
+    """The requirement lines of the optional groups `extras`, a group naming opsd's own (`opsd[a,b]`) expanded."""
+    out = []
+    for extra in extras:
+        for dep in project["optional-dependencies"][extra]:
+            own = re.fullmatch(r"\s*opsd\[([^\]]+)\]\s*", dep)
+            out += _extra_lines(project, tuple(e.strip() for e in own[1].split(","))) if own else [dep]
+    return out
 
 
 def with_dependencies(pyproject_text: str, lines: list[str]) -> str:
