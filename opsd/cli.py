@@ -388,6 +388,14 @@ def _installed(cfg: RunConfig, trackers: bool = False) -> RunConfig:
     return cfg
 
 
+def _trackers(option: str | None) -> list[str] | None:
+    """--report-to's value as run.report_to (validated there): "a,b" -> ["a", "b"], "none" -> [], None -> None."""
+    if option is None:
+        return None
+    names = [n.strip() for n in option.split(",") if n.strip()]
+    return [] if names == ["none"] else names
+
+
 def _usage_error(message: str) -> None:
     console.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(2)
@@ -411,6 +419,8 @@ def run(
     output_dir: Optional[Path] = typer.Option(None, help="override run.output_dir"),
     dump_credit: bool = typer.Option(False, "--dump-credit", help="write each step's credit inputs to <run>/credit/ (replay: opsd credit check)"),
     backend: Optional[str] = typer.Option(None, help="override model.backend: hf (transformers) or vllm (`make install-vllm`)"),
+    report_to: Optional[str] = typer.Option(None, "--report-to", help="override run.report_to: experiment trackers, "
+                                            "comma-separated (wandb,tensorboard,mlflow; 'none' for none)"),
 ) -> None:
     """Train: start Redis and the four roles, run the configured steps.
 
@@ -439,7 +449,7 @@ def run(
         if not resolved.is_file():
             _usage_error(f"{run_dir} is not a run directory: it has no config.yaml")
         lock = lock_run_dir(run_dir)
-        cfg = _installed(load_config(resolved, steps=steps), trackers=True)
+        cfg = _installed(load_config(resolved, steps=steps, report_to=_trackers(report_to)), trackers=True)
         done = finished_steps(run_dir)
         if done is not None and done >= cfg.run.steps:
             console.print(f"run {run_dir} already finished: {done} steps (run.steps {cfg.run.steps}); nothing to do")
@@ -457,7 +467,7 @@ def run(
         shutil.rmtree(run_dir / "ports", ignore_errors=True)
         (run_dir / "logs").mkdir(exist_ok=True)
     else:
-        cfg = _installed(load_config(config, backend=backend, steps=steps,
+        cfg = _installed(load_config(config, backend=backend, steps=steps, report_to=_trackers(report_to),
                                      output_dir=None if output_dir is None else str(output_dir)), trackers=True)
         models = resolve_models(cfg)  # before the run directory exists: a model that cannot be had leaves nothing
         check_disk(cfg, models, Path(cfg.run.output_dir))
