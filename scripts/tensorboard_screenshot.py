@@ -4,7 +4,7 @@
 
 Serves <RUN_DIR>/tensorboard with the installed `tensorboard` on a free local port and shoots its Scalars
 page in Debian's headless Chromium (/usr/bin/chromium) through Playwright, with the tag filter `--filter`
-(default: the learning and trainer sections' headline curves).
+(default: a few headline curves), raw values (smoothing 0, outliers not ignored).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def free_port() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--filter", default="success_rate|reward_mean|teacher_student_gap|trainer/loss|trainer/kl$|entropy")
+    ap.add_argument("--filter", default="learning/success_rate|teacher_student_gap|trainer/loss|trainer/kl$|entropy|generated_tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "tensorboard-scalars.png")
     args = ap.parse_args()
     log_dir = args.run_dir / "tensorboard"
@@ -51,10 +51,14 @@ def main() -> None:
                 time.sleep(0.5)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{url}#scalars")
             page.wait_for_load_state("networkidle", timeout=60_000)
-            page.locator("tf-tag-filterer input").fill(args.filter)  # inside TensorBoard's Polymer shadow roots
+            # Inside TensorBoard's Polymer shadow roots: the tag filter; the raw values (no smoothing, no outlier
+            # clipping: a 5-step curve is all "outliers").
+            page.locator("tf-tag-filterer input").fill(args.filter)
+            page.get_by_text("Ignore outliers in chart scaling").click()
+            page.locator("input[type=number][step]").first.fill("0")
             page.wait_for_load_state("networkidle", timeout=60_000)
             time.sleep(5)  # the charts draw after their data arrives
             args.out.parent.mkdir(parents=True, exist_ok=True)

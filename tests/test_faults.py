@@ -25,10 +25,12 @@ from safetensors.numpy import load_file
 
 from opsd.queue import StreamNames
 from opsd.redis_server import LocalRedis, connect
+from opsd.tracking import mlflow_key, scalars
 from services.trainer.checkpoint import WRITE_DELAY_ENV
 from tests.soak import (TARGETS, OpsdRun, accounting, alive, checkpoint_step, fault_plan, kill_role, run_env, soak,
                         wait_until, write_config)
 from tests.tiny_model import make_tiny_model_dir
+from tests.tracker_readers import mlflow_run, tensorboard_histograms, tensorboard_scalars, tensorboard_texts, wandb_run
 
 e2e = pytest.mark.e2e  # every test here but the first runs a real `opsd run`
 RUN_TIMEOUT_S = 600
@@ -208,6 +210,48 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
     assert len(state["applied"]) == len({k.rsplit("@v", 1)[0] for k in state["applied"]}) == 2 * STEPS
 
 
+# All three experiment trackers, offline (docs/trackers.md): the killed-and-resumed runs below must leave in each
+# tracker, read back by its own reader, exactly metrics.jsonl's values, every step once.
+TRACKED = {"report_to": ["wandb", "tensorboard", "mlflow"]}
+OFFLINE = {"wandb": {"mode": "offline"}, "trajectories_per_step": 3}
+
+
+def assert_trackers_hold_metrics(run_dir: Path) -> None:
+    """Each tracker's own reader shows every metrics.jsonl step once, with its values, histograms and table; the
+    W&B and MLflow runs are the ones the run started with (one id across the resume)."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps == list(range(len(records))) and steps
+    expected = {r["step"]: scalars(r) for r in records}
+    assert all("trainer/loss" in v and "learning/success_rate" in v for v in expected.values())
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert state["sent_through"] == dict.fromkeys(TRACKED["report_to"], steps[-1])
+    assert list((run_dir / "tracking").glob("step_*.json")) == []  # every staged report sent
+
+    wb = wandb_run(run_dir)
+    assert set(wb.run_ids) == {state["wandb"]["id"]} and wb.steps == steps  # one run id; no step twice, none back
+    for step, values in expected.items():
+        row = wb.history[step]
+        assert {k: row[k] for k in values} == values
+        assert row["histograms/advantages"]["_type"] == "histogram" and sum(row["histograms/advantages"]["values"]) > 0
+        assert len(row["learning/trajectories"]["data"]) == 3
+    assert wb.config["opsd"]["run_dir"] == str(run_dir.resolve())
+
+    tb = run_dir / "tensorboard"
+    got = tensorboard_scalars(tb)
+    for key in expected[0]:
+        want = [(step, float(np.float32(v[key]))) for step, v in expected.items() if key in v]
+        assert [(s, float(np.float32(x))) for s, x in got[key]] == want, key
+    assert [s for s, _ in tensorboard_histograms(tb)["histograms/advantages"]] == steps
+    assert [s for s, _ in tensorboard_texts(tb)["learning/trajectories/text_summary"]] == steps
+
+    ml = mlflow_run(run_dir, state["mlflow"]["run_id"])
+    assert ml.status == "FINISHED" and ml.tags["opsd.run_dir"] == str(run_dir.resolve())
+    for key in expected[0]:
+        assert ml.metrics[mlflow_key(key)] == [(step, v[key]) for step, v in expected.items() if key in v], key
+    assert sorted(k for k in ml.artifacts if k.startswith("trajectories/")) == [f"trajectories/step_{s:05d}.json" for s in steps]
+
+
 @e2e
 def test_trainer_killed_mid_step_is_restarted_and_ends_bit_identical(tmp_path, tiny_model, reference_run):
     run, run_dir = start(tmp_path, write_config(tmp_path / "killed.yaml", tiny_model, **MID_STEP))
@@ -221,14 +265,21 @@ def test_trainer_killed_mid_step_is_restarted_and_ends_bit_identical(tmp_path, t
 
 @e2e
 def test_whole_run_crashed_mid_step_resumes_bit_identical(tmp_path, tiny_model, reference_run):
-    run, run_dir = start(tmp_path, write_config(tmp_path / "crashed.yaml", tiny_model, **MID_STEP))
+    # With the three trackers on (reporting only: the run must still end bit-identical to the untracked one).
+    config = write_config(tmp_path / "crashed.yaml", tiny_model, run={**MID_STEP["run"], **TRACKED},
+                          trainer=MID_STEP["trainer"], tracking=OFFLINE)
+    run, run_dir = start(tmp_path, config)
     killed = []
     kill_mid_step(run, run_dir, 1, lambda: killed.extend(run.crash()))
     assert len(killed) >= 5  # the CLI, its redis-server and the three roles (and anything they started)
+    ids = json.loads((run_dir / "trackers.json").read_text())
     resumed = launch(["--resume", str(run_dir)], tmp_path / "resume.log")
     finish(resumed)
     assert "resuming after 1 logged steps" in resumed.output()
     assert_same_as(reference_run, run_dir)
+    after = json.loads((run_dir / "trackers.json").read_text())
+    assert (after["wandb"]["id"], after["mlflow"]["run_id"]) == (ids["wandb"]["id"], ids["mlflow"]["run_id"])
+    assert_trackers_hold_metrics(run_dir)
 
 
 @e2e
@@ -238,7 +289,8 @@ def test_trainer_killed_while_a_checkpoint_is_written_resumes_from_the_previous_
     groups, trained but not covered by a complete checkpoint, were never acked, so Redis re-delivers them and
     they are trained again; the run ends with every step, version and group once."""
     prefix = "faults-ckpt"
-    cfg = write_config(tmp_path / "ckpt.yaml", tiny_model, run={"steps": 3}, redis={"stream_prefix": prefix})
+    cfg = write_config(tmp_path / "ckpt.yaml", tiny_model, run={"steps": 3, **TRACKED}, redis={"stream_prefix": prefix},
+                       tracking=OFFLINE)
     run, run_dir = start(tmp_path, cfg, own_redis.url, **{WRITE_DELAY_ENV: "1.5"})
     client = connect(own_redis.url, 1000)
     scored = StreamNames(prefix).scored
@@ -269,6 +321,8 @@ def test_trainer_killed_while_a_checkpoint_is_written_resumes_from_the_previous_
     client.close()
     assert books["violations"] == [], books
     assert books["trained"] == books["applied_entries"] == books["produced"]["tasks"] == 6
+    # Step 1 was logged to metrics.jsonl, then trained again after the kill: the trackers hold only the second.
+    assert_trackers_hold_metrics(run_dir)
 
 
 # ---------------------------------------------------------------- Redis and embedder outages
