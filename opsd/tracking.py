@@ -153,6 +153,11 @@ class WandbTracker:
     step, the trajectories as a wandb.Table. WANDB_* variables apply where the config leaves a setting None."""
 
     name = "wandb"
+    # wandb-core writes its log (<dir>/wandb/*/run-<id>.wandb) every x_transaction_log_flush_interval seconds
+    # (15 by default; FLUSH_S here): a crash of the whole process tree loses what came since. A step counts
+    # as held this long after the call (services/trainer/reporting.py sends it again after a crash).
+    FLUSH_S = 1.0
+    durable_after_s = 3 * FLUSH_S
 
     def __init__(self, tracking, run_dir: Path, run_name: str, config: dict, state: dict, links: dict):
         import wandb
@@ -166,7 +171,8 @@ class WandbTracker:
             project=c.project or os.environ.get("WANDB_PROJECT") or "opsd", entity=c.entity, group=c.group,
             tags=c.tags or None, name=tracking.name or run_name, mode=c.mode, dir=str(directory),
             id=saved.get("id"), resume="allow", config={**config, "opsd": links}, notes=links["inspect"],
-            settings=wandb.Settings(console="off", init_timeout=c.init_timeout_s, silent=True),
+            settings=wandb.Settings(console="off", init_timeout=c.init_timeout_s, silent=True,
+                                    x_transaction_log_flush_interval=self.FLUSH_S),
         )
         url = self.run.url or f"wandb sync {Path(self.run.dir).parent}"  # offline: uploaded later by that command
         self.state = {"id": self.run.id, "url": url, "dir": str(directory), "mode": c.mode or os.environ.get("WANDB_MODE")}
@@ -194,6 +200,7 @@ class TensorBoardTracker:
     killed process wrote beyond it."""
 
     name = "tensorboard"
+    durable_after_s = 0.0  # flushed to the event file at every step
 
     def __init__(self, tracking, run_dir: Path, run_name: str, config: dict, state: dict, links: dict, purge_step=None):
         from torch.utils.tensorboard import SummaryWriter
@@ -247,6 +254,7 @@ class MlflowTracker:
     in <run_dir>/mlflow-artifacts)."""
 
     name = "mlflow"
+    durable_after_s = 0.0  # each call is a committed store transaction (or a server's answer)
 
     def __init__(self, tracking, run_dir: Path, run_name: str, config: dict, state: dict, links: dict):
         from mlflow import MlflowClient

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,34 +141,62 @@ class Reporter:
             log.warning("the trackers did not finish within %.0f s; leaving them", timeout_s)
 
     def _run(self, resumed_step: int) -> None:
-        sent = self.state.setdefault("sent_through", {})
-        names = list(self.cfg.run.report_to)
-        tb = sent.get("tensorboard")
-        trackers = Trackers(names, self.cfg.tracking, self.run_dir, self.config, self.state, "trainer",
-                            purge_step=tb + 1 if tb is not None else None)
+        durable = self.state.setdefault("sent_through", {})
+        tb = durable.get("tensorboard")
+        trackers = Trackers(list(self.cfg.run.report_to), self.cfg.tracking, self.run_dir, self.config, self.state,
+                            "trainer", purge_step=tb + 1 if tb is not None else None)
         self.state.update(trackers.state())
         self._save()
+        self.logged = {t.name: durable.get(t.name, -1) for t in trackers.open}  # handed to the tracker's library
+        self.pending: list[tuple[float, str, int]] = []  # (when it is durable, tracker, step)
         self._send(trackers, resumed_step)
         while True:
-            item = self.queue.get()
+            try:
+                item = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                self._confirm(time.monotonic())
+                continue
             if isinstance(item, tuple):
                 trackers.close(finished=item[1])
+                self._confirm(math.inf)  # closed: W&B's finish wrote everything out
                 return
             self._send(trackers, item)
+            self._confirm(time.monotonic())
 
     def _send(self, trackers: Trackers, through: int) -> None:
         """Send every step < `through` that an open tracker has not received, in order."""
-        sent = self.state["sent_through"]
-        names = [t.name for t in trackers.open]
-        first = min((sent.get(n, -1) for n in names), default=through - 1) + 1
+        if not self.logged:  # no tracker started: nothing will read the staged reports
+            for f in self.dir.glob("step_*.json"):
+                if (_step_of(f) or 0) < through:
+                    f.unlink(missing_ok=True)
+            return
+        first = min(self.logged.values()) + 1
         for step in range(first, through):
+            names = [n for n, last in self.logged.items() if last < step]
             report = self._report(step)
             if report is not None:
-                trackers.each("log_step", report, only=[n for n in names if sent.get(n, -1) < step])
-            for n in names:  # sent, or failed and counted: a failed step is not retried
-                sent[n] = max(sent.get(n, -1), step)
-            self._save()
-            (self.dir / f"step_{step:05d}.json").unlink(missing_ok=True)
+                trackers.each("log_step", report, only=names)
+            for t in trackers.open:  # sent, or failed and counted: a failed step is not retried
+                if t.name in names:
+                    self.logged[t.name] = step
+                    self.pending.append((time.monotonic() + t.durable_after_s, t.name, step))
+
+    def _confirm(self, now: float) -> None:
+        """Record in trackers.json the steps each tracker holds durably (W&B writes its log some seconds after a
+        call: `durable_after_s`), and delete the staged reports every tracker holds. A restart sends the
+        steps not recorded again."""
+        done = [p for p in self.pending if p[0] <= now]
+        if not done:
+            return
+        self.pending = [p for p in self.pending if p[0] > now]
+        durable = self.state["sent_through"]
+        for _, name, step in done:
+            durable[name] = max(durable.get(name, -1), step)
+        self._save()
+        held = min(durable.get(n, -1) for n in self.logged)  # self.logged: not empty when anything was sent
+        for f in self.dir.glob("step_*.json"):
+            if (_step_of(f) if _step_of(f) is not None else held + 1) <= held:
+                f.unlink(missing_ok=True)
 
     def _report(self, step: int) -> StepReport | None:
         path = self.dir / f"step_{step:05d}.json"
