@@ -12,6 +12,7 @@ wait script run for real under /bin/sh.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import ipaddress
 import math
@@ -103,8 +104,9 @@ class Build:
         """A container's environment as Kubernetes would set it (Secret values as <secret:NAME/KEY>, downward API
         resource values as <resource:NAME>)."""
         env: dict[str, str] = {}
-        for src in container.get("envFrom", []):
-            env.update(self.get("ConfigMap", src["configMapRef"]["name"])["data"])
+        for src in container.get("envFrom", []):  # in order: a later source wins
+            if "configMapRef" in src:  # a Secret's keys (secretRef) are the user's, unknown here
+                env.update(self.get("ConfigMap", src["configMapRef"]["name"])["data"])
         for e in container.get("env", []):
             ref = e.get("valueFrom", {})
             if "secretKeyRef" in ref:
@@ -690,6 +692,8 @@ class Pod:
 
 # Hosts on the internet (documentation ranges): no role may reach them, nor they a role.
 INTERNET = (Pod(None, {}, ip="203.0.113.7"), Pod(None, {}, ip="2001:db8::7"), Pod(None, {}, ip="169.254.169.254"))
+# Outside the cluster but not the internet: private, shared (carrier-grade NAT), link-local (cloud metadata), ULA.
+PRIVATE_IPS = ("10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "fd00::1")
 
 
 def _peer_matches(peer: dict, policy_ns: str, pod: Pod) -> bool:
@@ -1173,7 +1177,7 @@ def test_the_model_fetch_option(tmp_path):
     for host in INTERNET[:2]:  # a public address, v4 and v6
         assert flow_allowed(policies, fetch, host, 443), host.ip
         assert not flow_allowed(policies, fetch, host, 80) and not flow_allowed(policies, host, fetch, 443)
-    for private in ("10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "fd00::1"):
+    for private in PRIVATE_IPS:
         assert not flow_allowed(policies, fetch, Pod(None, {}, ip=private), 443), private
     assert flow_allowed(policies, fetch, Pod("kube-system", {"k8s-app": "kube-dns"}), 53, "UDP")
     for role in ROLES + ("trainer-workers",):  # nobody else leaves the cluster
@@ -1233,3 +1237,58 @@ def test_the_wait_for_model_script_waits_for_a_complete_snapshot_and_writes_noth
     assert f"model {model_id} revision {commit}: commit {commit}" in done.stdout, done.stdout
     assert "waiting for Job model-fetch" not in done.stdout
     assert tree() == before, "the roles' cache is read-only: nothing may be written there"
+
+
+# --- options: experiment trackers --------------------------------------------------------------
+
+TRACKERS_SECRET = "opsd-trackers"  # created by the user (k8s/README.md, "Experiment trackers"), never in the repo
+TRACKERS_POLICY = "trainer-trackers-egress"
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu"])
+def test_the_trackers_option_gives_rank_0_alone_its_secret_and_https_out(overlay, tmp_path):
+    """k8s/components/trackers: Job trainer (rank 0, the trackers' one writer) gets the optional Secret
+    opsd-trackers and HTTPS egress to public addresses; nothing else of the overlay changes."""
+    b = with_option(tmp_path, "trackers", overlay)
+    validate(b.text)
+    shipped = Build(kustomize(f"k8s/overlays/{overlay}"))
+    changed = sorted((d["kind"], d["metadata"]["name"]) for d in b.docs if d not in shipped.docs)
+    assert changed == [("Job", "trainer"), ("NetworkPolicy", TRACKERS_POLICY)] and len(b.docs) == len(shipped.docs) + 1
+    assert not b.of("Secret")
+
+    # The Secret: optional (the Job starts without it), first in envFrom so that the run's ConfigMaps win on a
+    # name clash (Kubernetes: a later source wins); the Job is otherwise the shipped one.
+    rank0 = copy.deepcopy(b.role("trainer"))
+    env_from = container(rank0)["envFrom"]
+    assert env_from[0] == {"secretRef": {"name": TRACKERS_SECRET, "optional": True}}, env_from
+    container(rank0)["envFrom"] = env_from[1:]
+    assert rank0 == shipped.role("trainer")
+    refer = [(w["kind"], w["metadata"]["name"]) for w in b.workloads() if TRACKERS_SECRET in yaml.safe_dump(w)]
+    assert refer == [("Job", "trainer")], refer  # not trainer-workers (ranks > 0 write to no tracker), not the roles
+
+    # The policy: egress only, selecting exactly rank 0's pods, port 443, the ranges model-fetch-egress allows.
+    policy = b.get("NetworkPolicy", TRACKERS_POLICY)
+    assert policy["spec"]["policyTypes"] == ["Egress"] and "ingress" not in policy["spec"]
+    selected = [(w["kind"], w["metadata"]["name"]) for w in b.workloads()
+                if selects(policy["spec"]["podSelector"], pod_labels(w))]
+    assert selected == [("Job", "trainer")], selected
+    (rule,) = policy["spec"]["egress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 443}]
+    model_fetch = yaml.safe_load((K8S / "components" / "model-fetch" / "networkpolicy.yaml").read_text())
+    assert rule["to"] == model_fetch["spec"]["egress"][0]["to"]
+
+    policies = b.of("NetworkPolicy")
+    trainer = Pod(NAMESPACE, pod_labels(b.role("trainer")), {"http": 8000})
+    for host in INTERNET[:2]:  # a public address, v4 and v6
+        assert flow_allowed(policies, trainer, host, 443), host.ip
+        assert not flow_allowed(policies, trainer, host, 80) and not flow_allowed(policies, trainer, host, 5000)
+        assert not flow_allowed(policies, host, trainer, 443) and not flow_allowed(policies, host, trainer, 8000)
+    for private in PRIVATE_IPS:
+        assert not flow_allowed(policies, trainer, Pod(None, {}, ip=private), 443), private
+    assert not flow_allowed(policies, trainer, Pod("default", {"app": "website"}), 443), "a pod elsewhere"
+    redis = b.get("Deployment", "redis")
+    assert flow_allowed(policies, trainer, Pod(NAMESPACE, pod_labels(redis), {"redis": 6379}), 6379)
+    for role in ("embedder", "rollout", "teacher", "trainer-workers"):  # nobody else leaves the cluster
+        src = Pod(NAMESPACE, pod_labels(b.role(role)))
+        assert not any(flow_allowed(policies, src, host, 443) for host in INTERNET), role
+
