@@ -22,6 +22,8 @@ import signal
 import subprocess
 import sys
 import threading
+import tomllib
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -347,12 +349,17 @@ def test_keda_and_the_roles_use_one_redis_address(build):
     assert "REDIS_URL" not in build.env(container(build.role("trainer-workers")))
 
 
-def readme_block(heading: str) -> dict:
-    """The first ```yaml block under the k8s/README.md heading that starts with `heading`, parsed."""
+def readme_section(heading: str) -> str:
+    """The text of the k8s/README.md section whose heading starts with `heading`, up to the next heading."""
     text = (K8S / "README.md").read_text()
     section = re.search(rf"^#+ (?:\d+\. )?{re.escape(heading)}.*?(?=^#+ |\Z)", text, re.M | re.S)
     assert section, f"k8s/README.md: no section {heading!r}"
-    block = re.search(r"^```yaml\n(.*?)^```", section.group(0), re.M | re.S)
+    return section.group(0)
+
+
+def readme_block(heading: str) -> dict:
+    """The first ```yaml block under the k8s/README.md heading that starts with `heading`, parsed."""
+    block = re.search(r"^```yaml\n(.*?)^```", readme_section(heading), re.M | re.S)
     assert block, f"k8s/README.md, {heading!r}: no yaml block"
     return yaml.safe_load(block.group(1))
 
@@ -1292,3 +1299,44 @@ def test_the_trackers_option_gives_rank_0_alone_its_secret_and_https_out(overlay
         src = Pod(NAMESPACE, pod_labels(b.role(role)))
         assert not any(flow_allowed(policies, src, host, 443) for host in INTERNET), role
 
+
+def test_the_readme_trackers_section_matches_the_component_and_the_image():
+    """k8s/README.md, "Experiment trackers": the component line, the image's build argument (an extra that
+    exists), the Secret's name and keys the trackers read (docs/trackers.md), and what ran here."""
+    section = readme_section("Experiment trackers")
+    for needle in ("- ../../components/trackers", "--build-arg OPSD_EXTRAS=trackers", "run.report_to",
+                   TRACKERS_POLICY, "What ran here", "Never run here", "HTTPS_PROXY", "WANDB_MODE=offline"):
+        assert needle in section, needle
+    assert "ARG OPSD_EXTRAS" in (ROOT / "services" / "trainer" / "Dockerfile").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "trackers" in extras
+    (name,) = set(re.findall(r"create secret generic (\S+)", section))
+    assert name == TRACKERS_SECRET
+    keys = set(re.findall(r"--from-literal=(\w+)=", section)) | set(re.findall(r"`(MLFLOW_\w+|WANDB_\w+)", section))
+    tracker_docs = (ROOT / "docs" / "trackers.md").read_text()
+    assert {"WANDB_API_KEY", "MLFLOW_TRACKING_URI"} <= keys
+    for key in keys - {"MLFLOW_TRACKING_PASSWORD"}:  # the docs write it USERNAME / PASSWORD
+        assert f"`{key}`" in tracker_docs, key
+
+
+def test_the_readme_in_cluster_mlflow_patch_admits_the_server_alone(tmp_path):
+    """The README's patch for an MLflow server in the cluster: rank 0 reaches that server's pods on the port of
+    the tracking URI the README puts in the Secret, and no longer the internet; nobody else reaches it."""
+    fragment = readme_block("Experiment trackers")
+    assert set(fragment) == {"patches"}
+    component = os.path.relpath(K8S / "components" / "trackers", tmp_path)
+    b = overlay_copy(tmp_path, "gpu", add={"components": [component], **fragment})
+    validate(b.text)
+    (uri,) = re.findall(r"MLFLOW_TRACKING_URI=(http://[^`\s]+)", readme_section("Experiment trackers"))
+    url = urllib.parse.urlsplit(uri)
+    service, namespace = url.hostname.split(".")[:2]  # <service>.<namespace>.svc
+    server = Pod(namespace, {"app.kubernetes.io/name": service})
+    policies = b.of("NetworkPolicy")
+    trainer = Pod(NAMESPACE, pod_labels(b.role("trainer")))
+    assert flow_allowed(policies, trainer, server, url.port)
+    assert not flow_allowed(policies, trainer, server, 443)
+    assert not flow_allowed(policies, trainer, Pod("default", server.labels), url.port), "the same labels elsewhere"
+    for host in INTERNET:
+        assert not flow_allowed(policies, trainer, host, 443), host.ip
+    for role in ("embedder", "rollout", "teacher", "trainer-workers"):
+        assert not flow_allowed(policies, Pod(NAMESPACE, pod_labels(b.role(role))), server, url.port), role
