@@ -12,6 +12,7 @@ wait script run for real under /bin/sh.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import ipaddress
 import math
@@ -21,6 +22,8 @@ import signal
 import subprocess
 import sys
 import threading
+import tomllib
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -103,8 +106,9 @@ class Build:
         """A container's environment as Kubernetes would set it (Secret values as <secret:NAME/KEY>, downward API
         resource values as <resource:NAME>)."""
         env: dict[str, str] = {}
-        for src in container.get("envFrom", []):
-            env.update(self.get("ConfigMap", src["configMapRef"]["name"])["data"])
+        for src in container.get("envFrom", []):  # in order: a later source wins
+            if "configMapRef" in src:  # a Secret's keys (secretRef) are the user's, unknown here
+                env.update(self.get("ConfigMap", src["configMapRef"]["name"])["data"])
         for e in container.get("env", []):
             ref = e.get("valueFrom", {})
             if "secretKeyRef" in ref:
@@ -345,12 +349,17 @@ def test_keda_and_the_roles_use_one_redis_address(build):
     assert "REDIS_URL" not in build.env(container(build.role("trainer-workers")))
 
 
-def readme_block(heading: str) -> dict:
-    """The first ```yaml block under the k8s/README.md heading that starts with `heading`, parsed."""
+def readme_section(heading: str) -> str:
+    """The text of the k8s/README.md section whose heading starts with `heading`, up to the next heading."""
     text = (K8S / "README.md").read_text()
     section = re.search(rf"^#+ (?:\d+\. )?{re.escape(heading)}.*?(?=^#+ |\Z)", text, re.M | re.S)
     assert section, f"k8s/README.md: no section {heading!r}"
-    block = re.search(r"^```yaml\n(.*?)^```", section.group(0), re.M | re.S)
+    return section.group(0)
+
+
+def readme_block(heading: str) -> dict:
+    """The first ```yaml block under the k8s/README.md heading that starts with `heading`, parsed."""
+    block = re.search(r"^```yaml\n(.*?)^```", readme_section(heading), re.M | re.S)
     assert block, f"k8s/README.md, {heading!r}: no yaml block"
     return yaml.safe_load(block.group(1))
 
@@ -690,6 +699,8 @@ class Pod:
 
 # Hosts on the internet (documentation ranges): no role may reach them, nor they a role.
 INTERNET = (Pod(None, {}, ip="203.0.113.7"), Pod(None, {}, ip="2001:db8::7"), Pod(None, {}, ip="169.254.169.254"))
+# Outside the cluster but not the internet: private, shared (carrier-grade NAT), link-local (cloud metadata), ULA.
+PRIVATE_IPS = ("10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "fd00::1")
 
 
 def _peer_matches(peer: dict, policy_ns: str, pod: Pod) -> bool:
@@ -1173,7 +1184,7 @@ def test_the_model_fetch_option(tmp_path):
     for host in INTERNET[:2]:  # a public address, v4 and v6
         assert flow_allowed(policies, fetch, host, 443), host.ip
         assert not flow_allowed(policies, fetch, host, 80) and not flow_allowed(policies, host, fetch, 443)
-    for private in ("10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "fd00::1"):
+    for private in PRIVATE_IPS:
         assert not flow_allowed(policies, fetch, Pod(None, {}, ip=private), 443), private
     assert flow_allowed(policies, fetch, Pod("kube-system", {"k8s-app": "kube-dns"}), 53, "UDP")
     for role in ROLES + ("trainer-workers",):  # nobody else leaves the cluster
@@ -1233,3 +1244,99 @@ def test_the_wait_for_model_script_waits_for_a_complete_snapshot_and_writes_noth
     assert f"model {model_id} revision {commit}: commit {commit}" in done.stdout, done.stdout
     assert "waiting for Job model-fetch" not in done.stdout
     assert tree() == before, "the roles' cache is read-only: nothing may be written there"
+
+
+# --- options: experiment trackers --------------------------------------------------------------
+
+TRACKERS_SECRET = "opsd-trackers"  # created by the user (k8s/README.md, "Experiment trackers"), never in the repo
+TRACKERS_POLICY = "trainer-trackers-egress"
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu"])
+def test_the_trackers_option_gives_rank_0_alone_its_secret_and_https_out(overlay, tmp_path):
+    """k8s/components/trackers: Job trainer (rank 0, the trackers' one writer) gets the optional Secret
+    opsd-trackers and HTTPS egress to public addresses; nothing else of the overlay changes."""
+    b = with_option(tmp_path, "trackers", overlay)
+    validate(b.text)
+    shipped = Build(kustomize(f"k8s/overlays/{overlay}"))
+    changed = sorted((d["kind"], d["metadata"]["name"]) for d in b.docs if d not in shipped.docs)
+    assert changed == [("Job", "trainer"), ("NetworkPolicy", TRACKERS_POLICY)] and len(b.docs) == len(shipped.docs) + 1
+    assert not b.of("Secret")
+
+    # The Secret: optional (the Job starts without it), first in envFrom so that the run's ConfigMaps win on a
+    # name clash (Kubernetes: a later source wins); the Job is otherwise the shipped one.
+    rank0 = copy.deepcopy(b.role("trainer"))
+    env_from = container(rank0)["envFrom"]
+    assert env_from[0] == {"secretRef": {"name": TRACKERS_SECRET, "optional": True}}, env_from
+    container(rank0)["envFrom"] = env_from[1:]
+    assert rank0 == shipped.role("trainer")
+    refer = [(w["kind"], w["metadata"]["name"]) for w in b.workloads() if TRACKERS_SECRET in yaml.safe_dump(w)]
+    assert refer == [("Job", "trainer")], refer  # not trainer-workers (ranks > 0 write to no tracker), not the roles
+
+    # The policy: egress only, selecting exactly rank 0's pods, port 443, the ranges model-fetch-egress allows.
+    policy = b.get("NetworkPolicy", TRACKERS_POLICY)
+    assert policy["spec"]["policyTypes"] == ["Egress"] and "ingress" not in policy["spec"]
+    selected = [(w["kind"], w["metadata"]["name"]) for w in b.workloads()
+                if selects(policy["spec"]["podSelector"], pod_labels(w))]
+    assert selected == [("Job", "trainer")], selected
+    (rule,) = policy["spec"]["egress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 443}]
+    model_fetch = yaml.safe_load((K8S / "components" / "model-fetch" / "networkpolicy.yaml").read_text())
+    assert rule["to"] == model_fetch["spec"]["egress"][0]["to"]
+
+    policies = b.of("NetworkPolicy")
+    trainer = Pod(NAMESPACE, pod_labels(b.role("trainer")), {"http": 8000})
+    for host in INTERNET[:2]:  # a public address, v4 and v6
+        assert flow_allowed(policies, trainer, host, 443), host.ip
+        assert not flow_allowed(policies, trainer, host, 80) and not flow_allowed(policies, trainer, host, 5000)
+        assert not flow_allowed(policies, host, trainer, 443) and not flow_allowed(policies, host, trainer, 8000)
+    for private in PRIVATE_IPS:
+        assert not flow_allowed(policies, trainer, Pod(None, {}, ip=private), 443), private
+    assert not flow_allowed(policies, trainer, Pod("default", {"app": "website"}), 443), "a pod elsewhere"
+    redis = b.get("Deployment", "redis")
+    assert flow_allowed(policies, trainer, Pod(NAMESPACE, pod_labels(redis), {"redis": 6379}), 6379)
+    for role in ("embedder", "rollout", "teacher", "trainer-workers"):  # nobody else leaves the cluster
+        src = Pod(NAMESPACE, pod_labels(b.role(role)))
+        assert not any(flow_allowed(policies, src, host, 443) for host in INTERNET), role
+
+
+def test_the_readme_trackers_section_matches_the_component_and_the_image():
+    """k8s/README.md, "Experiment trackers": the component line, the image's build argument (an extra that
+    exists), the Secret's name and keys the trackers read (docs/trackers.md), and what ran here."""
+    section = readme_section("Experiment trackers")
+    for needle in ("- ../../components/trackers", "--build-arg OPSD_EXTRAS=trackers", "run.report_to",
+                   TRACKERS_POLICY, "What ran here", "Never run here", "HTTPS_PROXY", "WANDB_MODE=offline"):
+        assert needle in section, needle
+    assert "ARG OPSD_EXTRAS" in (ROOT / "services" / "trainer" / "Dockerfile").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "trackers" in extras
+    (name,) = set(re.findall(r"create secret generic (\S+)", section))
+    assert name == TRACKERS_SECRET
+    keys = set(re.findall(r"--from-literal=(\w+)=", section)) | set(re.findall(r"`(MLFLOW_\w+|WANDB_\w+)", section))
+    tracker_docs = (ROOT / "docs" / "trackers.md").read_text()
+    assert {"WANDB_API_KEY", "MLFLOW_TRACKING_URI"} <= keys
+    for key in keys - {"MLFLOW_TRACKING_PASSWORD"}:  # the docs write it USERNAME / PASSWORD
+        assert f"`{key}`" in tracker_docs, key
+
+
+def test_the_readme_in_cluster_mlflow_patch_admits_the_server_alone(tmp_path):
+    """The README's patch for an MLflow server in the cluster: rank 0 reaches that server's pods on the port of
+    the tracking URI the README puts in the Secret, and no longer the internet; nobody else reaches it."""
+    fragment = readme_block("Experiment trackers")
+    assert set(fragment) == {"patches"}
+    component = os.path.relpath(K8S / "components" / "trackers", tmp_path)
+    b = overlay_copy(tmp_path, "gpu", add={"components": [component], **fragment})
+    validate(b.text)
+    (uri,) = re.findall(r"MLFLOW_TRACKING_URI=(http://[^`\s]+)", readme_section("Experiment trackers"))
+    url = urllib.parse.urlsplit(uri)
+    service, namespace = url.hostname.split(".")[:2]  # <service>.<namespace>.svc
+    server = Pod(namespace, {"app.kubernetes.io/name": service})
+    policies = b.of("NetworkPolicy")
+    trainer = Pod(NAMESPACE, pod_labels(b.role("trainer")))
+    assert flow_allowed(policies, trainer, server, url.port)
+    assert not flow_allowed(policies, trainer, server, 443)
+    assert not flow_allowed(policies, trainer, Pod("default", server.labels), url.port), "the same labels elsewhere"
+    for host in INTERNET:
+        assert not flow_allowed(policies, trainer, host, 443), host.ip
+    for role in ("embedder", "rollout", "teacher", "trainer-workers"):
+        assert not flow_allowed(policies, Pod(NAMESPACE, pod_labels(b.role(role))), server, url.port), role
