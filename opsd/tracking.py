@@ -204,7 +204,10 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = Path(tracking.tensorboard.log_dir or Path(run_dir) / "tensorboard")
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=10)
+        # A first session starts at purge_step 0 (nothing to hide) too: TensorBoard's Python loader (--load_fast=false,
+        # and where its Rust data server does not run) takes the first session start it reads for the run's start
+        # and purges only at a later one, so without it a resumed run's steps showed twice there.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=0 if purge_step is None else purge_step, flush_secs=10)
         self.state = {"log_dir": str(log_dir), "url": f"tensorboard --logdir {log_dir}"}
         if not state.get("tensorboard"):  # written once: a resumed run's directory has them
             import yaml
