@@ -149,8 +149,9 @@ class StepReport:
 
 
 class WandbTracker:
-    """A W&B run (wandb.init with the saved id and resume="allow"): config, scalars and histograms at the
-    step, the trajectories as a wandb.Table. WANDB_* variables apply where the config leaves a setting None."""
+    """A W&B run (wandb.init with the saved id and resume="allow"): config, scalars and histograms (at most 512
+    bins: more are merged) at the step, the trajectories as a wandb.Table. WANDB_* variables apply where the config
+    leaves a setting None."""
 
     name = "wandb"
     # wandb-core writes its log (<dir>/wandb/*/run-<id>.wandb) every x_transaction_log_flush_interval seconds
@@ -180,7 +181,12 @@ class WandbTracker:
     def log_step(self, report: StepReport) -> None:
         data: dict[str, Any] = dict(report.scalars)
         for key, h in report.histograms.items():
-            data[key] = self.wandb.Histogram(np_histogram=(h.counts, h.edges))
+            # wandb.Histogram refuses more than MAX_LENGTH (512) bins, and tracking.histogram_bins allows 1024:
+            # adjacent bins merged k at a time (the last group may be short), so a step is never lost to it.
+            k = -(-len(h.counts) // self.wandb.Histogram.MAX_LENGTH)
+            counts = [sum(h.counts[i:i + k]) for i in range(0, len(h.counts), k)]
+            edges = h.edges[::k] + ([h.edges[-1]] if len(h.counts) % k else [])
+            data[key] = self.wandb.Histogram(np_histogram=(counts, edges))
         if report.trajectories:
             data["learning/trajectories"] = self.wandb.Table(columns=list(TABLE_COLUMNS), data=report.trajectories)
         self.run.log(data, step=report.step)
@@ -206,7 +212,10 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = Path(tracking.tensorboard.log_dir or Path(run_dir) / "tensorboard")
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=10)
+        # A first session starts at purge_step 0 (nothing to hide) too: TensorBoard's Python loader (--load_fast=false,
+        # and where its Rust data server does not run) takes the first session start it reads for the run's start
+        # and purges only at a later one, so without it a resumed run's steps showed twice there.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=0 if purge_step is None else purge_step, flush_secs=10)
         self.state = {"log_dir": str(log_dir), "url": f"tensorboard --logdir {log_dir}"}
         if not state.get("tensorboard"):  # written once: a resumed run's directory has them
             import yaml
