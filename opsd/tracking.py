@@ -192,8 +192,9 @@ class WandbTracker:
         self.run.log(data, step=report.step)
 
     def log_eval(self, step: int, values: dict[str, float], table: list[list], columns: list[str]) -> None:
-        self.run.summary.update(values)
-        self.run.log({**values, "eval/table": self.wandb.Table(columns=columns, data=table)})
+        # The run's summary, not its history: an offline run resumed in another process does not know its last
+        # history step, and an eval logged at a step would collide with training's.
+        self.run.summary.update({**values, "eval/table": self.wandb.Table(columns=columns, data=table)})
 
     def close(self, finished: bool | None) -> None:
         self.run.finish(exit_code=1 if finished is False else 0)
@@ -212,10 +213,11 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = Path(tracking.tensorboard.log_dir or Path(run_dir) / "tensorboard")
-        # A first session starts at purge_step 0 (nothing to hide) too: TensorBoard's Python loader (--load_fast=false,
-        # and where its Rust data server does not run) takes the first session start it reads for the run's start
-        # and purges only at a later one, so without it a resumed run's steps showed twice there.
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=0 if purge_step is None else purge_step, flush_secs=10)
+        # purge_step None (`opsd eval` adding results): nothing hidden. The trainer passes 0 for a first session (nothing
+        # to hide): TensorBoard's Python loader (--load_fast=false, and where its Rust data server does not run) takes
+        # the first session start it reads for the run's start and purges only at a later one, so without it a
+        # resumed run's steps showed twice there.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=10)
         self.state = {"log_dir": str(log_dir), "url": f"tensorboard --logdir {log_dir}"}
         if not state.get("tensorboard"):  # written once: a resumed run's directory has them
             import yaml
@@ -382,7 +384,8 @@ class Trackers:
 
     report_to: tracker names (TRACKERS); tracking: the config's TrackingSection; config: the resolved config
     (JSON data) with the model record; state: trackers.json's content (ids to continue); role: the Prometheus
-    label; purge_step: TensorBoard's first step to write (steps from it on, written before, are hidden).
+    label; purge_step: TensorBoard's first step to write (steps from it on, written before, are hidden; None:
+    hide nothing).
     """
 
     def __init__(self, report_to: list[str], tracking, run_dir: Path, config: dict, state: dict, role: str,

@@ -27,8 +27,15 @@ from services.trainer.reporting import Reporter
 from tests import tracker_readers as read
 
 
+@pytest.fixture(scope="session")
+def process_tmp(tmp_path_factory) -> Path:
+    """One temporary directory for the whole session: SQLite (MLflow's store) reads TMPDIR once per process, so a
+    per-test one, deleted after its test, would leave the next tests' stores unable to write."""
+    return tmp_path_factory.mktemp("tmpdir")
+
+
 @pytest.fixture(autouse=True)
-def tracker_env(tmp_path, monkeypatch):
+def tracker_env(tmp_path, monkeypatch, process_tmp):
     """Trackers configured by the test alone: no WANDB_* / MLFLOW_* from the shell, W&B's home folders under
     tmp_path; after the test W&B's process-wide setup is torn down, so the next test's variables apply (W&B
     reads them once per process otherwise)."""
@@ -37,9 +44,8 @@ def tracker_env(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "home" / name.lower()))
-    (tmp_path / "tmp").mkdir()  # W&B's temporary files and service socket
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("TMPDIR", str(process_tmp))  # W&B's temporary files and service socket
+    monkeypatch.setattr(tempfile, "tempdir", str(process_tmp))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / "cache"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -198,6 +204,58 @@ def test_each_tracker_reads_back_every_step(tmp_path):
     assert m.params["models"] == str([{"name": "tiny", "revision": "abc"}])
     assert (m.tags["opsd.run_dir"], m.tags["opsd.inspect"]) == (links_of(run_dir)["run_dir"], links_of(run_dir)["inspect"])
     assert m.artifacts["config.json"]["tracking"]["histogram_bins"] == 64
+
+
+# ---------------------------------------------------------------- opsd eval adds to the same runs
+
+
+def eval_report(version: int) -> dict:
+    """An `opsd eval` report's numbers as services/rollout/evaluate.py computes them (real bootstrap intervals) for
+    two categories of 6 episodes, 4 and 1 won."""
+    from services.rollout.evaluate import report_numbers
+
+    results = [{"category": cat, "error": None, "episodes": [
+        {"reward": float(i < wins), "won": i < wins, "turns": 3, "valid_turns": 2, "ending": "done"} for i in range(6)]}
+        for cat, wins in (("pick", 4), ("clean", 1))]
+    return {"metric": "success", "metrics": ["success"], "policy_version": version,
+            **report_numbers(results, "success", 200, 0)}
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_eval_adds_its_results_to_the_run_and_leaves_its_history_and_status(tmp_path, finished):
+    from opsd.tracking import report_eval
+
+    # A name of its own per case: pytest may hand the next case the same tmp_path (this one's deleted once it passed),
+    # and MLflow keeps one store per tracking URI for the process.
+    run_dir = tmp_path / f"run-eval-{finished}"
+    cfg = cfg_of(["wandb", "tensorboard", "mlflow"])
+    reports = [report_of(s) for s in range(3)]
+    run_reporter(cfg, run_dir, reports, commits=[3], finished=finished)
+    state = json.loads((run_dir / "trackers.json").read_text())
+    report = eval_report(3)
+    assert sorted(report_eval(cfg, run_dir, report)) == ["mlflow", "tensorboard", "wandb"]
+    wandb.teardown()
+
+    overall = report["overall"]["success"]
+    want = {"eval/overall/success": overall["value"], "eval/overall/success_ci95_low": overall["ci95"][0],
+            "eval/overall/success_ci95_high": overall["ci95"][1],
+            "eval/pick/success": 4 / 6, "eval/clean/success": 1 / 6}
+    assert 0 <= overall["ci95"][0] < overall["value"] == 5 / 12 < overall["ci95"][1] <= 1
+    w = read.wandb_run(run_dir)
+    assert set(w.run_ids) == {state["wandb"]["id"]}
+    assert {k: w.summary[k] for k in want} == want
+    assert w.steps == [0, 1, 2]  # in the summary: no history step of its own
+    (table,) = run_dir.glob("wandb/offline-run-*/files/" + w.summary["eval/table"]["path"])
+    assert [r[:4] for r in json.loads(table.read_text())["data"]] == [
+        ["pick", 6, "success", 4 / 6], ["clean", 6, "success", 1 / 6], ["overall", 12, "success", 5 / 12]]
+    tb = read.tensorboard_scalars(run_dir / "tensorboard")
+    assert {k: tb[k] for k in want} == {k: [(3, float(np.float32(v)))] for k, v in want.items()}
+    check_tensorboard_steps = [s for s, _ in tb["trainer/loss"]]
+    assert check_tensorboard_steps == [0, 1, 2]  # the eval's writer hid none of training's steps
+    m = read.mlflow_run(run_dir, state["mlflow"]["run_id"])
+    assert {k: m.metrics[k] for k in want} == {k: [(3, v)] for k, v in want.items()}
+    assert m.status == ("FINISHED" if finished else "KILLED")  # as the trainer left it
+    assert [s for s, _ in m.metrics["trainer/loss"]] == [0, 1, 2]
 
 
 # ---------------------------------------------------------------- resume: the same tracker runs, each step once
@@ -415,3 +473,19 @@ def test_config_accepts_the_tracking_bounds():
         "trajectories_per_step": 0, "table_chars": 20, "histogram_bins": 1024, "wandb": {"init_timeout_s": 3600}}})
     assert cfg.run.report_to == ["mlflow", "wandb"]
     assert (cfg.tracking.trajectories_per_step, cfg.tracking.table_chars, cfg.tracking.histogram_bins) == (0, 20, 1024)
+
+
+def test_opsd_run_refuses_a_tracker_that_is_not_installed_before_the_run_directory(tmp_path):
+    """`opsd run --report-to wandb` where wandb cannot be imported (sys.modules["wandb"] = None: find_spec says
+    absent): one line naming the extra, exit 2, no run directory."""
+    import subprocess
+
+    code = ("import sys; sys.modules['wandb'] = None; from opsd.cli import main; "
+            f"sys.argv = ['opsd', 'run', 'tests/configs/tiny.yaml', '--output-dir', {str(tmp_path / 'runs')!r}, "
+            "'--report-to', 'tensorboard,wandb']; main()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                          timeout=120)
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, out
+    assert "run.report_to names wandb, not installed here: pip install 'opsd[wandb]'" in out
+    assert "Traceback" not in out and not (tmp_path / "runs").exists()

@@ -144,7 +144,7 @@ class Reporter:
         durable = self.state.setdefault("sent_through", {})
         tb = durable.get("tensorboard")
         trackers = Trackers(list(self.cfg.run.report_to), self.cfg.tracking, self.run_dir, self.config, self.state,
-                            "trainer", purge_step=tb + 1 if tb is not None else None)
+                            "trainer", purge_step=tb + 1 if tb is not None else 0)
         self.state.update(trackers.state())
         self._save()
         self.logged = {t.name: durable.get(t.name, -1) for t in trackers.open}  # handed to the tracker's library
