@@ -303,7 +303,8 @@ class MlflowTracker:
     def _log_params(self, config: dict) -> None:
         from mlflow.entities import Param
 
-        params = [Param(mlflow_key(k)[:250], str(v)[:500]) for k, v in flatten(config).items()]
+        text = lambda v: v if isinstance(v, str) else json.dumps(v)  # noqa: E731 - lists, null, true as JSON
+        params = [Param(mlflow_key(k)[:250], text(v)[:500]) for k, v in flatten(config).items()]
         for lo in range(0, len(params), 100):  # MLflow's log_batch takes at most 100 params
             self.client.log_batch(self.run_id, params=params[lo:lo + 100])
 
@@ -411,6 +412,9 @@ class Trackers:
             if self.errors[name] == 1:
                 log.warning("tracker %s failed (%s: %s); training goes on, its errors are counted in "
                             "opsd_tracker_errors_total", name, type(e).__name__, str(e)[:300])
+                # Its library's own logging (MLflow prints a traceback per failed call) would repeat the error at
+                # every step: only its critical messages from now on.
+                logging.getLogger(PACKAGES[name][0]).setLevel(logging.CRITICAL)
             return None
 
     def state(self) -> dict:
