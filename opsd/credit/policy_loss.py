@@ -8,6 +8,8 @@ epoch's ratio visibly != 1 (bad-input case 6).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: beyond it a ratio is an error, not a signal
@@ -239,6 +241,126 @@ def _log_ratio(logp_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: to
     return torch.where(mask_BT, logp - logp.detach() + seq_B1, zero).clamp(max=SEQ_LOG_RATIO_MAX)
 
 
+def _check_ppo_args(
+    logprobs_BT: torch.Tensor, named_BT: tuple[tuple[str, torch.Tensor | None], ...], clip_c: float | None,
+    importance_level: str, kl_estimator: str, entropy_coef: float, entropy_BT: torch.Tensor | None, kl_coef: float,
+    ref_logprobs_BT: torch.Tensor | None,
+) -> None:
+    """Raises ValueError as ppo_loss documents (shapes, clip_c, modes, a tensor its coef needs)."""
+    shape = logprobs_BT.shape
+    for nm, t in named_BT:
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{nm} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"dual-clip constant must be > 1 (or None for no dual clip), got {clip_c}")
+    if importance_level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance_level must be one of {IMPORTANCE_LEVELS}, got {importance_level!r}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if entropy_coef and entropy_BT is None:
+        raise ValueError("entropy_coef > 0 needs entropy_BT")
+    if kl_coef and ref_logprobs_BT is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs_BT")
+
+
+class _PolicyGradient(NamedTuple):
+    """The dual-clip policy-gradient term of `ppo_loss` per token [B, T] and the pieces its metrics read."""
+
+    ratio: torch.Tensor
+    adv: torch.Tensor  # advantages, 0 off the mask
+    pg1: torch.Tensor  # -A ratio
+    pg2: torch.Tensor  # -A clip(ratio, 1 - clip_low, 1 + clip_high)
+    pg_clip: torch.Tensor  # max(pg1, pg2)
+    pg3: torch.Tensor | None  # -A clip_c; None without dual clip
+    weight: torch.Tensor | None  # is_weight_BT, 0 off the mask; None without
+    pg: torch.Tensor  # dual-clipped and weighted: the term the loss sums
+
+
+def _dual_clip_pg(
+    logp_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor, mask_BT: torch.Tensor,
+    is_weight_BT: torch.Tensor | None, clip_low: float, clip_high: float, clip_c: float | None, importance_level: str,
+) -> _PolicyGradient:
+    """pg = max(-A ratio, -A clip(ratio)), then min(pg, -A clip_c) where A < 0, times the IS weight (see ppo_loss)."""
+    zero = torch.zeros((), dtype=torch.float32, device=logp_BT.device)
+    ratio = torch.exp(_log_ratio(logp_BT, old_logprobs_BT, mask_BT, importance_level))
+    adv = torch.where(mask_BT, advantages_BT.detach().float(), zero)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_clip = torch.maximum(pg1, pg2)
+    pg = pg_clip
+    pg3 = None
+    if clip_c is not None:
+        pg3 = -adv * clip_c
+        pg = torch.where(adv < 0, torch.minimum(pg_clip, pg3), pg_clip)
+    weight = None
+    if is_weight_BT is not None:
+        # where: an off-mask weight may be inf/NaN padding.
+        weight = torch.where(mask_BT, is_weight_BT.detach().float(), zero)
+        pg = pg * weight
+    return _PolicyGradient(ratio, adv, pg1, pg2, pg_clip, pg3, weight, pg)
+
+
+def _add_entropy_and_kl(
+    pg_BT: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor, entropy_BT: torch.Tensor | None,
+    entropy_coef: float, ref_logprobs_BT: torch.Tensor | None, kl_coef: float, kl_estimator: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss pg - entropy_coef * entropy + kl_coef * kl, masked entropy sum, masked kl sum).
+
+    A term whose tensor is given is summed for the metrics even when its coef is 0 (then it adds nothing)."""
+    zero = torch.zeros((), dtype=torch.float32, device=logp_BT.device)
+    per_token = pg_BT
+    ent_sum = zero
+    if entropy_BT is not None:
+        ent = torch.where(mask_BT, entropy_BT.float(), zero)
+        ent_sum = ent.sum()
+        if entropy_coef:
+            per_token = per_token - entropy_coef * ent
+    kl_sum = zero
+    if ref_logprobs_BT is not None:
+        # Both inputs masked first: the estimator is elementwise and padding may be -inf.
+        kl = kl_penalty(
+            torch.where(mask_BT, logp_BT, zero), torch.where(mask_BT, ref_logprobs_BT.detach().float(), zero), kl_estimator
+        )
+        kl_sum = kl.sum()
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    return per_token, ent_sum, kl_sum
+
+
+def _ppo_metrics(
+    mask_BT: torch.Tensor, n_local: int, terms: _PolicyGradient, ent_sum: torch.Tensor, kl_sum: torch.Tensor
+) -> dict[str, float]:
+    """ppo_loss's metrics over this micro-batch's loss tokens (call under torch.no_grad)."""
+    if n_local:
+        r = terms.ratio[mask_BT]
+        a = terms.adv[mask_BT]
+        if terms.pg3 is not None:
+            dual = (a < 0) & (terms.pg_clip[mask_BT] > terms.pg3[mask_BT])
+        else:
+            dual = torch.zeros_like(a, dtype=torch.bool)
+        weight = terms.weight
+        metrics = {
+            "ppo/clip_frac": float((terms.pg2[mask_BT] > terms.pg1[mask_BT]).float().mean()),
+            "ppo/dual_clip_frac": float(dual.float().mean()),
+            "ppo/ratio_mean": float(r.mean()),
+            "ppo/ratio_dev_max": float((r - 1.0).abs().max()),
+            "ppo/entropy_mean": float(ent_sum) / n_local,
+            "ppo/kl_mean": float(kl_sum) / n_local,
+            "ppo/is_masked_frac": float((weight[mask_BT] == 0).float().mean()) if weight is not None else 0.0,
+        }
+    else:
+        metrics = dict.fromkeys(
+            ("ppo/clip_frac", "ppo/dual_clip_frac", "ppo/ratio_mean", "ppo/ratio_dev_max", "ppo/entropy_mean", "ppo/kl_mean",
+             "ppo/is_masked_frac"), 0.0
+        )
+    zero = torch.zeros((), dtype=torch.float32, device=terms.pg.device)
+    metrics["ppo/loss_tokens"] = float(n_local)
+    metrics["ppo/loss_sequences"] = float(int(mask_BT.any(dim=-1).sum()))
+    metrics["ppo/pg_loss_sum"] = float(torch.where(mask_BT, terms.pg, zero).sum())
+    return metrics
+
+
+
 def ppo_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -332,83 +454,26 @@ def ppo_loss(
       too small total_sequences for a seq-mean mode, or norm_tokens missing or
       <= 0 for "seq-mean-token-sum-norm".
     """
-    shape = logprobs_BT.shape
-    named = (("old_logprobs_BT", old_logprobs_BT), ("advantages_BT", advantages_BT), ("loss_mask_BT", loss_mask_BT),
-             ("is_weight_BT", is_weight_BT))
-    for nm, t in named:
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{nm} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
-    if clip_c is not None and clip_c <= 1.0:
-        raise ValueError(f"dual-clip constant must be > 1 (or None for no dual clip), got {clip_c}")
-    if importance_level not in IMPORTANCE_LEVELS:
-        raise ValueError(f"importance_level must be one of {IMPORTANCE_LEVELS}, got {importance_level!r}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    if entropy_coef and entropy_BT is None:
-        raise ValueError("entropy_coef > 0 needs entropy_BT")
-    if kl_coef and ref_logprobs_BT is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs_BT")
+    named_BT = (("old_logprobs_BT", old_logprobs_BT), ("advantages_BT", advantages_BT), ("loss_mask_BT", loss_mask_BT),
+                ("is_weight_BT", is_weight_BT))
+    _check_ppo_args(logprobs_BT, named_BT, clip_c, importance_level, kl_estimator, entropy_coef, entropy_BT, kl_coef,
+                    ref_logprobs_BT)
     mask = loss_mask_BT.bool()
     n_local = int(mask.sum())
     if float(total_loss_tokens) < n_local:
         raise ValueError(f"total_loss_tokens={float(total_loss_tokens)} is smaller than this micro-batch's {n_local} loss tokens")
     row_scale_B1, denom = _aggregation(loss_agg, mask, total_loss_tokens, total_sequences, norm_tokens)
-    zero = torch.zeros((), dtype=torch.float32, device=logprobs_BT.device)
 
     logp = logprobs_BT.float()
-    ratio = torch.exp(_log_ratio(logp, old_logprobs_BT, mask, importance_level))
-    adv = torch.where(mask, advantages_BT.detach().float(), zero)
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg_clip = torch.maximum(pg1, pg2)
-    pg = pg_clip
-    if clip_c is not None:
-        pg3 = -adv * clip_c
-        pg = torch.where(adv < 0, torch.minimum(pg_clip, pg3), pg_clip)
-    weight = None
-    if is_weight_BT is not None:
-        # where: an off-mask weight may be inf/NaN padding.
-        weight = torch.where(mask, is_weight_BT.detach().float(), zero)
-        pg = pg * weight
-    per_token = pg
-    ent_sum = zero
-    if entropy_BT is not None:
-        ent = torch.where(mask, entropy_BT.float(), zero)
-        ent_sum = ent.sum()
-        if entropy_coef:
-            per_token = per_token - entropy_coef * ent
-    kl_sum = zero
-    if ref_logprobs_BT is not None:
-        # Both inputs masked first: the estimator is elementwise and padding may be -inf.
-        kl = kl_penalty(torch.where(mask, logp, zero), torch.where(mask, ref_logprobs_BT.detach().float(), zero), kl_estimator)
-        kl_sum = kl.sum()
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
+    terms = _dual_clip_pg(logp, old_logprobs_BT, advantages_BT, mask, is_weight_BT, clip_low, clip_high, clip_c, importance_level)
+    per_token, ent_sum, kl_sum = _add_entropy_and_kl(
+        terms.pg, logp, mask, entropy_BT, entropy_coef, ref_logprobs_BT, kl_coef, kl_estimator
+    )
+    zero = torch.zeros((), dtype=torch.float32, device=logprobs_BT.device)
     total = torch.where(mask, per_token * row_scale_B1, zero).sum()
     loss = total / denom if denom > 0 else total * 0.0
-
     with torch.no_grad():
-        if n_local:
-            r = ratio[mask]
-            a = adv[mask]
-            dual = (a < 0) & (pg_clip[mask] > pg3[mask]) if clip_c is not None else torch.zeros_like(a, dtype=torch.bool)
-            metrics = {
-                "ppo/clip_frac": float((pg2[mask] > pg1[mask]).float().mean()),
-                "ppo/dual_clip_frac": float(dual.float().mean()),
-                "ppo/ratio_mean": float(r.mean()),
-                "ppo/ratio_dev_max": float((r - 1.0).abs().max()),
-                "ppo/entropy_mean": float(ent_sum) / n_local,
-                "ppo/kl_mean": float(kl_sum) / n_local,
-                "ppo/is_masked_frac": float((weight[mask] == 0).float().mean()) if weight is not None else 0.0,
-            }
-        else:
-            metrics = dict.fromkeys(
-                ("ppo/clip_frac", "ppo/dual_clip_frac", "ppo/ratio_mean", "ppo/ratio_dev_max", "ppo/entropy_mean", "ppo/kl_mean",
-                 "ppo/is_masked_frac"), 0.0
-            )
-        metrics["ppo/loss_tokens"] = float(n_local)
-        metrics["ppo/loss_sequences"] = float(int(mask.any(dim=-1).sum()))
-        metrics["ppo/pg_loss_sum"] = float(torch.where(mask, pg, zero).sum())
+        metrics = _ppo_metrics(mask, n_local, terms, ent_sum, kl_sum)
     return loss, metrics
 
 
