@@ -48,7 +48,7 @@ Edge cases (all counted in the metrics):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from scipy.signal import lfilter
@@ -340,6 +340,145 @@ def _require_finite(name: str, arr: np.ndarray) -> None:
         raise ValueError(f"{name} contains NaN or inf")
 
 
+def _checked_gap(
+    task_id: Sequence[str], rollout_id: Sequence[str], turn_id: Sequence[int], loss_mask_ML: np.ndarray,
+    teacher_logprobs_ML: np.ndarray, student_logprobs_ML: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, _Gap]:
+    """(mask_ML float32 [M, L], n_M float32 [M] loss tokens per row, the masked gap) of agentopsd_core's
+    inputs. Raises ValueError on shape mismatch or a non-0/1 mask."""
+    mask = np.asarray(loss_mask_ML)
+    M = len(task_id)
+    if mask.ndim != 2 or mask.shape[0] != M or len(rollout_id) != M or len(turn_id) != M:
+        raise ValueError(f"loss_mask_ML must be [M, L] with M = {M} ids, got {mask.shape}")
+    mask_ML = np.asarray(mask, dtype=np.float32)  # read only: no copy of a float32 mask
+    if np.count_nonzero(mask_ML != 0) != np.count_nonzero(mask_ML == 1):
+        raise ValueError("loss_mask_ML must be 0/1")
+    n_M = mask_ML @ np.ones(mask_ML.shape[1], dtype=np.float32)  # row sums: a BLAS mat-vec, exact for 0/1
+    t = np.asarray(teacher_logprobs_ML, dtype=np.float32)
+    s = np.asarray(student_logprobs_ML, dtype=np.float32)
+    if t.shape != mask.shape or s.shape != mask.shape:
+        raise ValueError(f"teacher {t.shape} / student {s.shape} log-probs must match the mask {mask.shape}")
+    return mask_ML, n_M, _Gap(t, s, mask_ML)
+
+
+def _checked_rewards(
+    rewards_M: np.ndarray, episode_reward_M: np.ndarray, prior_scores_M: np.ndarray | None, M: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rewards float32, episode rewards float64, prior scores float32), each [M] and finite, else ValueError."""
+    r = np.asarray(rewards_M, dtype=np.float32)
+    ep = np.asarray(episode_reward_M, dtype=np.float64)
+    prior = r if prior_scores_M is None else np.asarray(prior_scores_M, dtype=np.float32)
+    for name, arr in (("rewards_M", r), ("episode_reward_M", ep), ("prior_scores_M", prior)):
+        if arr.shape != (M,):
+            raise ValueError(f"{name} must have shape ({M},), got {arr.shape}")
+        _require_finite(name, arr)
+    return r, ep, prior
+
+
+class _Trajectories(NamedTuple):
+    """The trajectories of canonical rows, numbered in order."""
+
+    traj_M: np.ndarray  # trajectory of each row
+    start_T: np.ndarray  # first row of each trajectory
+    turns_T: np.ndarray  # turn rows per trajectory
+    task_T: np.ndarray  # task (numbered in order) of each trajectory
+    G_task: np.ndarray  # trajectories per task
+
+
+def _canonical_trajectories(task_id: Sequence[str], rollout_id: Sequence[str], turn_id: Sequence[int]) -> _Trajectories:
+    """Trajectories and tasks of rows in canonical order; ValueError if the rows are not (or repeat a turn)."""
+    M = len(task_id)
+    # Canonical rows: tasks, then trajectories, contiguous and numbered in order.
+    tk, ro, tu = np.asarray(task_id, dtype=str), np.asarray(rollout_id, dtype=str), np.asarray(turn_id, dtype=np.int64)
+    same_task = tk[1:] == tk[:-1]
+    same_traj = same_task & (ro[1:] == ro[:-1])
+    if not ((tk[1:] > tk[:-1]) | (same_task & (ro[1:] > ro[:-1])) | (same_traj & (tu[1:] > tu[:-1]))).all():
+        raise ValueError("rows must be in canonical order (task_id, rollout_id, turn_id), each turn once; use compute_advantages")
+    first_row = np.ones(min(M, 1), dtype=bool)  # empty for an empty batch
+    new_traj = np.concatenate([first_row, ~same_traj])
+    traj_M = np.cumsum(new_traj) - 1
+    start_T = np.flatnonzero(new_traj)
+    T = len(start_T)
+    turns_T = np.diff(np.append(start_T, M))
+    task_T = (np.cumsum(np.concatenate([first_row, ~same_task])) - 1)[start_T]
+    G_task = np.bincount(task_T, minlength=int(task_T[-1]) + 1 if T else 0)
+    return _Trajectories(traj_M, start_T, turns_T, task_T, G_task)
+
+
+def _initial_belief(variant: str, ep: np.ndarray, prior: np.ndarray, trajs: _Trajectories) -> np.ndarray:
+    """B_0 per trajectory float32 [T]: its task's success rate S/G ("paper") or mean first-row prior score
+    ("reference"), clipped to [B0_CLIP, 1 - B0_CLIP]."""
+    start_T, task_T, G_task = trajs.start_T, trajs.task_T, trajs.G_task
+    if variant == "paper":  # success rate S/G
+        ep_T = np.add.reduceat(ep, start_T) / trajs.turns_T if len(start_T) else np.zeros(0)
+        rate = np.bincount(task_T, weights=(ep_T > 0).astype(np.float64), minlength=len(G_task)) / G_task
+    else:  # mean of each trajectory's first-row score
+        rate = np.bincount(task_T, weights=prior[start_T].astype(np.float64), minlength=len(G_task)) / G_task
+    return np.clip(rate.astype(np.float32), np.float32(B0_CLIP), np.float32(1 - B0_CLIP))[task_T]
+
+
+def _turn_advantages(
+    trajs: _Trajectories, e_M: np.ndarray, mask_ML: np.ndarray, a_seq: np.ndarray, a_raw: np.ndarray,
+    b0_T: np.ndarray, lam: np.float32, kw: dict,
+) -> tuple[AgentOPSDResult, float, np.ndarray]:
+    """Turn granularity: one belief recursion per trajectory over its turns, Â_k broadcast to the turn's loss
+    tokens. Returns (result without metrics, mean multiplier over rows, final belief per trajectory)."""
+    traj_M, start_T, turns_T = trajs.traj_M, trajs.start_T, trajs.turns_T
+    M, T = len(traj_M), len(start_T)
+    pos_M = np.arange(M) - start_T[traj_M]
+    grid = np.zeros((3, T, int(turns_T.max()) if T else 0), dtype=np.float32)  # e, valid, sign
+    grid[0, traj_M, pos_M] = e_M
+    grid[1, traj_M, pos_M] = 1.0
+    grid[2, traj_M, pos_M] = np.sign(a_seq)
+    g = belief_multiplier(grid[0], grid[1], b0_T, grid[2], **kw)
+    m_used = g["m"][traj_M, pos_M]
+    m_mean = float(m_used.mean()) if M else 1.0
+    a_row = a_seq * ((np.float32(1.0) - lam) + lam * m_used)
+    adv_ML = a_row[:, None] * mask_ML
+    B_last = g["B"][np.arange(T), turns_T - 1]
+    b0_M = b0_T[traj_M]
+    return AgentOPSDResult(adv_ML, a_seq, a_raw, b0_M, e_M, a_row, {}, traj_M, pos_M, turns_T, g), m_mean, B_last
+
+
+def _token_advantages(
+    gap: _Gap, n_M: np.ndarray, a_seq: np.ndarray, a_raw: np.ndarray, b0_M: np.ndarray, e_M: np.ndarray,
+    lam: np.float32, kw: dict,
+) -> tuple[AgentOPSDResult, float, np.ndarray]:
+    """Token granularity: one belief recursion per turn row over its tokens (`_token_multiplier`). Returns
+    (result without metrics, mean multiplier over loss tokens, final belief of each row with loss tokens)."""
+    mask_ML = gap.mask
+    m_ML, B_last = _token_multiplier(gap, n_M, b0_M, np.sign(a_seq), kw)
+    m_mean = float(np.vdot(m_ML.ravel(), mask_ML.ravel())) / max(float(n_M.sum()), 1.0)
+    adv_ML = m_ML  # Â = A_seq ((1-λ) + λ m), in place
+    adv_ML *= lam
+    adv_ML += np.float32(1.0) - lam
+    adv_ML *= a_seq[:, None]
+    adv_ML *= mask_ML
+    B_last = B_last[n_M > 0]
+    return AgentOPSDResult(adv_ML, a_seq, a_raw, b0_M, e_M, np.zeros(len(n_M), np.float32), {}), m_mean, B_last
+
+
+def _metrics(
+    trajs: _Trajectories, ep: np.ndarray, n_M: np.ndarray, e_M: np.ndarray, a_seq: np.ndarray, b0_T: np.ndarray,
+    B_last: np.ndarray, m_mean: float,
+) -> dict[str, float]:
+    """agentopsd_core's metrics (the module docstring's edge cases are counted here)."""
+    M, T = len(n_M), len(trajs.start_T)
+    ep_min = np.minimum.reduceat(ep, trajs.start_T) if M else np.zeros(0)
+    ep_max = np.maximum.reduceat(ep, trajs.start_T) if M else np.zeros(0)
+    return {
+        "agentopsd/b0_mean": float(b0_T.mean()) if T else 0.0,
+        "agentopsd/belief_final_mean": float(B_last.mean()) if B_last.size else 0.0,
+        "agentopsd/turn_gap_mean": float(e_M.mean()) if M else 0.0,
+        "agentopsd/seq_adv_abs_mean": float(np.abs(a_seq).mean()) if M else 0.0,
+        "agentopsd/multiplier_mean": m_mean,
+        "agentopsd/turns_without_loss_tokens": float((~(n_M > 0)).sum()),
+        "agentopsd/single_trajectory_tasks": float((trajs.G_task == 1).sum()),
+        "agentopsd/single_turn_trajectories": float((trajs.turns_T == 1).sum()),
+        "agentopsd/trajectories_with_varying_reward": float((ep_max != ep_min).sum()),
+    }
+
+
 def agentopsd_core(
     task_id: Sequence[str],
     rollout_id: Sequence[str],
@@ -375,96 +514,21 @@ def agentopsd_core(
     Raises: ValueError on shape mismatch, NaN/inf on a loss token or in a
       reward, non-0/1 mask, or rows that are not canonical.
     """
-    mask = np.asarray(loss_mask_ML)
-    M = len(task_id)
-    if mask.ndim != 2 or mask.shape[0] != M or len(rollout_id) != M or len(turn_id) != M:
-        raise ValueError(f"loss_mask_ML must be [M, L] with M = {M} ids, got {mask.shape}")
-    mask_ML = np.asarray(mask, dtype=np.float32)  # read only: no copy of a float32 mask
-    if np.count_nonzero(mask_ML != 0) != np.count_nonzero(mask_ML == 1):
-        raise ValueError("loss_mask_ML must be 0/1")
-    n_M = mask_ML @ np.ones(mask_ML.shape[1], dtype=np.float32)  # row sums: a BLAS mat-vec, exact for 0/1
-    t = np.asarray(teacher_logprobs_ML, dtype=np.float32)
-    s = np.asarray(student_logprobs_ML, dtype=np.float32)
-    if t.shape != mask.shape or s.shape != mask.shape:
-        raise ValueError(f"teacher {t.shape} / student {s.shape} log-probs must match the mask {mask.shape}")
-    gap = _Gap(t, s, mask_ML)
+    mask_ML, n_M, gap = _checked_gap(task_id, rollout_id, turn_id, loss_mask_ML, teacher_logprobs_ML, student_logprobs_ML)
     e_M = gap.row_sums()
-    r = np.asarray(rewards_M, dtype=np.float32)
-    ep = np.asarray(episode_reward_M, dtype=np.float64)
-    prior = r if prior_scores_M is None else np.asarray(prior_scores_M, dtype=np.float32)
-    for name, arr in (("rewards_M", r), ("episode_reward_M", ep), ("prior_scores_M", prior)):
-        if arr.shape != (M,):
-            raise ValueError(f"{name} must have shape ({M},), got {arr.shape}")
-        _require_finite(name, arr)
-
-    # Canonical rows: tasks, then trajectories, contiguous and numbered in order.
-    tk, ro, tu = np.asarray(task_id, dtype=str), np.asarray(rollout_id, dtype=str), np.asarray(turn_id, dtype=np.int64)
-    same_task = tk[1:] == tk[:-1]
-    same_traj = same_task & (ro[1:] == ro[:-1])
-    if not ((tk[1:] > tk[:-1]) | (same_task & (ro[1:] > ro[:-1])) | (same_traj & (tu[1:] > tu[:-1]))).all():
-        raise ValueError("rows must be in canonical order (task_id, rollout_id, turn_id), each turn once; use compute_advantages")
-    first_row = np.ones(min(M, 1), dtype=bool)  # empty for an empty batch
-    new_traj = np.concatenate([first_row, ~same_traj])
-    traj_M = np.cumsum(new_traj) - 1
-    start_T = np.flatnonzero(new_traj)
-    T = len(start_T)
-    turns_T = np.diff(np.append(start_T, M))
-    task_T = (np.cumsum(np.concatenate([first_row, ~same_task])) - 1)[start_T]
-    G_task = np.bincount(task_T, minlength=int(task_T[-1]) + 1 if T else 0)
-
+    r, ep, prior = _checked_rewards(rewards_M, episode_reward_M, prior_scores_M, len(task_id))
+    trajs = _canonical_trajectories(task_id, rollout_id, turn_id)
     # A_seq (spec §0); a row without loss tokens gets 0, like the released code's masked GRPO output.
     a_raw = grpo_sequence_advantage(r, task_id, rollout_id, grpo_scope, norm_by_std, singleton).astype(np.float32)
-    row_has_tokens = n_M > 0
-    a_seq = np.where(row_has_tokens, a_raw, np.float32(0.0)).astype(np.float32)
-
-    # B_0 per task, broadcast to trajectories and rows.
-    if acfg.variant == "paper":  # success rate S/G
-        ep_T = np.add.reduceat(ep, start_T) / turns_T if T else np.zeros(0)
-        rate = np.bincount(task_T, weights=(ep_T > 0).astype(np.float64), minlength=len(G_task)) / G_task
-    else:  # mean of each trajectory's first-row score
-        rate = np.bincount(task_T, weights=prior[start_T].astype(np.float64), minlength=len(G_task)) / G_task
-    b0_T = np.clip(rate.astype(np.float32), np.float32(B0_CLIP), np.float32(1 - B0_CLIP))[task_T]
-    b0_M = b0_T[traj_M]
-
+    a_seq = np.where(n_M > 0, a_raw, np.float32(0.0)).astype(np.float32)
+    b0_T = _initial_belief(acfg.variant, ep, prior, trajs)
     lam = np.float32(acfg.mult_lambda)
     kw = dict(gamma=acfg.resolved_gamma, band=acfg.mult_band, eps=acfg.eps, granularity=acfg.granularity)
     if acfg.granularity == "turn":
-        pos_M = np.arange(M) - start_T[traj_M]
-        grid = np.zeros((3, T, int(turns_T.max()) if T else 0), dtype=np.float32)  # e, valid, sign
-        grid[0, traj_M, pos_M] = e_M
-        grid[1, traj_M, pos_M] = 1.0
-        grid[2, traj_M, pos_M] = np.sign(a_seq)
-        g = belief_multiplier(grid[0], grid[1], b0_T, grid[2], **kw)
-        m_used = g["m"][traj_M, pos_M]
-        m_mean = float(m_used.mean()) if M else 1.0
-        a_row = a_seq * ((np.float32(1.0) - lam) + lam * m_used)
-        adv_ML = a_row[:, None] * mask_ML
-        B_last = g["B"][np.arange(T), turns_T - 1]
-        out = AgentOPSDResult(adv_ML, a_seq, a_raw, b0_M, e_M, a_row, {}, traj_M, pos_M, turns_T, g)
+        out, m_mean, B_last = _turn_advantages(trajs, e_M, mask_ML, a_seq, a_raw, b0_T, lam, kw)
     else:
-        m_ML, B_last = _token_multiplier(gap, n_M, b0_M, np.sign(a_seq), kw)
-        m_mean = float(np.vdot(m_ML.ravel(), mask_ML.ravel())) / max(float(n_M.sum()), 1.0)
-        adv_ML = m_ML  # Â = A_seq ((1-λ) + λ m), in place
-        adv_ML *= lam
-        adv_ML += np.float32(1.0) - lam
-        adv_ML *= a_seq[:, None]
-        adv_ML *= mask_ML
-        B_last = B_last[row_has_tokens]
-        out = AgentOPSDResult(adv_ML, a_seq, a_raw, b0_M, e_M, np.zeros(M, np.float32), {})
-
-    ep_min = np.minimum.reduceat(ep, start_T) if M else np.zeros(0)
-    ep_max = np.maximum.reduceat(ep, start_T) if M else np.zeros(0)
-    out.metrics = {
-        "agentopsd/b0_mean": float(b0_T.mean()) if T else 0.0,
-        "agentopsd/belief_final_mean": float(B_last.mean()) if B_last.size else 0.0,
-        "agentopsd/turn_gap_mean": float(e_M.mean()) if M else 0.0,
-        "agentopsd/seq_adv_abs_mean": float(np.abs(a_seq).mean()) if M else 0.0,
-        "agentopsd/multiplier_mean": m_mean,
-        "agentopsd/turns_without_loss_tokens": float((~row_has_tokens).sum()),
-        "agentopsd/single_trajectory_tasks": float((G_task == 1).sum()),
-        "agentopsd/single_turn_trajectories": float((turns_T == 1).sum()),
-        "agentopsd/trajectories_with_varying_reward": float((ep_max != ep_min).sum()),
-    }
+        out, m_mean, B_last = _token_advantages(gap, n_M, a_seq, a_raw, b0_T[trajs.traj_M], e_M, lam, kw)
+    out.metrics = _metrics(trajs, ep, n_M, e_M, a_seq, b0_T, B_last, m_mean)
     return out
 
 
