@@ -337,6 +337,130 @@ class FiReOPDResult:
     metrics: dict[str, float]
 
 
+def _fire_inputs(
+    batch: CreditBatch,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(teacher float32, d = teacher − student float32, m bool, mf float32 0/1, h_t, h_s float32, all [M, L],
+    row_tokens int [M]) of fire_opd_credit's batch. Raises ValueError on bad shapes or NaN/inf on a loss token."""
+    t = np.asarray(batch.teacher_logprobs_ML, dtype=np.float32)
+    s = np.asarray(batch.student_logprobs_ML, dtype=np.float32)
+    m, mf = loss_mask(batch.loss_mask_ML)
+    if t.ndim != 2 or t.shape != s.shape or t.shape != m.shape:
+        raise ValueError(
+            f"teacher/student log-probs {t.shape}/{s.shape} and mask {m.shape} must be equal [M, L] shapes")
+    row_tokens = row_counts(mf)
+    # Work on few [M, L] passes and buffers: d = teacher - student becomes the weighted advantage in place.
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.subtract(t, s)
+        if not np.isfinite(np.einsum("ij,ij->i", d, mf)).all():  # inf/NaN anywhere (0·inf = NaN off the mask)
+            if not np.isfinite(np.where(m, d, np.float32(0)).sum(axis=1)).all():
+                raise ValueError("teacher/student log-probs have NaN or inf on a loss token")
+    h_t = np.asarray(batch.teacher_entropy_ML, dtype=np.float32)
+    h_s = np.asarray(batch.student_entropy_ML, dtype=np.float32)
+    for name, h in (("teacher_entropy_ML", h_t), ("student_entropy_ML", h_s)):
+        if h.shape != m.shape:
+            raise ValueError(f"CreditBatch.{name} must have shape {m.shape}, got {h.shape}")
+    return t, d, m, mf, h_t, h_s, row_tokens
+
+
+def _trajectory_filter(
+    t: np.ndarray, m: np.ndarray, mf: np.ndarray, row_tokens: np.ndarray, resp: np.ndarray, N: int,
+    skip_percentile: float,
+) -> tuple[np.ndarray, np.float32, np.ndarray, np.ndarray, int]:
+    """FiRe-OPD step 1: (v_N float32 [N] mean teacher log-prob per trajectory, threshold = the skip_percentile
+    quantile of v, keep_N = v ≥ threshold, effective mask mask·keep float32 [M, L], its loss tokens)."""
+    count_N = np.bincount(resp, weights=row_tokens, minlength=N)
+    with np.errstate(invalid="ignore"):
+        t_sum_M = np.einsum("ij,ij->i", t, mf)
+    if not np.isfinite(t_sum_M).all():  # -inf padding off the mask
+        t_sum_M = masked(t, m, mf).sum(axis=1)
+    v_N = (np.bincount(resp, weights=t_sum_M, minlength=N) / np.maximum(count_N, 1.0)).astype(np.float32)
+    threshold = np.float32(np.quantile(v_N, skip_percentile / 100.0)) if N else np.float32(0)
+    keep_N = v_N >= threshold
+    keep_M = keep_N[resp]
+    eff = mf.copy()  # the loss mask after filtering: mask·keep
+    eff[~keep_M] = 0.0
+    n_eff = int(row_tokens[keep_M].sum())
+    return v_N, threshold, keep_N, eff, n_eff
+
+
+def _entropy_sums_and_maxima(
+    h_t: np.ndarray, h_s: np.ndarray, m: np.ndarray, mf: np.ndarray, n_tok: int, scratch_ML: np.ndarray
+) -> tuple[list[float], list[float]]:
+    """([Σ H_t, Σ H_s] over valid tokens, [max H_t, max H_s] over valid tokens floored at 1e-6, 1.0 without
+    valid tokens). scratch_ML: a float32 [M, L] buffer it overwrites. Raises ValueError on NaN/inf on a loss token."""
+    zero = np.float32(0)
+    ent_sums, ent_max = [], []
+    for h in (h_t, h_s):
+        with np.errstate(invalid="ignore", over="ignore"):
+            hm = np.multiply(h, mf, out=scratch_ML)
+            total = float(np.dot(hm.ravel(), mf.ravel()))  # = masked_sum(h): the same dot terms
+            if not np.isfinite(total):  # inf/NaN padding: masked_sum's and masked's exact fallbacks
+                hm[...] = np.where(m, h, zero)
+                total = float(hm.sum(dtype=np.float64))
+        ent_sums.append(total)
+        # Max over valid tokens floored at 1e-6: the 0s of h·mask off the mask cannot change that result.
+        ent_max.append(max(float(hm.max()), 1e-6) if n_tok else 1.0)
+    if not np.isfinite(ent_sums).all():
+        raise ValueError("CreditBatch.teacher_entropy_ML/student_entropy_ML have NaN or inf on a loss token")
+    return ent_sums, ent_max
+
+
+def _token_weights(
+    h_t: np.ndarray, h_s: np.ndarray, ent_max: list[float], fcfg: FiReOPDSection, m: np.ndarray, mf: np.ndarray,
+    eff_b: np.ndarray | None, eff: np.ndarray, n_tok: int, n_eff: int, scratch_ML: np.ndarray,
+) -> tuple[np.ndarray, float, float]:
+    """FiRe-OPD step 2: (w float32 [M, L], Σ confidence, Σ confusion over the effective mask).
+
+    w = (1 + α·confidence)(1 + β·confusion) divided by its mean over all valid tokens, defined off the mask
+    too (as the reference). scratch_ML: a float32 [M, L] buffer it overwrites."""
+    zero, one = np.float32(0), np.float32(1)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        w = np.multiply(h_t, np.float32(-1.0 / ent_max[0]))
+        w += one
+        np.clip(w, zero, one, out=w)  # teacher confidence
+        conf_sum = masked_sum(w, eff_b, eff) if n_eff else 0.0
+        if fcfg.entropy_alpha != 1.0:  # x·1 = x: skip the pass
+            w *= np.float32(fcfg.entropy_alpha)
+        w += one
+        confu = np.multiply(h_s, np.float32(1.0 / ent_max[1]), out=scratch_ML)
+        np.clip(confu, zero, one, out=confu)  # student confusion
+        confu_sum = masked_sum(confu, eff_b, eff) if n_eff else 0.0
+        if fcfg.entropy_beta != 1.0:
+            confu *= np.float32(fcfg.entropy_beta)
+        confu += one
+        w *= confu
+        w *= np.float32(1.0 / max(masked_sum(w, m, mf) / max(n_tok, 1), 1e-6))
+    return w, conf_sum, confu_sum
+
+
+def _token_weight_metrics(
+    w: np.ndarray, eff_b: np.ndarray | None, eff: np.ndarray, n_eff: int, conf_sum: float, confu_sum: float,
+    scratch_ML: np.ndarray,
+) -> dict[str, float]:
+    """Token weight mean/max/min and confidence/confusion means over the effective mask (n_eff > 0).
+    scratch_ML: a float32 [M, L] buffer it overwrites."""
+    with np.errstate(invalid="ignore"):
+        w_eff = np.multiply(w, eff, out=scratch_ML)  # masked(w, eff): its check sum is the metric's sum
+        w_sum = w_eff.sum()
+        if not np.isfinite(w_sum):
+            w_eff[...] = np.where(eff != 0, w, np.float32(0))
+            w_sum = w_eff.sum()
+    # w > 0: the 0s off the effective mask never win the max.
+    w_mean, w_max = float(w_sum / n_eff), float(w_eff.max())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv_max = float(np.divide(eff, w, out=scratch_ML).max())  # 1 / min w over the effective mask (0 elsewhere)
+        w_min = 1.0 / inv_max if np.isfinite(inv_max) and inv_max > 0 else _masked_min_max(
+            masked(w, eff_b, eff, out=scratch_ML), eff != 0, n_eff, np.min)
+    return {
+        "fire_opd/token_weight_mean": w_mean,
+        "fire_opd/token_weight_max": w_max,
+        "fire_opd/token_weight_min": w_min,
+        "fire_opd/teacher_confidence_mean": conf_sum / n_eff,
+        "fire_opd/student_confusion_mean": confu_sum / n_eff,
+    }
+
+
 def fire_opd_credit(batch: CreditBatch, cfg: CreditSection) -> FiReOPDResult:
     """FiRe-OPD (spec §3 Baselines): trajectory filter + entropy-aware token weights.
 
@@ -355,75 +479,16 @@ def fire_opd_credit(batch: CreditBatch, cfg: CreditSection) -> FiReOPDResult:
     """
     _require(batch, "fire_opd", "teacher_logprobs_ML", "teacher_entropy_ML", "student_entropy_ML")
     fcfg = cfg.fire_opd
-    t = np.asarray(batch.teacher_logprobs_ML, dtype=np.float32)
-    s = np.asarray(batch.student_logprobs_ML, dtype=np.float32)
-    m, mf = loss_mask(batch.loss_mask_ML)
-    if t.ndim != 2 or t.shape != s.shape or t.shape != m.shape:
-        raise ValueError(
-            f"teacher/student log-probs {t.shape}/{s.shape} and mask {m.shape} must be equal [M, L] shapes")
-    row_tokens = row_counts(mf)
+    t, d, m, mf, h_t, h_s, row_tokens = _fire_inputs(batch)
     n_tok = int(row_tokens.sum())
-    # Work on few [M, L] passes and buffers: d = teacher - student becomes the weighted advantage in place.
-    with np.errstate(invalid="ignore", over="ignore"):
-        d = np.subtract(t, s)
-        if not np.isfinite(np.einsum("ij,ij->i", d, mf)).all():  # inf/NaN anywhere (0·inf = NaN off the mask)
-            if not np.isfinite(np.where(m, d, np.float32(0)).sum(axis=1)).all():
-                raise ValueError("teacher/student log-probs have NaN or inf on a loss token")
-    h_t = np.asarray(batch.teacher_entropy_ML, dtype=np.float32)
-    h_s = np.asarray(batch.student_entropy_ML, dtype=np.float32)
-    for name, h in (("teacher_entropy_ML", h_t), ("student_entropy_ML", h_s)):
-        if h.shape != m.shape:
-            raise ValueError(f"CreditBatch.{name} must have shape {m.shape}, got {h.shape}")
     index = response_index(batch, row_tokens)
     resp, N = index.response_M, index.num_responses
-
-    # 1. Trajectory filter.
-    count_N = np.bincount(resp, weights=row_tokens, minlength=N)
-    with np.errstate(invalid="ignore"):
-        t_sum_M = np.einsum("ij,ij->i", t, mf)
-    if not np.isfinite(t_sum_M).all():  # -inf padding off the mask
-        t_sum_M = masked(t, m, mf).sum(axis=1)
-    v_N = (np.bincount(resp, weights=t_sum_M, minlength=N) / np.maximum(count_N, 1.0)).astype(np.float32)
-    threshold = np.float32(np.quantile(v_N, fcfg.skip_percentile / 100.0)) if N else np.float32(0)
-    keep_N = v_N >= threshold
-    keep_M = keep_N[resp]
-    eff = mf.copy()  # the loss mask after filtering: mask·keep
-    eff[~keep_M] = 0.0
-    n_eff = int(row_tokens[keep_M].sum())
-
-    # 2. Token weights, defined off the mask too (as the reference); only valid tokens set max and mean.
-    zero, one = np.float32(0), np.float32(1)
+    v_N, threshold, keep_N, eff, n_eff = _trajectory_filter(t, m, mf, row_tokens, resp, N, fcfg.skip_percentile)
     adv = np.empty_like(mf)  # the result; scratch until the end (every [M, L] allocation costs page faults)
-    ent_sums, ent_max = [], []
-    for h in (h_t, h_s):
-        with np.errstate(invalid="ignore", over="ignore"):
-            hm = np.multiply(h, mf, out=adv)
-            total = float(np.dot(hm.ravel(), mf.ravel()))  # = masked_sum(h): the same dot terms
-            if not np.isfinite(total):  # inf/NaN padding: masked_sum's and masked's exact fallbacks
-                hm[...] = np.where(m, h, zero)
-                total = float(hm.sum(dtype=np.float64))
-        ent_sums.append(total)
-        # Max over valid tokens floored at 1e-6: the 0s of h·mask off the mask cannot change that result.
-        ent_max.append(max(float(hm.max()), 1e-6) if n_tok else 1.0)
-    if not np.isfinite(ent_sums).all():
-        raise ValueError("CreditBatch.teacher_entropy_ML/student_entropy_ML have NaN or inf on a loss token")
+    ent_sums, ent_max = _entropy_sums_and_maxima(h_t, h_s, m, mf, n_tok, adv)
     eff_b = m if n_eff == n_tok else None  # bool effective mask for the np.where fallbacks (None: derived there)
+    w, conf_sum, confu_sum = _token_weights(h_t, h_s, ent_max, fcfg, m, mf, eff_b, eff, n_tok, n_eff, adv)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        w = np.multiply(h_t, np.float32(-1.0 / ent_max[0]))
-        w += one
-        np.clip(w, zero, one, out=w)  # teacher confidence
-        conf_sum = masked_sum(w, eff_b, eff) if n_eff else 0.0
-        if fcfg.entropy_alpha != 1.0:  # x·1 = x: skip the pass
-            w *= np.float32(fcfg.entropy_alpha)
-        w += one
-        confu = np.multiply(h_s, np.float32(1.0 / ent_max[1]), out=adv)
-        np.clip(confu, zero, one, out=confu)  # student confusion
-        confu_sum = masked_sum(confu, eff_b, eff) if n_eff else 0.0
-        if fcfg.entropy_beta != 1.0:
-            confu *= np.float32(fcfg.entropy_beta)
-        confu += one
-        w *= confu
-        w *= np.float32(1.0 / max(masked_sum(w, m, mf) / max(n_tok, 1), 1e-6))
         # 3. Weighted OPD advantage on the kept trajectories' tokens.
         weighted = d
         weighted *= w
@@ -436,25 +501,7 @@ def fire_opd_credit(batch: CreditBatch, cfg: CreditSection) -> FiReOPDResult:
         "fire_opd/effective_tokens": float(n_eff),
     }
     if n_eff:
-        with np.errstate(invalid="ignore"):
-            w_eff = np.multiply(w, eff, out=adv)  # masked(w, eff): its check sum is the metric's sum
-            w_sum = w_eff.sum()
-            if not np.isfinite(w_sum):
-                w_eff[...] = np.where(eff != 0, w, zero)
-                w_sum = w_eff.sum()
-        # w > 0: the 0s off the effective mask never win the max.
-        w_mean, w_max = float(w_sum / n_eff), float(w_eff.max())
-        with np.errstate(divide="ignore", invalid="ignore"):
-            inv_max = float(np.divide(eff, w, out=adv).max())  # 1 / min w over the effective mask (0 elsewhere)
-            w_min = 1.0 / inv_max if np.isfinite(inv_max) and inv_max > 0 else _masked_min_max(
-                masked(w, eff_b, eff, out=adv), eff != 0, n_eff, np.min)
-        metrics.update({
-            "fire_opd/token_weight_mean": w_mean,
-            "fire_opd/token_weight_max": w_max,
-            "fire_opd/token_weight_min": w_min,
-            "fire_opd/teacher_confidence_mean": conf_sum / n_eff,
-            "fire_opd/student_confusion_mean": confu_sum / n_eff,
-        })
+        metrics.update(_token_weight_metrics(w, eff_b, eff, n_eff, conf_sum, confu_sum, adv))
     if n_tok:
         metrics["fire_opd/teacher_entropy_mean"] = ent_sums[0] / n_tok
         metrics["fire_opd/student_entropy_mean"] = ent_sums[1] / n_tok
