@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm install install-vllm tokenizer-files promtool java chromium gpu-check clean compose-env compose-check cuda-images bench bench-quick redis-tools
+.PHONY: demo docs test test-main test-vllm install install-vllm tokenizer-files promtool java chromium gpu-check clean compose-env compose-check cuda-images bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
 # targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
@@ -97,6 +97,12 @@ demo: $(STAMP)
 
 test: test-main test-vllm
 
+# The documentation site (mkdocs.yml) into site/; a warning (a broken link or anchor, a command line naming no
+# real command or option, a docstring mkdocstrings cannot read) fails the build. The docs extra comes with
+# `make install` (it is in the dev extra), so the venv's stamp covers it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 test-main: $(STAMP) $(TOKENIZER_FILES) $(PROMTOOL) | java chromium
 	$(PY) -m pytest -q -rfEs -p no:cacheprovider --durations=25 tests --ignore=tests/vllm
 
@@ -129,7 +135,7 @@ compose-env:
 	python3 scripts/compose_env.py
 
 # The images built and the compose stack run on a real Docker engine (as root: installs docker.io and starts
-# dockerd if none runs), then one table of checks; logs in runs/compose-check/ (README, Deploy). Three times:
+# dockerd if none runs), then one table of checks; logs in runs/compose-check/ (docs/how-to/deploy-compose.md). Three times:
 # weights from the shared volume, then (same images) over the trainer's API with docker-compose.http.yml, then
 # the trainer as two containers in one torchrun world (gloo) with docker-compose.multinode.yml.
 compose-check: $(STAMP)
@@ -139,7 +145,7 @@ compose-check: $(STAMP)
 
 # The four CUDA role images (opsd-<role>:0.1.0-cuda, docker-compose.gpu.yml) built for real on this machine's Docker
 # with a local Debian base (no registry), then checked without a GPU: sizes, pip check, each role's --help,
-# torch/vLLM/FAISS imports, /dev/shm of the GPU compose file (README, Deploy). As root; downloads several GB from
+# torch/vLLM/FAISS imports, /dev/shm of the GPU compose file (docs/how-to/deploy.md). As root; downloads several GB from
 # the package index: not part of `make test` nor CI.
 cuda-images: $(STAMP)
 	$(PY) scripts/cuda_images.py

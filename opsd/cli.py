@@ -425,7 +425,7 @@ def run(
     """Train: start Redis and the four roles, run the configured steps.
 
     Redis starts only when neither REDIS_URL nor redis.url is set; the run directory holds the metrics, the
-    checkpoint and one log per role (README: Where the outputs land).
+    checkpoint and one log per role (docs/getting-started.md: Where the outputs land).
     """
     from opsd.redis_server import resolve_redis_url
 

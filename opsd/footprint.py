@@ -2,7 +2,7 @@
 
 Shared by `opsd run` (prints the disk peak, refuses a run that cannot fit its
 disk) and the trainer (trainer.checkpoint_every "auto"). `python -m
-opsd.footprint` prints the README table (bytes per role of the PRESETS).
+opsd.footprint` prints the table of docs/how-to/your-model.md ("Memory and disk") (bytes per role of the PRESETS).
 
 Parameters are counted exactly from a transformers config: the architecture is
 built on the meta device (no weights read, no memory used) and its parameters
@@ -28,7 +28,7 @@ CHECKPOINT_SMALL_BYTES = 64 * 10**6
 AUTO_LARGE_PARAMS = 10**9
 AUTO_EVERY = 10
 
-# Public configs (config.json of each Hub repo) of the models the README and benchmarks size runs for.
+# Public configs (config.json of each Hub repo) of the models the docs and benchmarks size runs for.
 PRESETS: dict[str, dict] = {
     "Qwen2.5-0.5B-Instruct": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -203,7 +203,7 @@ def disk_problem(peak: int, free: int, where: Path) -> str | None:
 
 def readme_table(names: tuple[str, ...] = ("Qwen2.5-0.5B-Instruct", "Qwen2.5-1.5B-Instruct", "Qwen2.5-7B-Instruct",
                                            "Llama-3.1-8B-Instruct")) -> str:
-    """The README's table: parameters and GB per role (model.dtype bfloat16, full fine-tuning), and the disk peak
+    """The table of docs/how-to/your-model.md ("Memory and disk"): parameters and GB per role (model.dtype bfloat16, full fine-tuning), and the disk peak
     of a run at default settings (opsd.config.RunConfig() with model.dtype bfloat16)."""
     from opsd.config import RunConfig
 

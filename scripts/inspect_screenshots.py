@@ -1,4 +1,4 @@
-"""The README's `opsd inspect` screenshots: docs/inspect-group.png and docs/inspect-trajectory.png.
+"""The `opsd inspect` screenshots of docs/how-to/inspect.md: docs/inspect-group.png and docs/inspect-trajectory.png.
 
     .venv/bin/python scripts/inspect_screenshots.py [--tokenizer PATH] [--out docs]
 

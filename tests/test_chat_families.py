@@ -11,7 +11,7 @@ continuation, ...) and checked against the template's own rendering of the same 
   Mistral's system prompt stays in the first user turn; Qwen3's earlier thinking (and with thinking off,
   the empty think block the policy saw) is kept: the difference to a re-render is exactly that text.
 
-`python -m tests.test_chat_families` prints the README's table of families from the same checks;
+`python -m tests.test_chat_families` prints the table of families of docs/how-to/your-model.md from the same checks;
 `test_readme_table` keeps the two equal.
 """
 
@@ -146,7 +146,7 @@ def test_stop_ids_include_the_templates_end_of_turn(variant, tmp_path):
 
 
 def family_row(variant: str) -> str:
-    """One row of the README's table of families: each prompt format's result, the stop ids, the rules."""
+    """One row of the table of families (docs/how-to/your-model.md): each prompt format's result, the stop ids, the rules."""
     key, kwargs = VARIANTS[variant]
     fam = FAMILIES[key]
     name = fam.display + (f" ({', '.join(f'{k}: {v}' for k, v in kwargs.items())})" if kwargs else "")
@@ -184,8 +184,9 @@ def family_table() -> str:
 def test_readme_table():
     for key in FAMILY_KEYS:
         family_or_skip(key)
-    readme = (ROOT / "README.md").read_text()
-    assert family_table() in readme, "README's table of model families is stale: python -m tests.test_chat_families"
+    page = (ROOT / "docs" / "how-to" / "your-model.md").read_text()
+    assert family_table() in page, ("docs/how-to/your-model.md's table of model families is stale: "
+                                    "python -m tests.test_chat_families")
 
 
 if __name__ == "__main__":

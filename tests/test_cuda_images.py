@@ -1,6 +1,6 @@
 """`make cuda-images` (scripts/cuda_images.py) without Docker: what its build reaches, what it runs in the images.
 
-The real build and checks ran once by hand (README "Deploy", BENCHMARKS.md); here the parts that can fail
+The real build and checks ran once by hand (docs/how-to/deploy.md, "CUDA images"; BENCHMARKS.md); here the parts that can fail
 without a Docker engine: the stages and bases a local CUDA build reaches, the NVIDIA settings of the CUDA
 runtime stage, the vLLM imports the script checks and the code that checks them, and the make target.
 """

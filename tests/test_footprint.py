@@ -105,8 +105,9 @@ def test_free_space_of_a_dir_not_made_yet_and_the_refusal_line(tmp_path):
 
 
 def test_readme_table():
-    readme = (ROOT / "README.md").read_text()
-    assert footprint.readme_table() in readme, "README's table of bytes per role is stale: python -m opsd.footprint"
+    page = (ROOT / "docs" / "how-to" / "your-model.md").read_text()
+    assert footprint.readme_table() in page, ("docs/how-to/your-model.md's table of bytes per role is stale: "
+                                              "python -m opsd.footprint")
 
 
 def test_opsd_run_prints_the_peak_and_refuses_one_the_disk_cannot_hold(tmp_path):

@@ -1,6 +1,6 @@
 """The image builds behind a mirror and `make compose-check`, checked without a Docker engine.
 
-What the real build and run found (scripts/compose_check.py does them, README "Deploy") is pinned here
+What the real build and run found (scripts/compose_check.py does them, docs/how-to/deploy-compose.md) is pinned here
 where a test can fail without Docker: the build args' stages (nothing from ghcr.io or GitHub with
 PYTHON_SOURCE=system), deploy/docker/index-env.sh (which index, wheel locations and CA each install step
 gets; torch from a local wheel without its dependencies), the Debian override for Redis and Prometheus,

@@ -1,5 +1,5 @@
 """The house's import rules, checked on the source: imports flow one way and no two files import each other
-(README "Layout"). Function-level imports count too: a lazy import is still a circle."""
+(docs/concepts/layout.md). Function-level imports count too: a lazy import is still a circle."""
 
 from __future__ import annotations
 
