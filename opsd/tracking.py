@@ -175,7 +175,12 @@ class WandbTracker:
             settings=wandb.Settings(console="off", init_timeout=c.init_timeout_s, silent=True,
                                     x_transaction_log_flush_interval=self.FLUSH_S),
         )
-        url = self.run.url or f"wandb sync {Path(self.run.dir).parent}"  # offline: uploaded later by that command
+        if self.run.offline:
+            # Every process (first launch, each resume, each `opsd eval`) writes an offline-run-<time>-<id> directory
+            # of its own; `wandb sync` uploads those of one run in order of start time. Reading run.url offline warns.
+            url = f"wandb sync {Path(self.run.dir).parent.parent / f'offline-run-*-{self.run.id}'}"
+        else:
+            url = self.run.url
         self.state = {"id": self.run.id, "url": url, "dir": str(directory), "mode": c.mode or os.environ.get("WANDB_MODE")}
 
     def log_step(self, report: StepReport) -> None:
@@ -219,11 +224,14 @@ class TensorBoardTracker:
         # resumed run's steps showed twice there.
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=10)
         self.state = {"log_dir": str(log_dir), "url": f"tensorboard --logdir {log_dir}"}
-        if not state.get("tensorboard"):  # written once: a resumed run's directory has them
+        # A trainer session writes them at its first step (a resume may change run.steps, the trackers...); `opsd eval`
+        # (purge_step None) adds nothing to a directory that has them.
+        if purge_step is not None or not state.get("tensorboard"):
             import yaml
 
-            self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```", 0)
-            self.writer.add_text("run", "\n\n".join(f"**{k}**: `{v}`" for k, v in links.items()), 0)
+            at = purge_step or 0
+            self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```", at)
+            self.writer.add_text("run", "\n\n".join(f"**{k}**: `{v}`" for k, v in links.items()), at)
 
     def log_step(self, report: StepReport) -> None:
         for key, value in report.scalars.items():

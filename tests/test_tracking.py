@@ -4,6 +4,7 @@ W&B (offline), TensorBoard and MLflow (SQLite) writing real files, read back wit
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -286,6 +287,11 @@ def test_resume_continues_the_same_runs_and_sends_each_step_once(tmp_path):
     sent = first[:3] + second  # steps 0-5, each once: step 3 and 4 as trained the second time
     w = check_wandb(run_dir, sent)
     assert w.run_ids == [state["wandb"]["id"]] * 2  # two offline logs of one W&B run
+    # trackers.json's sync command names both: `wandb sync` uploads one run's directories in order of start time.
+    command = resumed["wandb"]["url"]
+    assert command.startswith("wandb sync ")
+    assert sorted(glob.glob(command.removeprefix("wandb sync "))) == sorted(map(str, (run_dir / "wandb").glob("offline-run-*")))
+    assert len(glob.glob(command.removeprefix("wandb sync "))) == 2
     check_mlflow(run_dir, state["mlflow"]["run_id"], sent)
     from_records = [StepReport(r["step"], scalars(r)) for r in records[:2]]
     check_tensorboard(run_dir / "tensorboard", from_records + sent[2:])
@@ -312,6 +318,10 @@ def test_tensorboard_resume_hides_steps_written_after_the_saved_progress(tmp_pat
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
     assert any("step_00001.json does not read" in r.getMessage() for r in caplog.records)
     check_tensorboard(run_dir / "tensorboard", [first[0], StepReport(1, scalars(records[1])), report_of(2, run=1)] + second)
+    # Each session's config (a resume may change run.steps, run.report_to) at its first step: 0, then 1.
+    texts = read.tensorboard_texts(run_dir / "tensorboard")
+    assert [s for s, _ in texts["config/text_summary"]] == [0, 1]
+    assert [s for s, _ in texts["run/text_summary"]] == [0, 1]
 
 
 # ---------------------------------------------------------------- failures: counted, logged once, survived
