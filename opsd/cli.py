@@ -39,14 +39,11 @@ import reprlib
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-import httpx
 import pydantic
 import typer
 import yaml
@@ -55,31 +52,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opsd.config import RunConfig, read_yaml
-from opsd.service import EXIT_WHEN_DONE_ENV, FATAL_EXIT, read_port, service_url
+from opsd.progress import StepProgress, complete_lines, format_line, in_step_line, printable_line
+from opsd.supervisor import Services
 
 # Plain click help: typer's rich help prints a type for every option, so flags such as --dump-credit and --help
 # read as if they took a <bool> value.
 app = typer.Typer(add_completion=False, rich_markup_mode=None, help="opsd: RL + on-policy self-distillation for LLM agents.")
 console = Console(soft_wrap=True)  # one line per step, also when piped to a file
-
-# (metrics key, label, format, key whose presence makes a missing value a "-"): a column of a teacher
-# run stays in place on steps where it has nothing to say (no gold-action turns for priv, no group with two
-# distinct rewards for disagree), so the step lines line up.
-STEP_COLUMNS = (
-    ("success_rate", "success", "{:.2f}", None),
-    ("format_valid_rate", "valid", "{:.2f}", None),
-    ("reward_mean", "reward", "{:.2f}", None),
-    ("teacher_student_gap", "gap", "{:+.3f}", None),
-    ("privileged_signal", "priv", "{:+.3f}", "hint_match_turns"),
-    ("teacher_verifier/all/pairwise_disagreement", "disagree", "{:.2f}", "teacher_student_gap"),
-    ("mean_span_length", "span", "{:.1f}", None),
-    ("loss", "loss", "{:+.4f}", None),
-    ("kl", "kl", "{:.2e}", None),  # the KL to the reference: only with trainer.kl_coef > 0
-    ("rollout_seconds", "rollout_s", "{:.0f}", None),
-    ("teacher_seconds", "teacher_s", "{:.0f}", None),
-    ("train_seconds", "train_s", "{:.0f}", None),
-    ("step_seconds", "step_s", "{:.0f}", None),
-)
 
 
 def load_config(path: Path, backend: str | None = None, **run_overrides) -> RunConfig:
@@ -123,51 +102,6 @@ def _config_error(path: Path, problems: list[str]) -> None:
         console.print("  " + escape(line), soft_wrap=True)
     raise typer.Exit(2)
 
-
-def complete_lines(path: Path) -> list[str]:
-    """The newline-terminated lines of a file another process appends to (a half-written last line is left out)."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return text[: text.rfind("\n") + 1].splitlines()
-
-
-def _cell(value: object, fmt: str) -> str:
-    """`value` formatted with `fmt`; "?" for what is not a number (a string, a list, a bool, an int past float
-    range): the step line shows it was odd instead of ending the run that prints it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "?"
-    try:
-        return fmt.format(value)
-    except (OverflowError, ValueError):
-        return "?"
-
-
-def format_step(record: dict) -> str:
-    """One human line for a metrics.jsonl record (a missing step or count, or a value that is not a number,
-    shows as "?")."""
-    parts = [f"step {_cell(record.get('step'), '{}')}"]
-    for key, label, fmt, dash_with in STEP_COLUMNS:
-        if record.get(key) is not None:
-            parts.append(f"{label} {_cell(record[key], fmt)}")
-        elif dash_with is not None and record.get(dash_with) is not None:
-            parts.append(f"{label} -")
-        if key == "privileged_signal" and record.get("hint_match_turns") is not None:
-            # What the figure rests on: turns that took the hint's action / turns that did not.
-            parts[-1] += f" ({_cell(record['hint_match_turns'], '{}')}/{_cell(record.get('hint_other_turns'), '{}')})"
-    return "  ".join(parts)
-
-
-def format_line(line: str) -> str:
-    """format_step of one metrics.jsonl line; a line that is not a JSON object is named as such (a damaged or
-    hand-edited file), never an exception in the loop that supervises the run."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        record = None
-    if not isinstance(record, dict):
-        return f"(a metrics.jsonl line that is not a JSON object: {_shown(line, 80)})"
-    return format_step(record)
 
 
 def prepare(cfg: RunConfig, models: dict | None = None) -> dict:
@@ -213,109 +147,6 @@ def resolve_models(cfg: RunConfig) -> dict:
         _usage_error(str(e))
 
 
-class Services:
-    """The role processes of one run: start, supervise (restart the dead), scrape, stop.
-
-    Every role gets REDIS_URL, OPSD_API_TOKEN and OPSD_PARENT_PID (it stops
-    when this process dies) in its environment; `command`
-    maps a role to its command line (default `python -m services.<role>
-    --config C --run-dir D`, the trainer under torchrun with
-    `trainer_ranks` > 1); a role that exits is started again by
-    `supervise`, at most `max_restarts` times.
-    """
-
-    def __init__(self, run_dir: Path, config_path: Path, redis_url: str, api_token: str, max_restarts: int = 0,
-                 command: Callable[[str], list[str]] | None = None, trainer_ranks: int = 1):
-        self.run_dir = run_dir
-        self.trainer_ranks = trainer_ranks
-        self.config_path = config_path
-        # OPSD_PARENT_PID: a role stops when this process dies, even by SIGKILL (opsd.service.die_with_parent).
-        self.env = {**os.environ, "REDIS_URL": redis_url, "OPSD_API_TOKEN": api_token, "PYTHONUNBUFFERED": "1",
-                    "OPSD_PARENT_PID": str(os.getpid())}
-        self.env.pop("OPSD_PORT", None)  # a container's fixed port: here every role picks its own
-        self.env.pop(EXIT_WHEN_DONE_ENV, None)  # a Job's setting: here the supervisor stops the trainer after DONE
-        self.max_restarts = max_restarts
-        self.command = command or self.role_command
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.restarts: dict[str, int] = {}
-
-    def role_command(self, role: str) -> list[str]:
-        """The command line of `role`; the trainer runs under torchrun when `trainer.nproc_per_node` > 1."""
-        args = ["-m", f"services.{role}", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
-        if role == "trainer" and self.trainer_ranks > 1:
-            return [sys.executable, "-m", "services.trainer.torchrun", "--standalone",
-                    f"--nproc-per-node={self.trainer_ranks}", *args]
-        return [sys.executable, *args]
-
-    def start(self, role: str) -> None:
-        with open(self.run_dir / "logs" / f"{role}.log", "ab") as log:
-            # Own process group: Ctrl-C reaches only the CLI, which then stops each role in order.
-            self.procs[role] = subprocess.Popen(self.command(role), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                                start_new_session=True)
-        self.restarts.setdefault(role, 0)
-
-    def supervise(self) -> list[str]:
-        """Start again every role that exited; returns one message per restart (also logged).
-
-        Each restart is appended to logs/supervisor.log and to the role's own
-        log. Raises RuntimeError (with the last lines of the role's log) for a
-        role that exited after its `max_restarts` restarts were used.
-        """
-        messages = []
-        for role, p in list(self.procs.items()):
-            rc = p.poll()
-            if rc is None:
-                continue
-            log = self.run_dir / "logs" / f"{role}.log"
-            if rc == FATAL_EXIT:  # the role said a restart cannot help (bad config or checkpoint, a failed step)
-                raise RuntimeError(f"{role} stopped on an error a restart cannot fix; last lines of its log:\n{tail(log)}")
-            if self.restarts[role] >= self.max_restarts:
-                raise RuntimeError(f"{role} exited with code {rc} after {self.restarts[role]} restart(s) "
-                                   f"(run.max_restarts={self.max_restarts}); last lines of its log:\n{tail(log)}")
-            self.restarts[role] += 1
-            msg = f"{role} exited with code {rc}; restarting it ({self.restarts[role]}/{self.max_restarts})"
-            stamp = datetime.now().isoformat(timespec="seconds")
-            for path in (self.run_dir / "logs" / "supervisor.log", log):
-                with open(path, "a") as f:
-                    f.write(f"{stamp} opsd run: {msg}\n")
-            self.start(role)
-            messages.append(msg)
-        return messages
-
-    def scrape(self) -> dict[str, bool]:
-        """GET every role's /metrics and /health; save the answers under scrapes/; returns which answered."""
-        out = {}
-        (self.run_dir / "scrapes").mkdir(exist_ok=True)
-        headers = {"Authorization": f"Bearer {self.env['OPSD_API_TOKEN']}"}
-        for role in self.procs:
-            info = read_port(self.run_dir, role)
-            ok = False
-            if info:
-                try:
-                    url = service_url(info)
-                    m = httpx.get(f"{url}/metrics", timeout=10, headers=headers)
-                    h = httpx.get(f"{url}/health", timeout=10, headers=headers)
-                    ok = m.status_code == 200 and h.status_code == 200
-                    (self.run_dir / "scrapes" / f"{role}.prom").write_text(m.text)
-                    (self.run_dir / "scrapes" / f"{role}.health.json").write_text(h.text)
-                except (httpx.HTTPError, httpx.InvalidURL, KeyError, ValueError):  # a dead role, a bad port file
-                    ok = False
-            out[role] = ok
-        return out
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + timeout_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
 def check_disk(cfg: RunConfig, models: dict, where: Path, held: int = 0) -> None:
     """Print the run's disk peak and its terms (opsd.footprint.run_disk_peak, from the resolved policy's
     config.json) in one line; a peak above the free space at `where` (its nearest existing parent) plus `held`
@@ -346,12 +177,6 @@ def new_run_dir(output_dir: Path, name: str) -> Path:
         (run_dir / "logs").mkdir()
         return run_dir
     raise FileExistsError(f"no free run directory for {stamp} in {output_dir}")
-
-
-def tail(path: Path, n: int = 30) -> str:
-    if not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
 def finished_steps(run_dir: Path) -> int | None:
@@ -427,45 +252,14 @@ def run(
     Redis starts only when neither REDIS_URL nor redis.url is set; the run directory holds the metrics, the
     checkpoint and one log per role (docs/getting-started.md: Where the outputs land).
     """
-    from opsd.redis_server import resolve_redis_url
-
     if (config is None) == (resume is None):
         _usage_error("give exactly one of CONFIG and --resume RUN_DIR")
-    if os.environ.get("OPSD_API_TOKEN"):  # a user's own token: refused here, before any run dir, not in every role
-        from opsd.auth import api_token
-
-        try:
-            api_token()
-        except RuntimeError as e:
-            console.print(f"[red]error:[/red] {escape(str(e))}")
-            raise typer.Exit(2)
+    _check_own_token()
     if resume is not None:
-        if output_dir is not None:
-            _usage_error("--output-dir cannot be used with --resume: a resumed run keeps its directory")
-        if backend is not None:
-            _usage_error("--backend cannot be used with --resume: a resumed run keeps its config")
-        run_dir = resume.resolve()
-        resolved = run_dir / "config.yaml"
-        if not resolved.is_file():
-            _usage_error(f"{run_dir} is not a run directory: it has no config.yaml")
-        lock = lock_run_dir(run_dir)
-        cfg = _installed(load_config(resolved, steps=steps, report_to=_trackers(report_to)), trackers=True)
-        done = finished_steps(run_dir)
-        if done is not None and done >= cfg.run.steps:
-            console.print(f"run {run_dir} already finished: {done} steps (run.steps {cfg.run.steps}); nothing to do")
+        reopened = _reopen_run(resume, steps, report_to, output_dir, backend)
+        if reopened is None:  # it finished its steps already
             return
-        from services.trainer.checkpoint import OPTIMIZER_DROPPED
-
-        if done is not None and (run_dir / "checkpoint" / OPTIMIZER_DROPPED).exists():
-            _usage_error(f"{run_dir} finished with trainer.keep_optimizer_state false: its optimizer state was "
-                         f"dropped, so it cannot train on; start a new run with model.name: {run_dir / 'checkpoint'}")
-        models = resolve_models(cfg)  # the commits config.yaml pins: the snapshot the run started with
-        check_disk(cfg, models, run_dir, held=sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file()))
-        _prepare_or_exit(cfg, models)
-        # The old run's DONE and port files would make this run look finished, or point at dead services.
-        (run_dir / "DONE").unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "ports", ignore_errors=True)
-        (run_dir / "logs").mkdir(exist_ok=True)
+        cfg, models, run_dir, lock = reopened
     else:
         cfg = _installed(load_config(config, backend=backend, steps=steps, report_to=_trackers(report_to),
                                      output_dir=None if output_dir is None else str(output_dir)), trackers=True)
@@ -473,42 +267,20 @@ def run(
         check_disk(cfg, models, Path(cfg.run.output_dir))
         _prepare_or_exit(cfg, models)  # a model or chat template opsd cannot serve leaves no run directory
         run_dir = new_run_dir(Path(cfg.run.output_dir), cfg.run.name)
-        resolved = run_dir / "config.yaml"
         lock = lock_run_dir(run_dir)
     if dump_credit:
         cfg.trainer.dump_credit = True
-    cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_dir.name}"
-    tmp = run_dir / ".config.yaml.tmp"  # replaced in one step: a resumable run never has half a config
-    cfg.dump(tmp)  # with each Hub model's revision pinned to its commit: every role loads the same snapshot
-    tmp.replace(resolved)
-    from opsd.models.hub import RUN_FILE, write_run_models
-
-    if resume is None or not (run_dir / RUN_FILE).exists():  # a resumed run keeps the revision first asked for
-        write_run_models(run_dir, models)
+    _write_run_config(cfg, models, run_dir, resumed=resume is not None)
     done_before = len(complete_lines(run_dir / "metrics.jsonl"))
     verb = f"resuming after {done_before} logged steps" if resume is not None else "->"
     console.print(f"[bold]opsd run[/bold] {cfg.run.method} x {cfg.run.steps} step{'' if cfg.run.steps == 1 else 's'}, {cfg.model.backend} backend {verb} {run_dir}")
 
-    redis_dir = run_dir / "redis" if cfg.redis.appendonly else None
-    try:
-        redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log", redis_dir, cfg.redis.appendonly)
-    except (RuntimeError, FileNotFoundError) as e:
-        hint = (f"\n  if its append-only file is damaged: `redis-check-aof --fix {redis_dir}/<file>.aof`, or move "
-                f"{redis_dir} away to resume from the checkpoint alone" if redis_dir is not None and resume is not None else "")
-        console.print(f"[red]error:[/red] redis-server did not start: {escape(str(e).splitlines()[-1] if str(e) else repr(e))}"
-                      f"{escape(hint)}  (log: {run_dir / 'logs' / 'redis.log'})")
-        raise typer.Exit(2)
-    problem = check_redis(redis_url, cfg.redis.block_ms)
-    if problem:  # every role would fail the same way and be restarted for nothing
-        if local_redis is not None:
-            local_redis.stop()
-        console.print(f"[red]error:[/red] {escape(problem)}")
-        raise typer.Exit(2)
+    redis_url, local_redis = _start_redis(cfg, run_dir, resumed=resume is not None)
     # Ctrl-C (SIGINT, even if a parent shell ignored it) and SIGTERM (docker/k8s stop) both stop the run cleanly.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     token = os.environ.get("OPSD_API_TOKEN") or secrets.token_urlsafe(32)
-    services = Services(run_dir, resolved, redis_url, token, cfg.run.max_restarts,
+    services = Services(run_dir, run_dir / "config.yaml", redis_url, token, cfg.run.max_restarts,
                         trainer_ranks=cfg.trainer.nproc_per_node)
     roles = (["embedder"] if cfg.run.method == "alignopsd" or cfg.env.name == "search" else []) + ["rollout"] + (["teacher"] if cfg.needs_teacher else []) + ["trainer"]
     t0 = time.perf_counter()
@@ -517,32 +289,7 @@ def run(
     try:
         for role in roles:
             services.start(role)
-        seen = done_before
-        inside = StepProgress(redis_url, cfg, console.is_terminal)
-        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                      TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
-            bar = progress.add_task("training", total=cfg.run.steps, completed=min(seen, cfg.run.steps))
-            while True:
-                for msg in services.supervise():
-                    progress.console.print(f"[yellow]{escape(msg)}[/yellow]")
-                lines = complete_lines(run_dir / "metrics.jsonl")
-                if len(lines) < seen:  # a resumed trainer rewrote the steps after its checkpoint
-                    seen = len(lines)
-                    progress.update(bar, completed=min(seen, cfg.run.steps))
-                for line in lines[seen:]:
-                    progress.console.print(format_line(line))
-                    progress.update(bar, advance=1, description="training")
-                    services.scrape()
-                seen = len(lines)
-                if (run_dir / "DONE").exists():
-                    break
-                # After the step lines: the step in progress is the one after them (none after the last).
-                news = in_step_line(seen, cfg.run.steps, inside.poll(seen))
-                if news and console.is_terminal:
-                    progress.update(bar, description=news)
-                elif news:  # a file or a pipe has no bar (it would draw once, at the end): a plain line now and then
-                    progress.console.print(news)
-                time.sleep(1.0)
+        _follow_steps(services, cfg, run_dir, redis_url, done_before)
         answered = services.scrape()
         ok = True
         console.print(f"[green]done[/green] in {time.perf_counter() - t0:.0f}s; /metrics answered: {answered}")
@@ -565,86 +312,113 @@ def run(
         raise typer.Exit(1)
 
 
-class StepProgress:
-    """What happens inside a step, from the run's counts in Redis (`StreamNames.counts`: groups each stream got):
-    groups rolled out and, with a teacher, scored, since the last step line (with max_staleness > 0 some belong
-    to the next steps). `poll(step)` returns a short text when there is something new to say (`news`)."""
+def _check_own_token() -> None:
+    """A user's own OPSD_API_TOKEN that the roles would refuse: refused here (exit 2), before any run dir, not in every role."""
+    if os.environ.get("OPSD_API_TOKEN"):
+        from opsd.auth import api_token
 
-    PLAIN_EVERY_S = 30.0
-    HEARTBEAT_S = 60.0  # not a terminal, nothing new: still a line this often, so a long update is not silence
-
-    RETRY_AFTER_S = 10.0  # after a failed read: the display waits, the supervisor loop must not
-
-    def __init__(self, redis_url: str, cfg: RunConfig, terminal: bool):
-        from opsd.queue import StreamNames
-
-        self.url, self.terminal = redis_url, terminal
-        self.quiet_until = 0.0
-        self.names = StreamNames(cfg.redis.stream_prefix)
-        self.teacher = cfg.needs_teacher
-        self.per_step = cfg.env.num_games
-        self.client = None
-        self.step: int | None = None
-        self.base = (0, 0)
-        self.last_text, self.last_print = "", time.monotonic()
-        self.step_start = self.last_print
-
-    def _counts(self) -> tuple[int, int]:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        if self.client is None:  # its own client: short timeouts, no retries (the loop also supervises the roles)
-            self.client = redis.Redis.from_url(self.url, protocol=2, socket_timeout=0.5, socket_connect_timeout=0.5,
-                                               retry=Retry(NoBackoff(), 0))
-        raw = self.client.hgetall(self.names.counts)
-        return tuple(int(raw.get(f"produced:{stream}".encode(), 0)) for stream in (self.names.rollouts, self.names.scored))
-
-    def poll(self, step: int) -> str | None:
-        """`news` about `step` from the counts in Redis now (None also when Redis does not answer)."""
-        if time.monotonic() < self.quiet_until:
-            return None
         try:
-            rolled, scored = self._counts()
-        except Exception:  # a Redis hiccup: the roles ride it out, and so does this display
-            self.quiet_until = time.monotonic() + self.RETRY_AFTER_S
-            return None
-        return self.news(step, rolled, scored, time.monotonic())
-
-    def news(self, step: int, rolled: int, scored: int, now: float) -> str | None:
-        """The text for `step` given the run's totals `rolled` and `scored` at monotonic time `now`, or None.
-
-        Once the step's groups are all in (scored, or rolled out without a teacher) the text says the
-        trainer is training. On a terminal every change is news (the progress bar's live description);
-        otherwise a plain line, with the seconds since the last step line, comes at most every PLAIN_EVERY_S
-        seconds, counted from the last line, a step line included (the step line just said what there was
-        to say, so a new step is not announced with zero counts), and at least every HEARTBEAT_S."""
-        if step != self.step:  # counts start again; a terminal shows the new step at once even if the text repeats
-            self.step, self.base, self.last_print, self.last_text = step, (rolled, scored), now, ""
-            self.step_start = now
-        new_rolled, new_scored = rolled - self.base[0], scored - self.base[1]
-        text = f"{new_rolled} group{'' if new_rolled == 1 else 's'} rolled out"
-        text += f", {new_scored} scored" if self.teacher else ""
-        text += f" since the last step line ({self.per_step} a step)"
-        text += "; all in, training" if (new_scored if self.teacher else new_rolled) >= self.per_step else ""
-        quiet = now - self.last_print
-        if self.terminal:
-            skip = text == self.last_text
-        else:
-            skip = quiet < self.PLAIN_EVERY_S or (text == self.last_text and quiet < self.HEARTBEAT_S)
-        if skip:
-            return None
-        self.last_text, self.last_print = text, now
-        return text if self.terminal else f"{text}; {now - self.step_start:.0f} s into the step"
+            api_token()
+        except RuntimeError as e:
+            console.print(f"[red]error:[/red] {escape(str(e))}")
+            raise typer.Exit(2)
 
 
-def in_step_line(done: int, total: int, news: str | None) -> str | None:
-    """The line about the step in progress after `done` of `total` steps, or None: no news, or every step
-    done (the trainer is saving: no step is in progress). Steps are numbered from 0, as the step lines
-    and metrics.jsonl number them, so the step in progress is step `done` (< `total`)."""
-    if news is None or done >= total:
+def _reopen_run(resume: Path, steps: int | None, report_to: str | None, output_dir: Path | None,
+                backend: str | None) -> tuple[RunConfig, dict, Path, object] | None:
+    """`opsd run --resume RUN_DIR`: (its config with --steps and --report-to applied, its models, the run dir, the
+    run dir's lock), its DONE and port files cleared; None (said so) when it has trained its steps already."""
+    if output_dir is not None:
+        _usage_error("--output-dir cannot be used with --resume: a resumed run keeps its directory")
+    if backend is not None:
+        _usage_error("--backend cannot be used with --resume: a resumed run keeps its config")
+    run_dir = resume.resolve()
+    if not (run_dir / "config.yaml").is_file():
+        _usage_error(f"{run_dir} is not a run directory: it has no config.yaml")
+    lock = lock_run_dir(run_dir)
+    cfg = _installed(load_config(run_dir / "config.yaml", steps=steps, report_to=_trackers(report_to)), trackers=True)
+    done = finished_steps(run_dir)
+    if done is not None and done >= cfg.run.steps:
+        console.print(f"run {run_dir} already finished: {done} steps (run.steps {cfg.run.steps}); nothing to do")
         return None
-    return f"step {done} in progress ({done}/{total} done): {news}"
+    from services.trainer.checkpoint import OPTIMIZER_DROPPED
+
+    if done is not None and (run_dir / "checkpoint" / OPTIMIZER_DROPPED).exists():
+        _usage_error(f"{run_dir} finished with trainer.keep_optimizer_state false: its optimizer state was "
+                     f"dropped, so it cannot train on; start a new run with model.name: {run_dir / 'checkpoint'}")
+    models = resolve_models(cfg)  # the commits config.yaml pins: the snapshot the run started with
+    check_disk(cfg, models, run_dir, held=sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file()))
+    _prepare_or_exit(cfg, models)
+    # The old run's DONE and port files would make this run look finished, or point at dead services.
+    (run_dir / "DONE").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "ports", ignore_errors=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    return cfg, models, run_dir, lock
+
+
+def _write_run_config(cfg: RunConfig, models: dict, run_dir: Path, resumed: bool) -> None:
+    """<run_dir>/config.yaml, the config every role reads (the stream prefix set), and the resolved models' record."""
+    cfg.redis.stream_prefix = cfg.redis.stream_prefix or f"opsd:{run_dir.name}"
+    tmp = run_dir / ".config.yaml.tmp"  # replaced in one step: a resumable run never has half a config
+    cfg.dump(tmp)  # with each Hub model's revision pinned to its commit: every role loads the same snapshot
+    tmp.replace(run_dir / "config.yaml")
+    from opsd.models.hub import RUN_FILE, write_run_models
+
+    if not resumed or not (run_dir / RUN_FILE).exists():  # a resumed run keeps the revision first asked for
+        write_run_models(run_dir, models)
+
+
+def _start_redis(cfg: RunConfig, run_dir: Path, resumed: bool):
+    """(Redis URL, the embedded server or None): the configured Redis, or one started for the run; a Redis that
+    does not start or that our client cannot use is one red line and exit 2, before any role starts."""
+    from opsd.redis_server import resolve_redis_url
+
+    redis_dir = run_dir / "redis" if cfg.redis.appendonly else None
+    try:
+        redis_url, local_redis = resolve_redis_url(cfg.redis.url, run_dir / "logs" / "redis.log", redis_dir, cfg.redis.appendonly)
+    except (RuntimeError, FileNotFoundError) as e:
+        hint = (f"\n  if its append-only file is damaged: `redis-check-aof --fix {redis_dir}/<file>.aof`, or move "
+                f"{redis_dir} away to resume from the checkpoint alone" if redis_dir is not None and resumed else "")
+        console.print(f"[red]error:[/red] redis-server did not start: {escape(str(e).splitlines()[-1] if str(e) else repr(e))}"
+                      f"{escape(hint)}  (log: {run_dir / 'logs' / 'redis.log'})")
+        raise typer.Exit(2)
+    problem = check_redis(redis_url, cfg.redis.block_ms)
+    if problem:  # every role would fail the same way and be restarted for nothing
+        if local_redis is not None:
+            local_redis.stop()
+        console.print(f"[red]error:[/red] {escape(problem)}")
+        raise typer.Exit(2)
+    return redis_url, local_redis
+
+
+def _follow_steps(services: Services, cfg: RunConfig, run_dir: Path, redis_url: str, seen: int) -> None:
+    """Supervise the roles until DONE: a line per step metrics.jsonl gains (`seen` logged already), the progress
+    bar, news from inside the step in progress. Raises RuntimeError for a role out of restarts."""
+    inside = StepProgress(redis_url, cfg, console.is_terminal)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                  TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
+        bar = progress.add_task("training", total=cfg.run.steps, completed=min(seen, cfg.run.steps))
+        while True:
+            for msg in services.supervise():
+                progress.console.print(f"[yellow]{escape(msg)}[/yellow]")
+            lines = complete_lines(run_dir / "metrics.jsonl")
+            if len(lines) < seen:  # a resumed trainer rewrote the steps after its checkpoint
+                seen = len(lines)
+                progress.update(bar, completed=min(seen, cfg.run.steps))
+            for line in lines[seen:]:
+                progress.console.print(format_line(line))
+                progress.update(bar, advance=1, description="training")
+                services.scrape()
+            seen = len(lines)
+            if (run_dir / "DONE").exists():
+                return
+            # After the step lines: the step in progress is the one after them (none after the last).
+            news = in_step_line(seen, cfg.run.steps, inside.poll(seen))
+            if news and console.is_terminal:
+                progress.update(bar, description=news)
+            elif news:  # a file or a pipe has no bar (it would draw once, at the end): a plain line now and then
+                progress.console.print(news)
+            time.sleep(1.0)
 
 
 def lock_run_dir(run_dir: Path):
@@ -691,16 +465,6 @@ credit_app = typer.Typer(add_completion=False, help="Credit-assignment tools.")
 app.add_typer(credit_app, name="credit")
 
 
-def _shown(text: str, limit: int = 300) -> str:
-    """Text from a file (a vector file's method, case, error; a file name) as one safe terminal line: control
-    characters (ESC, a newline, a bidi override) and lone surrogates as their escapes, at most `limit` characters,
-    rich markup escaped. Printed raw, a file could clear the screen, or stop the report with a traceback
-    (a surrogate cannot be written to stdout)."""
-    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
-    if len(flat) > limit or len(text) > limit:
-        flat = flat[:limit] + f"... ({len(text)} characters)"
-    return escape(flat)
-
 
 @credit_app.command("check")
 def credit_check(
@@ -721,7 +485,7 @@ def credit_check(
         files = vector_files(paths)
     except FileNotFoundError as exc:
         # The reference vectors are not in a clone: say where they live instead of only "not found".
-        console.print(f"[red]error:[/red] {_shown(str(exc), 4096)} (the reference vectors are refvectors/ in the project's "
+        console.print(f"[red]error:[/red] {printable_line(str(exc), 4096)} (the reference vectors are refvectors/ in the project's "
                       "shared folder: ../shared beside the repository, or $OPSD_SHARED; a run's own dumps are "
                       "RUN_DIR/credit/, written by opsd run --dump-credit)")
         raise typer.Exit(2)
@@ -734,14 +498,14 @@ def credit_check(
         status = "[green]PASS[/green]" if r.ok else "[red]FAIL[/red]"
         errs = [x.max_abs_error for x in r.fields if x.max_abs_error is not None]
         worst = f"max|err| {max(errs):.2e}" if errs else "exact"
-        console.print(f"{status} {_shown(str(f), 4096)}  {_shown(r.method)}/{_shown(r.case)}  {len(r.fields)} field{'' if len(r.fields) == 1 else 's'}, {worst}")
+        console.print(f"{status} {printable_line(str(f), 4096)}  {printable_line(r.method)}/{printable_line(r.case)}  {len(r.fields)} field{'' if len(r.fields) == 1 else 's'}, {worst}")
         if r.error:
-            console.print(f"    [red]replay failed:[/red] {_shown(r.error)}")
+            console.print(f"    [red]replay failed:[/red] {printable_line(r.error)}")
         for x in r.fields:
             if verbose or not x.ok:
                 err = "exact" if x.max_abs_error is None else f"{x.max_abs_error:.2e}"
                 mark = "ok " if x.ok else "BAD"
-                console.print(f"    {mark} {_shown(x.name)}: {err}" + (f"  {_shown(x.detail)}" if x.detail else ""))
+                console.print(f"    {mark} {printable_line(x.name)}: {err}" + (f"  {printable_line(x.detail)}" if x.detail else ""))
         passed += r.ok
         failed += not r.ok
     console.print(f"{passed} passed, {failed} failed")
@@ -810,16 +574,43 @@ def eval_cmd(
 
     Plays the eval split at eval.temperature and reports the metric per category with 95% bootstrap intervals.
     """
-    from rich.table import Table
-
     from opsd.envs import local_context
-    from opsd.models import load_backend
-    from services.rollout.evaluate import SHORT, resolve_checkpoint
+    from services.rollout.evaluate import resolve_checkpoint
 
     try:
         src = resolve_checkpoint(checkpoint)
     except ValueError as e:
         _usage_error(str(e))
+    cfg = _eval_config(config, src, checkpoint, backend, episodes)
+    out_dir = _eval_out_dir(out, src, cfg)
+    console.print(f"[bold]opsd eval[/bold] {escape(str(src.path))} ({src.kind}) on {cfg.env.name}, "
+                  f"T={cfg.eval.temperature}, {cfg.eval.episodes_per_task} episode(s) per task -> {escape(str(out_dir))}")
+    t0 = time.perf_counter()
+    model = _load_policy(cfg, src)
+    console.print(f"[dim]policy loaded in {time.perf_counter() - t0:.1f}s[/dim]")
+
+    from services.rollout.evaluate import evaluate
+
+    try:
+        report = evaluate(cfg, model, local_context(cfg), out_dir, checkpoint=str(src.path), max_tasks=max_tasks,
+                          on_task=_print_eval_task)
+    except (OSError, ValueError, RuntimeError) as e:  # no eval task could be built (a missing data file, a dead server)
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(1)
+    console.print(_eval_table(cfg, report))
+    console.print(f"wrote {escape(report['paths']['json'])} and {escape(report['paths']['png'])} "
+                  f"in {time.perf_counter() - t0:.0f}s")
+    if src.run_dir is not None and cfg.run.report_to:
+        _eval_to_trackers(cfg, src.run_dir, report)
+    if report["errors"]:
+        console.print(f"[yellow]{report['errors']} of {len(report['tasks'])} task(s) failed; their errors are in eval.json[/yellow]")
+    if report["tasks"] and report["errors"] == len(report["tasks"]):
+        raise typer.Exit(1)
+
+
+def _eval_config(config: Path | None, src, checkpoint: Path, backend: str | None, episodes: int | None) -> RunConfig:
+    """The eval's config: CONFIG, or the config.yaml of the run `src` (the resolved --checkpoint) belongs to, with
+    --backend and --episodes applied and a local model directory as the model; usage error (exit 2) if invalid."""
     if config is None:  # a run's own config says which env and eval split it was trained for
         if src.run_dir is None or not (src.run_dir / "config.yaml").is_file():
             _usage_error(f"--checkpoint {checkpoint} is not inside a run directory with a config.yaml: give CONFIG")
@@ -833,21 +624,25 @@ def eval_cmd(
     if src.model_dir is not None:
         # A local directory has no Hub revision: the run's pinned one named the base model's snapshot.
         cfg.model = cfg.model.model_copy(update={"name": str(src.model_dir), "revision": None})
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    if out is not None:
-        out_dir = out
-    elif src.run_dir is not None:
-        out_dir = src.run_dir / "eval" / stamp
-    else:
-        out_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-eval-{stamp}"
-    if out is None:
-        base, n = out_dir, 2
-        while out_dir.exists():  # two evals in the same second
-            out_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return cfg
 
-    console.print(f"[bold]opsd eval[/bold] {escape(str(src.path))} ({src.kind}) on {cfg.env.name}, "
-                  f"T={cfg.eval.temperature}, {cfg.eval.episodes_per_task} episode(s) per task -> {escape(str(out_dir))}")
-    t0 = time.perf_counter()
+
+def _eval_out_dir(out: Path | None, src, cfg: RunConfig) -> Path:
+    """--out, or a fresh <run dir>/eval/<timestamp>/ (<output_dir>/<name>-eval-<timestamp> outside a run)."""
+    if out is not None:
+        return out
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = src.run_dir / "eval" / stamp if src.run_dir is not None else Path(cfg.run.output_dir) / f"{cfg.run.name}-eval-{stamp}"
+    base, n = out_dir, 2
+    while out_dir.exists():  # two evals in the same second
+        out_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return out_dir
+
+
+def _load_policy(cfg: RunConfig, src):
+    """The policy to evaluate: cfg.model with the resolved checkpoint's weights and version; exit 1 if it does not load."""
+    from opsd.models import load_backend
+
     try:
         model = load_backend(cfg.model)
         if src.weights_file is not None:
@@ -857,26 +652,26 @@ def eval_cmd(
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         console.print(f"[red]error:[/red] cannot load the policy from {escape(str(src.path))}: {escape(str(e))}")
         raise typer.Exit(1)
-    console.print(f"[dim]policy loaded in {time.perf_counter() - t0:.1f}s[/dim]")
+    return model
 
-    def progress(result: dict) -> None:
-        if result["error"]:
-            console.print(f"  [red]{escape(result['task_id'])}: {escape(result['error'])}[/red]")
-        else:
-            wins = sum(e["won"] for e in result["episodes"])
-            # Tasks are played together (eval.parallel_tasks a call): the time is the batch's, shared between them.
-            share = "" if result["alone"] else " (its share of a batch played together)"
-            console.print("  " + escape(f"{result['task_id']} [{result['category']}]: {wins}/{len(result['episodes'])} won, "
-                                        f"{result['seconds']:.1f}s{share}"))
 
-    from services.rollout.evaluate import evaluate
+def _print_eval_task(result: dict) -> None:
+    """One line per eval task played (evaluate's on_task)."""
+    if result["error"]:
+        console.print(f"  [red]{escape(result['task_id'])}: {escape(result['error'])}[/red]")
+    else:
+        wins = sum(e["won"] for e in result["episodes"])
+        # Tasks are played together (eval.parallel_tasks a call): the time is the batch's, shared between them.
+        share = "" if result["alone"] else " (its share of a batch played together)"
+        console.print("  " + escape(f"{result['task_id']} [{result['category']}]: {wins}/{len(result['episodes'])} won, "
+                                    f"{result['seconds']:.1f}s{share}"))
 
-    try:
-        report = evaluate(cfg, model, local_context(cfg), out_dir, checkpoint=str(src.path), max_tasks=max_tasks,
-                          on_task=progress)
-    except (OSError, ValueError, RuntimeError) as e:  # no eval task could be built (a missing data file, a dead server)
-        console.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(1)
+
+def _eval_table(cfg: RunConfig, report: dict):
+    """The eval report as a table: a row per category and overall, each metric with its 95% interval."""
+    from rich.table import Table
+
+    from services.rollout.evaluate import SHORT
 
     table = Table(title=f"{cfg.env.name} eval, policy v{report['policy_version']}")
     table.add_column("category", no_wrap=True)
@@ -901,15 +696,7 @@ def eval_cmd(
                       "-" if row["mean_turns"] is None else f"{row['mean_turns']:.2f}",
                       "-" if row["format_valid_rate"] is None else f"{row['format_valid_rate']:.2f}", str(row["errors"]),
                       style="bold" if name == "overall" else None)
-    console.print(table)
-    console.print(f"wrote {escape(report['paths']['json'])} and {escape(report['paths']['png'])} "
-                  f"in {time.perf_counter() - t0:.0f}s")
-    if src.run_dir is not None and cfg.run.report_to:
-        _eval_to_trackers(cfg, src.run_dir, report)
-    if report["errors"]:
-        console.print(f"[yellow]{report['errors']} of {len(report['tasks'])} task(s) failed; their errors are in eval.json[/yellow]")
-    if report["tasks"] and report["errors"] == len(report["tasks"]):
-        raise typer.Exit(1)
+    return table
 
 
 def _eval_to_trackers(cfg: RunConfig, run_dir: Path, report: dict) -> None:

@@ -468,6 +468,7 @@ def consume_forever(
     max_lag = proc.cfg.redis.max_stream_lag
     last_depth = 0.0
     running: dict[Future, str] = {}  # jobs in flight -> their entry ids
+    config_key, own_hash = StreamNames(proc.cfg.redis.stream_prefix).config_hash, proc.config_hash
 
     def take() -> list:
         nonlocal last_depth
@@ -480,13 +481,6 @@ def consume_forever(
         free = max_in_flight - len(running)
         return queue.reclaim(reclaim_idle_ms, count=free) or queue.consume(block_ms, count=free)
 
-    config_key = StreamNames(proc.cfg.redis.stream_prefix).config_hash
-    own_hash = proc.config_hash
-
-    def trainer_config() -> str | None:
-        value = queue.client.get(config_key)
-        return value.decode() if value is not None else None
-
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if out_group is not None:
@@ -495,15 +489,6 @@ def consume_forever(
     # What escapes a job thread (SystemExit from a refused token, a Redis AuthenticationError, ...) ends the
     # loop and is raised here, as it would be with one job at a time.
     escaped: list[BaseException] = []
-
-    def job(d) -> None:
-        try:
-            _run_job(proc, queue, out_stream, handle, d, reclaim_idle_ms, log)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the loop's thread
-            if not isinstance(e, SystemExit):
-                log.exception("job %s: unexpected error; stopping", d.entry_id)
-            escaped.append(e)
-            proc.stop.set()
 
     # One job at a time runs in this thread, as it always did; more run in a pool.
     pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="job") if max_in_flight > 1 else None
@@ -517,16 +502,9 @@ def consume_forever(
                 wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
                 continue
             # Before taking anything: a worker with another config than the trainer's must not claim (and so
-            # count a delivery of) a job it will not do. Each container reads its own config file.
-            ok, published = retry_redis(proc, "reading the trainer's config hash", trainer_config)
-            if not ok:
+            # count a delivery of) a job it will not do.
+            if not _check_trainer_config(proc, queue, config_key, own_hash, log):
                 return
-            if published is not None and published != own_hash:
-                log.error("this %s's config differs from the one the trainer published (config hash %s != %s): in "
-                          "containers give every role the run's config file; after `opsd run --resume`, config.yaml "
-                          "was changed in a field a run cannot resume with; stopping", proc.role, own_hash[:12],
-                          published[:12])
-                sys.exit(FATAL_EXIT)
             ok, deliveries = retry_redis(proc, "reading jobs", take)
             if not ok:
                 return
@@ -540,7 +518,8 @@ def consume_forever(
                     # Our own job, re-claimed after its heartbeats lapsed (a Redis outage): it runs already.
                     log.warning("job %s re-claimed while this worker runs it; not started twice", d.entry_id)
                 else:
-                    running[pool.submit(job, d)] = d.entry_id
+                    running[pool.submit(_run_job_in_pool, proc, queue, out_stream, handle, d, reclaim_idle_ms, log,
+                                        escaped)] = d.entry_id
                 in_flight.set(len(running))
     finally:
         if pool is not None:
@@ -548,6 +527,38 @@ def consume_forever(
         in_flight.set(0)
         if escaped:
             raise escaped[0]
+
+
+def _check_trainer_config(proc: RoleProcess, queue, config_key: str, own_hash: str, log) -> bool:
+    """Stop, fatal, when the config hash the trainer published (at `config_key`) differs from this worker's
+    `own_hash` (each container reads its own config file); False when `proc.stop` was set while Redis did not answer."""
+
+    def trainer_config() -> str | None:
+        value = queue.client.get(config_key)
+        return value.decode() if value is not None else None
+
+    ok, published = retry_redis(proc, "reading the trainer's config hash", trainer_config)
+    if not ok:
+        return False
+    if published is not None and published != own_hash:
+        log.error("this %s's config differs from the one the trainer published (config hash %s != %s): in "
+                  "containers give every role the run's config file; after `opsd run --resume`, config.yaml "
+                  "was changed in a field a run cannot resume with; stopping", proc.role, own_hash[:12],
+                  published[:12])
+        sys.exit(FATAL_EXIT)
+    return True
+
+
+def _run_job_in_pool(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], Any], d, reclaim_idle_ms: int,
+                     log, escaped: list[BaseException]) -> None:
+    """`_run_job` on a pool thread: what escapes it goes to `escaped` (the loop raises it) and stops the process."""
+    try:
+        _run_job(proc, queue, out_stream, handle, d, reclaim_idle_ms, log)
+    except BaseException as e:  # noqa: BLE001 - re-raised by the loop's thread
+        if not isinstance(e, SystemExit):
+            log.exception("job %s: unexpected error; stopping", d.entry_id)
+        escaped.append(e)
+        proc.stop.set()
 
 
 def _run_job(proc: RoleProcess, queue, out_stream: str, handle: Callable[[Any], Any], d, reclaim_idle_ms: int, log) -> None:

@@ -1050,7 +1050,7 @@ def test_worker_without_the_configured_backend_stops_instead_of_restarting(tmp_p
 def test_cli_progress_reader_skips_a_half_written_metrics_line(tmp_path):
     # The CLI polled metrics.jsonl while the trainer appended to it; a half-written last line
     # went to json.loads and the JSONDecodeError took the CLI (and every service) down.
-    from opsd.cli import complete_lines
+    from opsd.progress import complete_lines
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "loss": 0.1}\n{"step": 1, "lo')

@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from opsd.cli import StepProgress, app, format_line, format_step, in_step_line
+from opsd.cli import app
 from opsd.config import RunConfig
+from opsd.progress import StepProgress, format_line, format_step, in_step_line
 
 DISAGREE = "teacher_verifier/all/pairwise_disagreement"
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from opsd.cli import Services
+from opsd.supervisor import Services
 from opsd.config import RunConfig
 from opsd.queue import StreamNames, StreamQueue
 from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, env_port, read_port, service_url

@@ -516,7 +516,7 @@ def test_connect_refuses_url_options_that_override_its_own(query):
 
 def test_run_refuses_a_redis_url_overriding_the_socket_timeout(redis_url, tmp_path, monkeypatch):
     """Against a live server (the pre-flight PING succeeds with ?socket_timeout=1): refused before any role starts."""
-    from opsd.cli import Services
+    from opsd.supervisor import Services
 
     started = []
     monkeypatch.setattr("opsd.cli.resolve_models", lambda cfg: {})
@@ -580,7 +580,7 @@ def test_no_module_uses_redis_asyncio():
 
 
 def test_supervisor_restarts_a_dead_role_then_gives_up(tmp_path):
-    from opsd.cli import Services
+    from opsd.supervisor import Services
 
     (tmp_path / "logs").mkdir()
     crash = "import os, sys; print('boom token=' + os.environ['OPSD_API_TOKEN'], flush=True); sys.exit(1)"
@@ -610,7 +610,7 @@ def test_supervisor_restarts_a_dead_role_then_gives_up(tmp_path):
 
 
 def test_supervisor_does_not_restart_a_role_that_exits_fatal(tmp_path):
-    from opsd.cli import Services
+    from opsd.supervisor import Services
     from opsd.service import FATAL_EXIT
 
     (tmp_path / "logs").mkdir()
@@ -652,7 +652,7 @@ def test_a_second_run_on_a_run_dir_in_use_is_refused(tmp_path):
 
 
 def test_run_refuses_a_redis_url_without_password_before_starting_roles(tmp_path, monkeypatch):
-    from opsd.cli import Services
+    from opsd.supervisor import Services
 
     started = []
     monkeypatch.setattr("opsd.cli.resolve_models", lambda cfg: {})
@@ -751,7 +751,7 @@ def test_run_supervises_and_resumes_with_its_redis_data(tmp_path, monkeypatch):
     """`opsd run` then `opsd run --resume` with stand-in roles (fast): restarts, token, AOF, summary."""
     import signal
 
-    from opsd.cli import Services
+    from opsd.supervisor import Services
 
     script = tmp_path / "dummy_role.py"
     script.write_text(_DUMMY_ROLE)
@@ -799,7 +799,7 @@ def test_run_supervises_and_resumes_with_its_redis_data(tmp_path, monkeypatch):
 def test_the_cli_reports_progress_inside_a_step(redis_url, redis_client, stream_prefix):
     """Between step lines `opsd run` says how many groups were rolled out and scored since the step began: on a
     terminal at every change, to a file at most every PLAIN_EVERY_S seconds (a log was silent for minutes)."""
-    from opsd.cli import StepProgress
+    from opsd.progress import StepProgress
     from opsd.config import RunConfig
     from opsd.queue import StreamNames
 

@@ -93,7 +93,7 @@ def scraped(run_dir: Path, role: str, series: str) -> float:
 PARENT = """
 import sys, time
 from pathlib import Path
-from opsd.cli import Services
+from opsd.supervisor import Services
 role = [sys.executable, "-c", "import sys; from opsd.service import RoleProcess; "
         "p = RoleProcess.start('probe', sys.argv[1], sys.argv[2]); p.stop.wait(); print('probe stopped', flush=True)",
         sys.argv[1], sys.argv[2]]

@@ -260,7 +260,7 @@ def test_metrics_readers_take_a_first_line_with_model_records(tmp_path):
     """metrics.jsonl's first line holds dicts (`model`, `teacher_model`): the step line, `opsd inspect`'s series,
     metrics.png and the learning benchmark's reader all take it."""
     from benchmarks.learning import training_records
-    from opsd.cli import format_line
+    from opsd.progress import format_line
     from opsd.inspect.data import metric_series, read_metrics
     from services.trainer.report import append_metrics, plot_metrics
 

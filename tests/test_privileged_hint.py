@@ -157,7 +157,7 @@ def test_a_per_turn_hint_on_an_env_without_a_gold_path_is_a_config_error(env):
 def test_the_step_line_says_what_priv_rests_on():
     """`priv` shows the turns it rests on (gold-command turns / others) and "-" when one side is empty: a blank
     said nothing about why (issue 24)."""
-    from opsd.cli import format_step
+    from opsd.progress import format_step
 
     line = format_step({"step": 3, "privileged_signal": 0.125, "hint_match_turns": 1, "hint_other_turns": 30})
     assert "priv +0.125 (1/30)" in line

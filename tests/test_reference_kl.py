@@ -368,7 +368,7 @@ def test_the_reference_copy_owns_its_storage_in_model_dtype():
 
 
 def test_kl_is_reported_only_with_the_kl_term_and_shows_on_the_step_line():
-    from opsd.cli import format_step
+    from opsd.progress import format_step
     from services.trainer.update import ppo_update
 
     model = tiny_llama()

@@ -50,7 +50,7 @@ def test_exit_when_done_is_opt_in_and_refuses_other_values(monkeypatch):
 
 def test_opsd_run_keeps_its_trainer_serving_after_done(monkeypatch, tmp_path):
     """`opsd run` stops its roles itself after DONE (and would restart a trainer that exited): it drops the variable."""
-    from opsd.cli import Services
+    from opsd.supervisor import Services
 
     monkeypatch.setenv(EXIT_WHEN_DONE_ENV, "1")
     services = Services(tmp_path, tmp_path / "config.yaml", "redis://:pw@127.0.0.1:1/0", "t" * 32)

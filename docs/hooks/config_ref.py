@@ -1,9 +1,10 @@
-"""The config reference page, generated from opsd/config.py so that it cannot drift from the code.
+"""The config reference page, generated from opsd/config/ so that it cannot drift from the code.
 
 `config_reference()` walks `RunConfig` section by section (sections inside sections too, and the optional
 ones such as `teacher.model` and `trainer.lora`) and writes, for every key, its type, default, bounds
 (ge/gt/le/lt, lengths, pattern, the choices of a Literal) and the comment the source gives it: the
-comment lines just above the field and its inline `#` comment, read with `tokenize` and `ast`.
+comment lines just above the field and its inline `#` comment, read with `tokenize` and `ast` from the file
+each section is defined in (the package's modules, opsd/config/*.py).
 `config_keys()` lists the dotted keys the page holds (tests/test_docs.py compares them with RunConfig).
 """
 
@@ -55,6 +56,16 @@ def _comments(path: Path) -> dict[str, dict[str, str]]:
             inline = [by_line[i] for i in range(stmt.lineno, stmt.end_lineno + 1) if i in by_line]
             inline = [c for c in inline if not c.startswith("type: ignore")]
             fields[stmt.target.id] = " ".join(c for c in above + inline if c)
+    return out
+
+
+def _section_comments(root: type[BaseModel]) -> dict[str, dict[str, str]]:
+    """`_comments` of every file that defines a section below `root` or a class one inherits its fields from."""
+    files = {Path(inspect.getfile(c)) for _, cls, _ in _sections(root, "") for c in cls.__mro__
+             if c.__module__.startswith(config_module.__name__)}
+    out: dict[str, dict[str, str]] = {}
+    for f in sorted(files):
+        out.update(_comments(f))
     return out
 
 
@@ -163,9 +174,9 @@ def config_keys(cls: type[BaseModel] | None = None, path: str = "") -> list[str]
 
 def config_reference() -> str:
     """The Markdown of the config reference: one table per section of RunConfig, every key in it."""
-    comments = _comments(Path(config_module.__file__))
+    comments = _section_comments(config_module.RunConfig)
     out = ["# Config reference", "",
-           "Every key of a run config (YAML, `configs/*.yaml`), generated from `opsd/config.py` when the site is "
+           "Every key of a run config (YAML, `configs/*.yaml`), generated from `opsd/config/` when the site is "
            "built: type, default, bounds and the comment the source gives it. Unknown keys are errors. A "
            "section's keys may be left out: each has its default. Cross-field rules (a setting refused with "
            "another) are checked on load and named in the error; they are not listed here.", ""]

@@ -223,13 +223,7 @@ def _build(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
     spec gives the same game on any machine with the same alfworld release.
     """
     A = _alfworld()
-    C = A.C
-    try:
-        num, category, _ = int(spec["scene"]), str(spec["category"]), str(spec["seed"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"malformed generated ALFWorld task spec {spec!r}: {e}") from e
-    if category not in TASK_TYPES:
-        raise ValueError(f"unknown ALFWorld category {category!r}; known: {list(TASK_TYPES)}")
+    num, category = _parse_spec(spec)
     rng = random.Random(f"alfworld-v{GENERATOR_VERSION}-{spec['seed']}")
     sc = _scene(num)
     pairs = _eligible(category, num)
@@ -237,11 +231,39 @@ def _build(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
         raise ValueError(f"scene FloorPlan{num} cannot host an ALFWorld {category!r} task")
     recs, objtypes = sc
     ot, rt = rng.choice(pairs)
-    appliance = _APPLIANCE.get(category, ("", ""))[0]
     by_type: dict[str, list[str]] = {}
     for r in recs:
         by_type.setdefault(_rtype(r), []).append(r)
+    placed, targets, lamp = _place_objects(rng, category, recs, objtypes, ot, rt)
+    task_type = TASK_TYPES[category]
+    goal = A.goals[task_type]["pddl"].format(obj=ot, recep=rt, toggle="DeskLamp", mrecep="")
+    problem = _pddl_name(_pddl_problem(spec["seed"], recs, by_type, placed)) + "\n" + _pddl_name(goal)
+    desc = rng.choice(A.goals[task_type]["templates"]).format(
+        obj=ot.lower(), recep=rt.lower(), toggle="desklamp", mrecep="")
+    path = _gold_path(rng, category, recs, by_type, placed, targets, rt, lamp)
+    grammar = A.grammar.replace("UNKNOWN GOAL", desc)
+    game = {"pddl_domain": A.domain, "grammar": grammar, "pddl_problem": problem, "solvable": True, "walkthrough": path}
+    return game, path, desc
 
+
+def _parse_spec(spec: dict[str, Any]) -> tuple[int, str]:
+    """(scene number, category) of a generated task spec; ValueError for a malformed one or an unknown category."""
+    try:
+        num, category, _ = int(spec["scene"]), str(spec["category"]), str(spec["seed"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed generated ALFWorld task spec {spec!r}: {e}") from e
+    if category not in TASK_TYPES:
+        raise ValueError(f"unknown ALFWorld category {category!r}; known: {list(TASK_TYPES)}")
+    return num, category
+
+
+def _place_objects(rng: random.Random, category: str, recs: dict[str, tuple], objtypes: tuple[str, ...], ot: str,
+                   rt: str) -> tuple[list[tuple[str, str]], list[str], tuple[str, str] | None]:
+    """Objects put into the scene's receptacles: ((object id, receptacle id) of each, the target objects of type
+    `ot` (none already in a `rt` or the category's appliance), (the desk lamp, its receptacle) for look), plus
+    distractors of other pickupable types."""
+    C = _alfworld().C
+    appliance = _APPLIANCE.get(category, ("", ""))[0]
     taken: set[str] = set()
     placed: list[tuple[str, str]] = []  # (object id, receptacle id)
 
@@ -260,10 +282,10 @@ def _build(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
     def homes_of(otype: str, exclude: tuple[str, ...] = ()) -> list[str]:
         return [r for r in recs if otype in C.VAL_RECEPTACLE_OBJECTS.get(_rtype(r), ()) and _rtype(r) not in exclude]
 
-    lamp = lamp_home = None
+    lamp = None
     if category == "look":
         lamp_home = rng.choice([r for r in recs if _rtype(r) in _LAMP_SURFACES])
-        lamp = place("DeskLamp", [lamp_home])
+        lamp = (place("DeskLamp", [lamp_home]), lamp_home)
     n_target = rng.choice((2, 3)) if category == "pick2" else rng.choice((1, 1, 2))
     targets = [place(ot, homes_of(ot, (rt, appliance))) for _ in range(n_target)]
     others = sorted((set(objtypes) & _pickupable_types()) - {ot})
@@ -272,8 +294,13 @@ def _build(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
         for _ in range(rng.choice((1, 1, 2))):
             if homes:
                 place(dt, homes)
+    return placed, targets, lamp
 
-    # The PDDL problem, in the layout of ALFWorld's initial_state.pddl.
+
+def _pddl_problem(seed: str, recs: dict[str, tuple], by_type: dict[str, list[str]],
+                  placed: list[tuple[str, str]]) -> str:
+    """The PDDL problem (objects and initial state, ALFRED ids), in the layout of ALFWorld's initial_state.pddl."""
+    C = _alfworld().C
     otypes = sorted((set(C.OBJECTS) - C.RECEPTACLES) | C.MOVABLE_RECEPTACLES_SET)
     rtypes = sorted(C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET)
     rec_locs = {r: _loc(p) for r, p in recs.items()}
@@ -305,16 +332,19 @@ def _build(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
     for rtype_ in sorted(by_type):
         init += [f"(canContain {rtype_}Type {t}Type)" for t in sorted(C.VAL_RECEPTACLE_OBJECTS.get(rtype_, ()))
                  if t in present]
-    task_type = TASK_TYPES[category]
-    goal = A.goals[task_type]["pddl"].format(obj=ot, recep=rt, toggle="DeskLamp", mrecep="")
-    problem = "\n".join(
-        [f"(define (problem plan_{spec['seed']})", "(:domain alfred)", "(:objects"]
+    return "\n".join(
+        [f"(define (problem plan_{seed})", "(:domain alfred)", "(:objects"]
         + ["        " + x for x in objects] + ["        )", "(:init"] + ["        " + x for x in init] + ["        )"]
     )
-    problem = _pddl_name(problem) + "\n" + _pddl_name(goal)
-    desc = rng.choice(A.goals[task_type]["templates"]).format(
-        obj=ot.lower(), recep=rt.lower(), toggle="desklamp", mrecep="")
 
+
+def _gold_path(rng: random.Random, category: str, recs: dict[str, tuple], by_type: dict[str, list[str]],
+               placed: list[tuple[str, str]], targets: list[str], rt: str, lamp: tuple[str, str] | None) -> list[str]:
+    """The walkthrough that solves the task: its commands, with the names the engine shows."""
+    A = _alfworld()
+    C = A.C
+    appliance = _APPLIANCE.get(category, ("", ""))[0]
+    lamp_id, lamp_home = lamp if lamp is not None else (None, None)
     # Names as the engine shows them: fast-downward lowercases, the package's Demangler numbers.
     ids = {_pddl_name(x).lower() for x, _ in placed} | {_pddl_name(r).lower() for r in recs}
     dm = A.Demangler(game_infos={i: SimpleNamespace(id=i) for i in ids})
@@ -346,14 +376,11 @@ def _build(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
         if category == "look":
             if state["at"] != lamp_home:
                 path.append(f"go to {name(lamp_home)}")
-            path.append(f"use {name(lamp)}")
+            path.append(f"use {name(lamp_id)}")
         else:
             goto(dest)
             path.append(f"move {name(o)} to {name(dest)}")
-
-    grammar = A.grammar.replace("UNKNOWN GOAL", desc)
-    game = {"pddl_domain": A.domain, "grammar": grammar, "pddl_problem": problem, "solvable": True, "walkthrough": path}
-    return game, path, desc
+    return path
 
 
 # ---------------------------------------------------------------------------

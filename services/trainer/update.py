@@ -150,10 +150,7 @@ def ppo_update(
     Batch tensors go to the model's device.
     """
     use_sdar = sdar is not None and sdar.coef > 0
-    if use_sdar and any(s.teacher_logprobs_S is None for s in seqs):
-        raise ValueError("the SDAR auxiliary loss (credit.sdar.coef > 0) needs teacher log-probs for every sequence")
-    if cfg.kl_coef > 0 and any(s.ref_logprobs_S is None for s in seqs):
-        raise ValueError("the KL term (trainer.kl_coef > 0) needs the reference policy's log-probs for every sequence")
+    _check_logprobs(seqs, cfg, use_sdar)
     vocab = _vocab_size(model)
     usable = [s for s in seqs if s.loss_mask_S.any()]
     seqs = [s for s in usable if vocab is None or _ids_in_range(s.token_ids_S, vocab)]
@@ -161,20 +158,7 @@ def ppo_update(
     with_ref = bool(seqs) and all(s.ref_logprobs_S is not None for s in seqs)
     total_tokens = float(sum(float(s.loss_mask_S.sum()) for s in seqs))
     parallel = world is not None and world.distributed
-    local = shard(seqs, world.rank, world.size) if parallel else seqs
-    micro = [local[j : j + cfg.micro_batch_size] for j in range(0, len(local), cfg.micro_batch_size)]
-    if parallel:
-        # The token-mean's denominator: all ranks' loss tokens. Each rank also holds the whole step, so each
-        # must count the same total; the max/min check catches ranks given different batches.
-        own_tokens = sum(float(s.loss_mask_S.sum()) for s in local)
-        (summed,) = all_reduce([own_tokens], "sum", world)
-        n_micro, hi, neg_lo = all_reduce([len(micro), total_tokens, -total_tokens], "max", world)
-        if not hi == -neg_lo == summed:  # every rank sees it: all raise, none is left waiting in a collective
-            raise RuntimeError(f"the ranks were given different batches ({-neg_lo} to {hi} loss tokens, {summed} summed)")
-        log.info("rank %d of %d: my share of the update: %d of %d sequences, %d of %d loss tokens", world.rank,
-                 world.size, len(local), len(seqs), own_tokens, summed)
-        total_tokens = summed
-        micro += [[_placeholder(use_sdar)]] * (int(n_micro) - len(micro))
+    micro, total_tokens = _micro_batches(seqs, total_tokens, cfg.micro_batch_size, world, use_sdar)
     if record is not None:
         record.sequences = list(seqs)
     if total_tokens == 0:
@@ -185,79 +169,29 @@ def ppo_update(
     model.train()
     device = next(model.parameters()).device
     batches = [_pad(mb, device) for mb in micro]
-    old: list[torch.Tensor | None] = [None] * len(batches)
-    is_weight: list[torch.Tensor | None] = [None] * len(batches)
-    sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "mismatch": 0.0, "ratio_dev_max": 0.0, "sdar": 0.0, "kl": 0.0}
-    kl_sum = 0.0
-    masked_sum = 0.0
-    first_loss = first_kl = 0.0
-    first: list[tuple[torch.Tensor, torch.Tensor]] = []  # the first epoch's (pi_old, entropy) per micro-batch, for `record`
-    grad_norm = 0.0
+    epochs = _Epochs(cfg, dtype, temperature, sdar if use_sdar else None, with_ref, total_tokens, len(seqs), norm_tokens,
+                     keep_first=record is not None, old=[None] * len(batches), is_weight=[None] * len(batches))
+    sums = dict.fromkeys(_EPOCH_SUMS, 0.0)
+    first_loss = first_kl = grad_norm = 0.0
     skipped = 0
     for epoch_i in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        epoch = dict.fromkeys(sums, 0.0)  # merged into sums only if the epoch's gradient is finite
-        for j, b in enumerate(batches):
-            with _accumulating(model, last=j == len(batches) - 1):
-                lp, ent = _loss_position_logprobs(model, b, dtype, device, temperature)
-                mask = b["mask"][:, 1:]
-                if old[j] is None:
-                    old[j] = lp.detach()
-                    sampler = b["sampler"][:, 1:]
-                    n = mask.sum().clamp_min(1)
-                    mean_abs = float(((lp.detach() - sampler).abs() * mask).sum() / n)
-                    epoch["mismatch"] += mean_abs * float(mask.sum()) / max(total_tokens, 1)
-                    # A NaN trainer log-prob (its epoch is skipped, see skipped_steps) adds 0, not NaN.
-                    kl_sum += float(sampler_mismatch_k3(old[j], sampler, mask).nan_to_num(nan=0.0).sum())
-                    if cfg.truncated_is:
-                        is_weight[j] = importance_weight(old[j], sampler, mask, cfg.tis_level, cfg.tis_mode, cfg.tis_cap,
-                                                         cfg.tis_cap_low)
-                        masked_sum += float(((is_weight[j] == 0) & mask.bool()).sum())
-                    if record is not None:
-                        first.append((old[j], ent.detach()))
-                loss, m = ppo_loss(
-                    lp, old[j], b["adv"][:, 1:], mask, total_tokens,
-                    cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                    entropy_BT=ent, entropy_coef=cfg.entropy_coef, is_weight_BT=is_weight[j],
-                    ref_logprobs_BT=b["ref"][:, 1:] if with_ref else None, kl_coef=cfg.kl_coef,
-                    kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, total_sequences=len(seqs),
-                    norm_tokens=norm_tokens, importance_level=cfg.importance_level,
-                )
-                if use_sdar:
-                    aux, _ = sdar_loss(lp, b["teacher"][:, 1:], mask, total_tokens, sdar.coef, sdar.beta)
-                    epoch["sdar"] += float(aux.detach())
-                    loss = loss + aux
-                loss.backward()
-                epoch["loss"] += float(loss.detach())
-                share = float(mask.sum()) / max(total_tokens, 1)
-                epoch["clip_frac"] += float(m["ppo/clip_frac"]) * share
-                epoch["kl"] += float(m["ppo/kl_mean"]) * share
-                epoch["entropy"] += float((ent.detach() * mask).sum()) / max(total_tokens, 1)
-                epoch["ratio_dev_max"] = max(epoch["ratio_dev_max"], float(m["ppo/ratio_dev_max"]))
+        epoch = epochs.run(model, batches, device)  # merged into sums only if the epoch's gradient is finite
         if epoch_i == 0:
             first_loss, first_kl = epoch["loss"], epoch["kl"]
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a replicated DTensor
-        # The same decision on every rank, or one would step while another waits in the next collective.
-        if all_reduce([0.0 if np.isfinite(norm) and np.isfinite(epoch["loss"]) else 1.0], "max", world)[0] > 0:
-            # A NaN gradient must never reach the weights: skip this optimizer step, count it. A non-finite loss
-            # too: a NaN reference log-prob gives k3 a NaN whose gradient its clamp zeroes, k1's never depends on it.
-            optimizer.zero_grad(set_to_none=True)
+        norm = _step_if_finite(model, optimizer, cfg.grad_clip, epoch["loss"], world)
+        if norm is None:
             skipped += 1
             continue
-        optimizer.step()
         grad_norm = norm
         for k, v in epoch.items():
             sums[k] = max(sums[k], v) if k == "ratio_dev_max" else sums[k] + v
     model.eval()
+    kl_sum, masked_sum = epochs.k3_sum, epochs.masked_sum
     if parallel:  # each rank's sums are over its own tokens, already divided by the step's total
-        keys = ("loss", "clip_frac", "entropy", "mismatch", "sdar", "kl")
-        *reduced, kl_sum, masked_sum, first_loss, first_kl = all_reduce(
-            [sums[k] for k in keys] + [kl_sum, masked_sum, first_loss, first_kl], "sum", world)
-        sums.update(zip(keys, reduced))
-        sums["ratio_dev_max"] = all_reduce([sums["ratio_dev_max"]], "max", world)[0]
+        kl_sum, masked_sum, first_loss, first_kl = _sum_over_ranks(sums, [kl_sum, masked_sum, first_loss, first_kl], world)
     if record is not None:
-        _fill_record(record, micro, first, world)
+        _fill_record(record, micro, epochs.first, world)
         record.loss, record.kl = first_loss, first_kl
     e = float(max(cfg.ppo_epochs - skipped, 1))
     return {
@@ -274,6 +208,148 @@ def ppo_update(
         "sdar_loss": sums["sdar"] / e,
         "is_masked_frac": masked_sum / total_tokens,
     } | ({"kl": sums["kl"] / e} if with_ref else {})
+
+
+def _check_logprobs(seqs: list[Sequence], cfg: TrainerSection, use_sdar: bool) -> None:
+    """ValueError when the SDAR term or the KL term is on and a sequence lacks the log-probs it needs."""
+    if use_sdar and any(s.teacher_logprobs_S is None for s in seqs):
+        raise ValueError("the SDAR auxiliary loss (credit.sdar.coef > 0) needs teacher log-probs for every sequence")
+    if cfg.kl_coef > 0 and any(s.ref_logprobs_S is None for s in seqs):
+        raise ValueError("the KL term (trainer.kl_coef > 0) needs the reference policy's log-probs for every sequence")
+
+
+def _micro_batches(seqs: list[Sequence], total_tokens: float, size: int, world: World | None,
+                   use_sdar: bool) -> tuple[list[list[Sequence]], float]:
+    """This rank's micro-batches of `seqs` and the loss tokens of all ranks (the token-mean's denominator).
+
+    Under torchrun each rank takes its `shard`, and pads its micro-batches with loss-free placeholders up to the
+    most any rank has; RuntimeError (on every rank) if the ranks were given different batches."""
+    parallel = world is not None and world.distributed
+    local = shard(seqs, world.rank, world.size) if parallel else seqs
+    micro = [local[j : j + size] for j in range(0, len(local), size)]
+    if not parallel:
+        return micro, total_tokens
+    # Each rank also holds the whole step, so each must count the same total; the max/min check catches ranks
+    # given different batches.
+    own_tokens = sum(float(s.loss_mask_S.sum()) for s in local)
+    (summed,) = all_reduce([own_tokens], "sum", world)
+    n_micro, hi, neg_lo = all_reduce([len(micro), total_tokens, -total_tokens], "max", world)
+    if not hi == -neg_lo == summed:  # every rank sees it: all raise, none is left waiting in a collective
+        raise RuntimeError(f"the ranks were given different batches ({-neg_lo} to {hi} loss tokens, {summed} summed)")
+    log.info("rank %d of %d: my share of the update: %d of %d sequences, %d of %d loss tokens", world.rank,
+             world.size, len(local), len(seqs), own_tokens, summed)
+    micro += [[_placeholder(use_sdar)]] * (int(n_micro) - len(micro))
+    return micro, summed
+
+
+# An epoch's sums over the micro-batches (see `_Epochs.run`), merged over the epochs that step the optimizer.
+_EPOCH_SUMS = ("loss", "clip_frac", "entropy", "mismatch", "ratio_dev_max", "sdar", "kl")
+
+
+@dataclass
+class _Epochs:
+    """The settings every epoch of one `ppo_update` shares, and what its first epoch fixes for the later ones.
+
+    old / is_weight: per micro-batch, pi_old [B, S-1] (detached) and its truncated-IS weights (None without
+    cfg.truncated_is), set by the first epoch; k3_sum: the first epoch's sum of k3 (sampler_mismatch_k3) over
+    this rank's loss tokens; masked_sum: loss tokens the IS mask mode zeroed; first: (pi_old, entropy) per
+    micro-batch when keep_first (for the `FirstEpoch` record).
+    """
+
+    cfg: TrainerSection
+    dtype: str
+    temperature: float
+    sdar: SDARSection | None  # None: no SDAR term
+    with_ref: bool
+    total_tokens: float
+    n_seqs: int
+    norm_tokens: int | None
+    keep_first: bool
+    old: list[torch.Tensor | None]
+    is_weight: list[torch.Tensor | None]
+    k3_sum: float = 0.0
+    masked_sum: float = 0.0
+    first: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def run(self, model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, float]:
+        """One epoch: forward and backward over every micro-batch, gradients accumulated, not stepped; its sums."""
+        epoch = dict.fromkeys(_EPOCH_SUMS, 0.0)
+        for j, b in enumerate(batches):
+            with _accumulating(model, last=j == len(batches) - 1):
+                lp, ent = _loss_position_logprobs(model, b, self.dtype, device, self.temperature)
+                mask = b["mask"][:, 1:]
+                if self.old[j] is None:
+                    epoch["mismatch"] += self._fix(j, lp, ent, b)
+                loss, m = self._loss(j, lp, ent, b, epoch)
+                loss.backward()
+                total = self.total_tokens
+                epoch["loss"] += float(loss.detach())
+                share = float(mask.sum()) / max(total, 1)
+                epoch["clip_frac"] += float(m["ppo/clip_frac"]) * share
+                epoch["kl"] += float(m["ppo/kl_mean"]) * share
+                epoch["entropy"] += float((ent.detach() * mask).sum()) / max(total, 1)
+                epoch["ratio_dev_max"] = max(epoch["ratio_dev_max"], float(m["ppo/ratio_dev_max"]))
+        return epoch
+
+    def _fix(self, j: int, lp: torch.Tensor, ent: torch.Tensor, b: dict[str, torch.Tensor]) -> float:
+        """The first epoch on micro-batch j: fix pi_old and its IS weights, count k3 and masked tokens; returns its
+        share of sampler_logprob_mismatch (mean |sampler - trainer| over the step's loss tokens)."""
+        cfg, mask, sampler = self.cfg, b["mask"][:, 1:], b["sampler"][:, 1:]
+        self.old[j] = lp.detach()
+        n = mask.sum().clamp_min(1)
+        mean_abs = float(((lp.detach() - sampler).abs() * mask).sum() / n)
+        # A NaN trainer log-prob (its epoch is skipped, see skipped_steps) adds 0, not NaN.
+        self.k3_sum += float(sampler_mismatch_k3(self.old[j], sampler, mask).nan_to_num(nan=0.0).sum())
+        if cfg.truncated_is:
+            self.is_weight[j] = importance_weight(self.old[j], sampler, mask, cfg.tis_level, cfg.tis_mode, cfg.tis_cap,
+                                                  cfg.tis_cap_low)
+            self.masked_sum += float(((self.is_weight[j] == 0) & mask.bool()).sum())
+        if self.keep_first:
+            self.first.append((self.old[j], ent.detach()))
+        return mean_abs * float(mask.sum()) / max(self.total_tokens, 1)
+
+    def _loss(self, j: int, lp: torch.Tensor, ent: torch.Tensor, b: dict[str, torch.Tensor],
+              epoch: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        """Micro-batch j's PPO loss (plus the SDAR term, whose value joins epoch["sdar"]) and ppo_loss's metrics."""
+        cfg, mask = self.cfg, b["mask"][:, 1:]
+        loss, m = ppo_loss(
+            lp, self.old[j], b["adv"][:, 1:], mask, self.total_tokens,
+            cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
+            entropy_BT=ent, entropy_coef=cfg.entropy_coef, is_weight_BT=self.is_weight[j],
+            ref_logprobs_BT=b["ref"][:, 1:] if self.with_ref else None, kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, total_sequences=self.n_seqs,
+            norm_tokens=self.norm_tokens, importance_level=cfg.importance_level,
+        )
+        if self.sdar is not None:
+            aux, _ = sdar_loss(lp, b["teacher"][:, 1:], mask, self.total_tokens, self.sdar.coef, self.sdar.beta)
+            epoch["sdar"] += float(aux.detach())
+            loss = loss + aux
+        return loss, m
+
+
+def _step_if_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, loss: float,
+                    world: World | None) -> float | None:
+    """Clip the accumulated gradients and step the optimizer; the gradient norm, or None (gradients dropped, no
+    step) when the norm or the epoch's `loss` is not finite on some rank."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a replicated DTensor
+    # The same decision on every rank, or one would step while another waits in the next collective.
+    if all_reduce([0.0 if np.isfinite(norm) and np.isfinite(loss) else 1.0], "max", world)[0] > 0:
+        # A NaN gradient must never reach the weights: skip this optimizer step, count it. A non-finite loss
+        # too: a NaN reference log-prob gives k3 a NaN whose gradient its clamp zeroes, k1's never depends on it.
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    optimizer.step()
+    return norm
+
+
+def _sum_over_ranks(sums: dict[str, float], extra: list[float], world: World) -> list[float]:
+    """Sum `sums` (max for ratio_dev_max) over the ranks, in place, and `extra` too (returned): a collective."""
+    keys = ("loss", "clip_frac", "entropy", "mismatch", "sdar", "kl")
+    reduced = all_reduce([sums[k] for k in keys] + extra, "sum", world)
+    sums.update(zip(keys, reduced[: len(keys)]))
+    sums["ratio_dev_max"] = all_reduce([sums["ratio_dev_max"]], "max", world)[0]
+    return reduced[len(keys):]
 
 
 def _fill_record(record: FirstEpoch, micro: list[list[Sequence]], first: list[tuple[torch.Tensor, torch.Tensor]],
