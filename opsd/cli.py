@@ -295,6 +295,11 @@ def run(
         console.print(f"[green]done[/green] in {time.perf_counter() - t0:.0f}s; /metrics answered: {answered}")
         dumps = ", credit/ (opsd inspect, opsd credit check)" if cfg.trainer.dump_credit else ""
         console.print(f"outputs: {run_dir}/metrics.jsonl, metrics.png, checkpoint/, logs/{dumps}")
+        from opsd.tracking import read_state
+
+        trackers = {k: v for k, v in read_state(run_dir).items() if k in cfg.run.report_to and isinstance(v, dict)}
+        for name, state in trackers.items():  # each tracker run and how to open it (trackers.json)
+            console.print(f"{name}: {state.get('url')}", markup=False, highlight=False)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping services[/yellow]")
     except RuntimeError as e:

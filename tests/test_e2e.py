@@ -47,11 +47,13 @@ def test_one_step_through_four_services(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the run must start its own redis-server
     proc = subprocess.run(
         [sys.executable, "-m", "opsd.cli", "run", str(REPO / "tests/configs/tiny.yaml"), "--output-dir", str(tmp_path),
-         "--dump-credit"],
+         "--dump-credit", "--report-to", "tensorboard"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    # The summary ends with each tracker run and how to open it (trackers.json's link).
+    assert f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}" in proc.stdout, proc.stdout[-2000:]
     # Output to a pipe: plain step lines, and no progress bar drawn once at the end into the file.
     assert "step 0" in proc.stdout and "done in" in proc.stdout, proc.stdout
     assert not re.search(r"\d+/\d+ steps", proc.stdout), proc.stdout
