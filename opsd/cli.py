@@ -217,7 +217,10 @@ def _trackers(option: str | None) -> list[str] | None:
     """--report-to's value as run.report_to (validated there): "a,b" -> ["a", "b"], "none" -> [], None -> None."""
     if option is None:
         return None
-    names = [n.strip() for n in option.split(",") if n.strip()]
+    names = [n.strip() for n in option.split(",")]
+    if "" in names:  # `--report-to ""` turned off the config's trackers without a word
+        raise typer.BadParameter(f"{option!r}: tracker names separated by commas (wandb,tensorboard,mlflow), or none",
+                                 param_hint="--report-to")
     return [] if names == ["none"] else names
 
 

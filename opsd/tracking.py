@@ -148,6 +148,16 @@ class StepReport:
 # ---------------------------------------------------------------- the trackers
 
 
+class TrackerOff(Exception):
+    """A tracker its own settings turn off (WANDB_MODE=disabled, WANDB_DISABLED=true): not started, not an error."""
+
+
+def _under(run_dir: Path, path: str | None, default: str) -> Path:
+    """`path` (a relative one under the run directory, so a resume or `opsd eval` from another working directory
+    finds it), else <run_dir>/<default>; absolute."""
+    return (Path(run_dir) / (path or default)).resolve()
+
+
 class WandbTracker:
     """A W&B run (wandb.init with the saved id and resume="allow"): config, scalars and histograms (at most 512
     bins: more are merged) at the step, the trajectories as a wandb.Table. WANDB_* variables apply where the config
@@ -165,8 +175,11 @@ class WandbTracker:
 
         self.wandb = wandb
         c = tracking.wandb
+        mode = c.mode or os.environ.get("WANDB_MODE")
+        if mode == "disabled" or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+            raise TrackerOff("W&B is disabled (tracking.wandb.mode, WANDB_MODE or WANDB_DISABLED): nothing sent")
         saved = state.get("wandb", {})
-        directory = Path(c.dir or run_dir)
+        directory = _under(run_dir, c.dir, ".")
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=c.project or os.environ.get("WANDB_PROJECT") or "opsd", entity=c.entity, group=c.group,
@@ -181,7 +194,8 @@ class WandbTracker:
             url = f"wandb sync {Path(self.run.dir).parent.parent / f'offline-run-*-{self.run.id}'}"
         else:
             url = self.run.url
-        self.state = {"id": self.run.id, "url": url, "dir": str(directory), "mode": c.mode or os.environ.get("WANDB_MODE")}
+        self.state = {"id": self.run.id, "url": url, "dir": str(directory), "mode": mode}
+        self.new_run = self.run.id != saved.get("id")
 
     def log_step(self, report: StepReport) -> None:
         data: dict[str, Any] = dict(report.scalars)
@@ -217,7 +231,13 @@ class TensorBoardTracker:
     def __init__(self, tracking, run_dir: Path, run_name: str, config: dict, state: dict, links: dict, purge_step=None):
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = Path(tracking.tensorboard.log_dir or Path(run_dir) / "tensorboard")
+        saved = state.get("tensorboard", {})
+        # A log_dir of your own may hold other runs: this one writes to <log_dir>/<run name> (TensorBoard's runs are
+        # directories), so its purge_step hides nothing of theirs. `opsd eval` (purge_step None) finds it saved.
+        custom = tracking.tensorboard.log_dir
+        log_dir = Path(saved["log_dir"]) if purge_step is None and saved.get("log_dir") else (
+            _under(run_dir, custom, "") / (tracking.name or run_name) if custom else _under(run_dir, None, "tensorboard"))
+        self.new_run = saved.get("log_dir") != str(log_dir)
         # purge_step None (`opsd eval` adding results): nothing hidden. The trainer passes 0 for a first session (nothing
         # to hide): TensorBoard's Python loader (--load_fast=false, and where its Rust data server does not run) takes
         # the first session start it reads for the run's start and purges only at a later one, so without it a
@@ -226,7 +246,7 @@ class TensorBoardTracker:
         self.state = {"log_dir": str(log_dir), "url": f"tensorboard --logdir {log_dir}"}
         # A trainer session writes them at its first step (a resume may change run.steps, the trackers...); `opsd eval`
         # (purge_step None) adds nothing to a directory that has them.
-        if purge_step is not None or not state.get("tensorboard"):
+        if purge_step is not None or not saved:
             import yaml
 
             at = purge_step or 0
@@ -244,10 +264,14 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def log_eval(self, step: int, values: dict[str, float], table: list[list], columns: list[str]) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.add_text("eval/table", markdown_table(columns, table), step)
-        self.writer.flush()
+        # A run of its own, <log_dir>/eval: a resumed trainer's purge_step would hide an eval at its policy version
+        # in the training directory; purge_step=step replaces an earlier eval of the same version.
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(log_dir=str(Path(self.state["log_dir"]) / "eval"), purge_step=step) as writer:
+            for key, value in values.items():
+                writer.add_scalar(key, value, step)
+            writer.add_text("eval/table", markdown_table(columns, table), step)
 
     def close(self, finished: bool | None) -> None:
         self.writer.close()
@@ -255,6 +279,22 @@ class TensorBoardTracker:
 
 _MLFLOW_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
 _MLFLOW_WORDS = (("<=", "le"), (">=", "ge"), ("<", "lt"), (">", "gt"))
+
+
+def _local_store(path: Path) -> Path:
+    """`path`, a SQLite tracking store with MLflow's tables. A new one is made aside and renamed into place: MLflow
+    creates its tables in a few dozen migrations, and a process killed halfway left a store that every later
+    start refused ("table ... already exists")."""
+    if path.exists():
+        return path
+    from mlflow import MlflowClient
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)  # creates and migrates it
+    os.replace(tmp, path)
+    return path
 
 
 def mlflow_key(name: str) -> str:
@@ -280,15 +320,21 @@ class MlflowTracker:
 
         c = tracking.mlflow
         saved = state.get("mlflow", {})
+        # MLflow's HTTP client retries 7 times with exponential backoff (minutes per call to a server that is down);
+        # a tracker fails fast here instead (training never waits for it). Your own MLFLOW_HTTP_* settings win.
+        for key, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                           ("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")):
+            os.environ.setdefault(key, value)
         uri = c.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         local = uri is None
         if local:
-            uri = f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+            uri = f"sqlite:///{_local_store(Path(run_dir).resolve() / 'mlflow.db')}"
         self.client = MlflowClient(tracking_uri=uri)
         name = c.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "opsd"
         self.status_before = None
-        if saved.get("run_id"):
-            self.run_id = saved["run_id"]
+        self.run_id = self._saved_run(saved, uri)
+        self.new_run = self.run_id is None
+        if self.run_id is not None:
             self.status_before = self.client.get_run(self.run_id).info.status
             self.client.update_run(self.run_id, status="RUNNING")
         else:
@@ -308,6 +354,27 @@ class MlflowTracker:
         self.state = {"run_id": self.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": uri,
                       "url": f"{uri} experiment {run.info.experiment_id} run {self.run_id}"}
 
+    def _saved_run(self, saved: dict, uri: str) -> str | None:
+        """The saved run id, when that run is in the store at `uri`; None (start a new run, with a warning) when the
+        store changed or lost it (a deleted mlflow.db, another MLFLOW_TRACKING_URI)."""
+        from mlflow.exceptions import MlflowException
+
+        run_id = saved.get("run_id")
+        if not run_id:
+            return None
+        if saved.get("tracking_uri") not in (None, uri):
+            log.warning("MLflow: the run's tracker run %s is in %s, now %s: starting a new run there",
+                        run_id, saved["tracking_uri"], uri)
+            return None
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            log.warning("MLflow: run %s is not in %s any more: starting a new run, sent from step 0", run_id, uri)
+            return None
+        return run_id
+
     def _log_params(self, config: dict) -> None:
         from mlflow.entities import Param
 
@@ -320,7 +387,7 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(mlflow_key(k), v, now, step) for k, v in values.items()]
+        batch = [Metric(mlflow_key(k)[:250], v, now, step) for k, v in values.items()]  # MLflow: keys <= 250 chars
         for lo in range(0, len(batch), 1000):  # and at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[lo:lo + 1000])
 
@@ -358,7 +425,7 @@ def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 def markdown_table(columns: list[str], rows: list[list]) -> str:
     """A Markdown table (TensorBoard's text plugin renders it); "|" in a cell is escaped."""
     def cell(v) -> str:
-        return str(v).replace("|", "\\|").replace("\n", " ")
+        return str(v).replace("|", "\\|").replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
@@ -414,6 +481,9 @@ class Trackers:
     def _call(self, name: str, fn: Callable):
         try:
             return fn()
+        except TrackerOff as e:
+            log.info("tracker %s off: %s", name, e)
+            return None
         except Exception as e:  # noqa: BLE001 - whatever a tracker's library raises: training goes on
             self.errors[name] = self.errors.get(name, 0) + 1
             metrics.TRACKER_ERRORS.labels(self.role, name).inc()
@@ -478,6 +548,9 @@ def report_eval(cfg, run_dir: Path, report: dict) -> list[str]:
     values, rows = eval_values(report)
     done = trackers.each("log_eval", int(report["policy_version"]), values, rows, EVAL_COLUMNS)
     if trackers.open:  # a tracker run started here (report_to added after training) is found again next time
-        write_state(run_dir, {**state, **trackers.state()})
+        try:
+            write_state(run_dir, {**read_state(run_dir), **trackers.state()})
+        except OSError as e:
+            log.warning("could not write %s: %s", Path(run_dir) / STATE_FILE, e)
     trackers.close(None)
     return done

@@ -10,6 +10,7 @@ import logging
 import math
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -88,7 +89,7 @@ def run_reporter(cfg: RunConfig, run_dir: Path, reports: list[StepReport], commi
         if report.step + 1 in commits:
             reporter.commit(report.step + 1)
     reporter.close(finished=finished, timeout_s=120)
-    assert not reporter.thread.is_alive()
+    assert not reporter.alive()
     # run.finish() may return while W&B's service still writes the transaction log; teardown waits for it, as
     # the trainer's exit does (W&B's atexit hook). The next Reporter starts a new service, as a restart does.
     wandb.teardown()
@@ -249,14 +250,21 @@ def test_eval_adds_its_results_to_the_run_and_leaves_its_history_and_status(tmp_
     (table,) = run_dir.glob("wandb/offline-run-*/files/" + w.summary["eval/table"]["path"])
     assert [r[:4] for r in json.loads(table.read_text())["data"]] == [
         ["pick", 6, "success", 4 / 6], ["clean", 6, "success", 1 / 6], ["overall", 12, "success", 5 / 12]]
-    tb = read.tensorboard_scalars(run_dir / "tensorboard")
-    assert {k: tb[k] for k in want} == {k: [(3, float(np.float32(v)))] for k, v in want.items()}
-    check_tensorboard_steps = [s for s, _ in tb["trainer/loss"]]
-    assert check_tensorboard_steps == [0, 1, 2]  # the eval's writer hid none of training's steps
+    # TensorBoard: a run of its own beside training's (a resumed trainer's purge_step would hide it there).
+    tb, tb_eval = read.tensorboard_scalars(run_dir / "tensorboard"), read.tensorboard_scalars(run_dir / "tensorboard" / "eval")
+    assert {k: tb_eval[k] for k in want} == {k: [(3, float(np.float32(v)))] for k, v in want.items()}
+    assert not set(want) & set(tb) and [s for s, _ in tb["trainer/loss"]] == [0, 1, 2]
     m = read.mlflow_run(run_dir, state["mlflow"]["run_id"])
     assert {k: m.metrics[k] for k in want} == {k: [(3, v)] for k, v in want.items()}
     assert m.status == ("FINISHED" if finished else "KILLED")  # as the trainer left it
     assert [s for s, _ in m.metrics["trainer/loss"]] == [0, 1, 2]
+
+    # The same version evaluated again: TensorBoard's point replaced (purge_step), W&B's summary overwritten.
+    time.sleep(1.1)  # event file names carry the second they were opened in
+    assert "tensorboard" in report_eval(cfg, run_dir, report)
+    wandb.teardown()
+    again = read.tensorboard_scalars(run_dir / "tensorboard" / "eval")
+    assert {k: again[k] for k in want} == {k: [(3, float(np.float32(v)))] for k, v in want.items()}
 
 
 # ---------------------------------------------------------------- resume: the same tracker runs, each step once
@@ -327,6 +335,79 @@ def test_tensorboard_resume_hides_steps_written_after_the_saved_progress(tmp_pat
 # ---------------------------------------------------------------- failures: counted, logged once, survived
 
 
+def test_a_slow_tracker_holds_neither_the_others_nor_loses_its_steps(tmp_path, monkeypatch):
+    """MLflow still opening (a server that does not answer): TensorBoard receives and holds every committed step
+    meanwhile; the staged reports stay until MLflow holds them too."""
+    from opsd import tracking
+
+    gate, opened = threading.Event(), tracking.MlflowTracker.__init__
+    monkeypatch.setattr(tracking.MlflowTracker, "__init__", lambda self, *a, **k: (gate.wait(120), opened(self, *a, **k))[1])
+    run_dir = tmp_path / "run-slow"
+    run_dir.mkdir()
+    reports = [report_of(s) for s in range(3)]
+    cfg = cfg_of(["tensorboard", "mlflow"])
+    reporter = Reporter(cfg, run_dir, cfg.model_dump(mode="json"), 0, [])
+    for r in reports:
+        reporter.stage(r)
+    reporter.commit(3)
+    deadline = time.monotonic() + 60
+    while reporter.state["sent_through"].get("tensorboard") != 2:  # a wait, not a timing check
+        assert time.monotonic() < deadline, reporter.state
+        time.sleep(0.1)
+    saved = json.loads((run_dir / "trackers.json").read_text())
+    assert "tensorboard" in saved and "mlflow" not in saved and saved["sent_through"] == {"tensorboard": 2}
+    assert len(list((run_dir / "tracking").glob("step_*.json"))) == 3  # MLflow has none of them yet
+    check_tensorboard(run_dir / "tensorboard", reports)
+    gate.set()
+    reporter.close(finished=True, timeout_s=120)
+    assert not reporter.alive()
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert state["sent_through"] == {"tensorboard": 2, "mlflow": 2} and not list((run_dir / "tracking").iterdir())
+    check_mlflow(run_dir, state["mlflow"]["run_id"], reports)
+
+
+def test_a_lost_mlflow_run_starts_a_new_one_sent_from_step_0(tmp_path, caplog):
+    run_dir = tmp_path / "run-lost"
+    first = [report_of(s) for s in range(3)]
+    run_reporter(cfg_of(["mlflow"]), run_dir, first, commits=[3])
+    state = json.loads((run_dir / "trackers.json").read_text())
+    state["mlflow"]["run_id"] = "0" * 32  # a store that lost the run (a deleted mlflow.db, a server reset)
+    (run_dir / "trackers.json").write_text(json.dumps(state))
+    records = [record_of(s) for s in range(3)]
+    second = [report_of(s, run=1) for s in range(3, 5)]
+    with caplog.at_level(logging.WARNING):
+        run_reporter(cfg_of(["mlflow"]), run_dir, second, commits=[5], resumed_step=3, records=records)
+    assert any("not in" in r.getMessage() and "starting a new run" in r.getMessage() for r in caplog.records)
+    new = json.loads((run_dir / "trackers.json").read_text())
+    assert new["mlflow"]["run_id"] != "0" * 32 and new["sent_through"] == {"mlflow": 4}
+    check_mlflow(run_dir, new["mlflow"]["run_id"], [StepReport(r["step"], scalars(r)) for r in records] + second)
+
+
+def test_wandb_disabled_is_off_not_failed_and_marks_nothing_sent(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DISABLED", "true")  # HF Trainer's switch (wandb 0.31 no longer reads it)
+    run_dir = tmp_path / "run-off"
+    before = errors("wandb")
+    run_reporter(cfg_of(["wandb", "tensorboard"]), run_dir, [report_of(s) for s in range(2)], commits=[2])
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert state["sent_through"] == {"tensorboard": 1} and "wandb" not in state
+    assert errors("wandb") == before and not (run_dir / "wandb").exists()
+
+
+def test_tensorboard_log_dir_of_your_own_holds_each_run_in_a_directory_of_its_own(tmp_path):
+    """Two runs sharing tracking.tensorboard.log_dir: neither hides the other's steps; a relative log_dir is under
+    the run directory, whatever the working directory."""
+    shared = tmp_path / "shared-tb"
+    a, b = [report_of(s) for s in range(2)], [report_of(s, run=1) for s in range(3)]
+    run_reporter(cfg_of(["tensorboard"], tensorboard={"log_dir": str(shared)}), tmp_path / "run-a", a, commits=[2])
+    run_reporter(cfg_of(["tensorboard"], tensorboard={"log_dir": str(shared)}), tmp_path / "run-b", b, commits=[3])
+    check_tensorboard(shared / "run-a", a)
+    check_tensorboard(shared / "run-b", b)
+    run_reporter(cfg_of(["tensorboard"], tensorboard={"log_dir": "tb"}), tmp_path / "run-c", a, commits=[2])
+    check_tensorboard(tmp_path / "run-c" / "tb" / "run-c", a)
+    assert json.loads((tmp_path / "run-c" / "trackers.json").read_text())["tensorboard"]["log_dir"] == str(
+        (tmp_path / "run-c" / "tb" / "run-c").resolve())
+
+
 def test_unreachable_wandb_leaves_the_others_every_step(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: connection refused
@@ -379,7 +460,7 @@ def test_mlflow_failing_mid_run_is_counted_and_survived(tmp_path, caplog):
     reporter.commit(1)
     deadline = time.monotonic() + 120
     while reporter.state.get("sent_through", {}).get("mlflow") != 0:  # a wait, not a timing check
-        assert reporter.thread.is_alive() and time.monotonic() < deadline, reporter.state
+        assert reporter.alive() and time.monotonic() < deadline, reporter.state
         time.sleep(0.05)
     (run_dir / "mlflow.db").rename(run_dir / "moved.db")
     (run_dir / "mlflow.db").mkdir()
@@ -388,7 +469,7 @@ def test_mlflow_failing_mid_run_is_counted_and_survived(tmp_path, caplog):
             reporter.stage(r)
             reporter.commit(r.step + 1)
         reporter.close(finished=True, timeout_s=120)
-    assert not reporter.thread.is_alive()
+    assert not reporter.alive()
     assert {t: errors(t) - before[t] for t in before} == {"tensorboard": 0, "mlflow": 4}
     (line,) = warnings_of(caplog)  # MLflow's own logger (not propagated) prints its tracebacks to stderr besides
     assert line.startswith("tracker mlflow failed (") and "attempt to write a readonly database" in line
@@ -425,6 +506,11 @@ def test_mlflow_key_spells_out_comparisons_and_replaces_other_characters():
     assert mlflow_key(">=8k") == "ge8k" and mlflow_key("<=2") == "le2" and mlflow_key("a>b") == "agtb"
     assert mlflow_key("a:b[c]é") == "a_b_c__"
     assert mlflow_key("ok/x y.z-w_v") == "ok/x y.z-w_v"
+
+
+def test_markdown_table_keeps_one_line_per_row():
+    table = markdown_table(["a", "b"], [["x|y", "line\r\nnext\rcr\nnl"]])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | line next cr nl |"]
 
 
 def test_histogram_of_constant_empty_and_nan_input():
@@ -471,6 +557,12 @@ def test_missing_trackers_names_the_pip_extra(monkeypatch):
     ({"tracking": {"wandb": {"init_timeout_s": 0}}}, "init_timeout_s"),
     ({"tracking": {"wandb": {"mode": "shared"}}}, "mode"),
     ({"tracking": {"mlflow": {"tracking_uri": ""}}}, "tracking_uri"),
+    ({"tracking": {"mlflow": {"tracking_uri": "   "}}}, "tracking_uri"),
+    ({"tracking": {"mlflow": {"tracking_uri": "garbage://x"}}}, "expected a URI of scheme"),
+    ({"tracking": {"mlflow": {"experiment_name": "  "}}}, "experiment_name"),
+    ({"tracking": {"wandb": {"project": "team/project"}}}, "project"),
+    ({"tracking": {"tensorboard": {"log_dir": "   "}}}, "log_dir"),
+    ({"tracking": {"wandb": {"dir": " x"}}}, "dir"),
     ({"tracking": {"tensorboard": {"logdir": "x"}}}, "logdir"),
 ])
 def test_config_refuses_bad_tracking_settings(data, problem):
@@ -480,7 +572,10 @@ def test_config_refuses_bad_tracking_settings(data, problem):
 
 def test_config_accepts_the_tracking_bounds():
     cfg = RunConfig.model_validate({"run": {"report_to": ["mlflow", "wandb"]}, "tracking": {
-        "trajectories_per_step": 0, "table_chars": 20, "histogram_bins": 1024, "wandb": {"init_timeout_s": 3600}}})
+        "trajectories_per_step": 0, "table_chars": 20, "histogram_bins": 1024, "wandb": {"init_timeout_s": 3600},
+        "mlflow": {"tracking_uri": "postgresql+psycopg2://u@db/mlflow"}}})
+    for uri in ("http://mlflow:5000", "https://m.example/x", "sqlite:////abs/mlflow.db", "databricks", "file:///tmp/m"):
+        assert RunConfig.model_validate({"tracking": {"mlflow": {"tracking_uri": uri}}}).tracking.mlflow.tracking_uri == uri
     assert cfg.run.report_to == ["mlflow", "wandb"]
     assert (cfg.tracking.trajectories_per_step, cfg.tracking.table_chars, cfg.tracking.histogram_bins) == (0, 20, 1024)
 

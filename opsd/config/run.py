@@ -120,16 +120,35 @@ class WeightsSection(_Section):
     url: Annotated[str, AfterValidator(base_url)] | None = None
 
 
+# No surrounding blanks (a path or a name of blanks alone was taken as given); W&B refuses / \\ # ? % : in a
+# project or entity name.
+_TRIMMED = r"^\S(.*\S)?$"
+_WANDB_NAME = r"^[^\s/\\#?%:]([^/\\#?%:]*[^\s/\\#?%:])?$"
+# MLflow's stores: a server (http, https, databricks) or a database (sqlite, postgresql, mysql, mssql, with an
+# optional +driver); MLflow 3 keeps a plain directory (file:) in maintenance mode.
+_MLFLOW_SCHEMES = ("http", "https", "databricks", "databricks-uc", "sqlite", "postgresql", "mysql", "mssql", "file")
+
+
+def _mlflow_uri(value: str | None) -> str | None:
+    if value is None:
+        return value
+    scheme = value if value in ("databricks", "databricks-uc") else urllib.parse.urlsplit(value).scheme.split("+", 1)[0]
+    if scheme not in _MLFLOW_SCHEMES or value != value.strip():
+        raise ValueError(f"tracking_uri {value!r}: expected a URI of scheme {', '.join(_MLFLOW_SCHEMES)} "
+                         "(http://mlflow:5000, sqlite:////abs/path/mlflow.db)")
+    return value
+
+
 class WandbSection(_Section):
     """Weights & Biases (run.report_to: [wandb]). None: the WANDB_* variable (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE,
     WANDB_API_KEY, WANDB_BASE_URL for a server of your own), else W&B's default (project "opsd")."""
 
-    project: str | None = Field(None, min_length=1, max_length=128)
-    entity: str | None = Field(None, min_length=1, max_length=128)
-    group: str | None = Field(None, min_length=1, max_length=128)
+    project: str | None = Field(None, min_length=1, max_length=128, pattern=_WANDB_NAME)
+    entity: str | None = Field(None, min_length=1, max_length=128, pattern=_WANDB_NAME)
+    group: str | None = Field(None, min_length=1, max_length=128, pattern=_TRIMMED)
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = []
     mode: Literal["online", "offline", "disabled"] | None = None  # offline: files only, `wandb sync` later
-    dir: str | None = None  # where wandb/ is written (default: the run directory)
+    dir: str | None = Field(None, pattern=_TRIMMED)  # where wandb/ is written (default: the run directory; a relative path: under it)
     init_timeout_s: float = Field(90.0, gt=0, le=3600)  # wandb.init's wait for the service (a server down: then counted)
 
 
@@ -137,14 +156,16 @@ class MlflowSection(_Section):
     """MLflow (run.report_to: [mlflow]). tracking_uri None: MLFLOW_TRACKING_URI, else a SQLite store in the run
     directory (sqlite:///<run_dir>/mlflow.db); experiment_name None: MLFLOW_EXPERIMENT_NAME, else "opsd"."""
 
-    tracking_uri: str | None = Field(None, min_length=1)
-    experiment_name: str | None = Field(None, min_length=1, max_length=256)
+    tracking_uri: Annotated[str | None, AfterValidator(_mlflow_uri)] = None
+    experiment_name: str | None = Field(None, min_length=1, max_length=256, pattern=_TRIMMED)
 
 
 class TensorBoardSection(_Section):
-    """TensorBoard (run.report_to: [tensorboard]): event files in log_dir (default <run_dir>/tensorboard)."""
+    """TensorBoard (run.report_to: [tensorboard]): event files in <run_dir>/tensorboard, or with log_dir (shared by
+    runs, say) in <log_dir>/<tracking.name or the run directory's name>; a relative log_dir is under the run
+    directory."""
 
-    log_dir: str | None = Field(None, min_length=1)
+    log_dir: str | None = Field(None, pattern=_TRIMMED)
 
 
 class TrackingSection(_Section):
@@ -156,7 +177,7 @@ class TrackingSection(_Section):
     Reporting only (not part of the config hash): a resumed run may add or drop a tracker.
     """
 
-    name: str | None = Field(None, min_length=1, max_length=128)
+    name: str | None = Field(None, min_length=1, max_length=128, pattern=_TRIMMED)
     trajectories_per_step: int = Field(4, ge=0, le=64)
     table_chars: int = Field(500, ge=20, le=10_000)
     histogram_bins: int = Field(64, ge=2, le=1024)

@@ -337,7 +337,10 @@ def _open_records(cfg, run_dir: Path, state: TrainerState, ckpt: Path | None) ->
         (run_dir / "DONE").unlink(missing_ok=True)
     reporter = None
     if cfg.run.report_to:  # one writer per run: rank 0, on a thread of its own (services/trainer/reporting.py)
-        reporter = Reporter(cfg, run_dir, {**cfg.model_dump(mode="json"), "models": models}, state.step, records, ckpt)
+        try:
+            reporter = Reporter(cfg, run_dir, {**cfg.model_dump(mode="json"), "models": models}, state.step, records, ckpt)
+        except OSError as e:  # <run_dir>/tracking not a directory, ...: the trackers are off, training goes on
+            log.warning("the experiment trackers are off for this session: %s", e)
     return records, models, reporter
 
 

@@ -96,7 +96,8 @@ def stage_report(reporter: "Reporter", record: dict, result, groups: list[Rollou
 
 
 class Reporter:
-    """Sends staged step reports to the run's trackers on a thread of its own (see the module docstring).
+    """Sends staged step reports to the run's trackers, each tracker on a thread of its own (a `_Lane`: an
+    unreachable MLflow server never holds W&B or TensorBoard back, nor a training step).
 
     cfg: the run's config (run.report_to, tracking); config: the resolved config as JSON data with the model
     record (what the trackers show as the run's config); resumed_step: the step the trainer starts at (its
@@ -104,6 +105,7 @@ class Reporter:
     their staged reports are deleted; records: metrics.jsonl records of the steps before it (a tracker that
     has not received one of them, e.g. added on resume, gets its values from here when no staged report is
     left); checkpoint: the checkpoint resumed (its copy of trackers.json, when the run directory has none).
+    Raises OSError when <run_dir>/tracking cannot be made (the trainer then runs without trackers).
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, config: dict, resumed_step: int, records: list[dict],
@@ -113,15 +115,24 @@ class Reporter:
         self.dir.mkdir(exist_ok=True)
         for f in self.dir.glob("step_*.json"):
             if _step_of(f) is None or _step_of(f) >= resumed_step:
-                f.unlink()
+                f.unlink(missing_ok=True)
         self.records = {r["step"]: r for r in records if isinstance(r.get("step"), int) and r["step"] < resumed_step}
         self.state = read_state(self.run_dir) or (read_state(checkpoint) if checkpoint is not None else {})
-        self.queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, args=(resumed_step,), name="trackers", daemon=True)
-        self.thread.start()
+        self.state.setdefault("sent_through", {})
+        self.lock = threading.Lock()  # self.state, trackers.json and the staged files, shared by the lanes
+        self.lanes = [_Lane(self, name, resumed_step) for name in cfg.run.report_to]
+        for lane in self.lanes:
+            lane.thread.start()
+
+    def alive(self) -> bool:
+        """Whether a tracker's thread still runs."""
+        return any(lane.thread.is_alive() for lane in self.lanes)
 
     def stage(self, report: StepReport) -> None:
-        """Keep `report` until the checkpoint holding its step is written (a file: a crash in between loses nothing)."""
+        """Keep `report` until the checkpoint holding its step is written (a file: a crash in between loses nothing).
+        Nothing is kept once no tracker started."""
+        if all(lane.status == "failed" for lane in self.lanes):
+            return
         path = self.dir / f"step_{report.step:05d}.json"
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(report.to_json()))
@@ -130,26 +141,95 @@ class Reporter:
     def commit(self, checkpoint_step: int) -> None:
         """A checkpoint of `checkpoint_step` (TrainerState.step: it holds steps < checkpoint_step) is on disk:
         send those steps. Thread-safe (the checkpoint writer's thread calls it)."""
-        self.queue.put(checkpoint_step)
+        for lane in self.lanes:
+            lane.queue.put(checkpoint_step)
 
     def close(self, finished: bool, timeout_s: float = 120.0) -> None:
         """Send what is committed, close the trackers (W&B and MLflow mark the run finished, or not), and stop the
-        thread; a tracker still busy after `timeout_s` is left behind with a warning."""
-        self.queue.put(("close", finished))
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            log.warning("the trackers did not finish within %.0f s; leaving them", timeout_s)
+        threads; a tracker still busy `timeout_s` after the call is left behind with a warning."""
+        for lane in self.lanes:
+            lane.queue.put(("close", finished))
+        deadline = time.monotonic() + timeout_s
+        for lane in self.lanes:
+            lane.thread.join(max(0.0, deadline - time.monotonic()))
+            if lane.thread.is_alive():
+                log.warning("tracker %s did not finish within %.0f s; leaving it", lane.name, timeout_s)
 
-    def _run(self, resumed_step: int) -> None:
-        durable = self.state.setdefault("sent_through", {})
-        tb = durable.get("tensorboard")
-        trackers = Trackers(list(self.cfg.run.report_to), self.cfg.tracking, self.run_dir, self.config, self.state,
-                            "trainer", purge_step=tb + 1 if tb is not None else 0)
-        self.state.update(trackers.state())
-        self._save()
-        self.logged = {t.name: durable.get(t.name, -1) for t in trackers.open}  # handed to the tracker's library
-        self.pending: list[tuple[float, str, int]] = []  # (when it is durable, tracker, step)
-        self._send(trackers, resumed_step)
+    def report(self, step: int) -> StepReport | None:
+        """The staged report of `step`, else its metrics.jsonl values (None: neither is here)."""
+        path = self.dir / f"step_{step:05d}.json"
+        try:
+            return StepReport.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged file: its scalars from the records
+            log.warning("%s does not read (%s); sending the step's metrics.jsonl values only", path, e)
+        record = self.records.get(step)
+        return StepReport(step, scalars(record)) if record is not None else None
+
+    def held(self, name: str, step: int | None, tracker_state: dict | None = None) -> None:
+        """Record that tracker `name` holds every step <= `step` durably (None: it did not start), with its ids
+        (`tracker_state`), in trackers.json; delete the staged reports every started tracker holds. A restart
+        sends the steps not recorded again."""
+        with self.lock:
+            if tracker_state is not None:
+                self.state[name] = tracker_state
+            if step is not None:
+                durable = self.state["sent_through"]
+                durable[name] = max(durable.get(name, -1), step)
+            self._save()
+            waiting = [lane.name for lane in self.lanes if lane.status != "failed"]
+            done = min((self.state["sent_through"].get(n, -1) for n in waiting), default=math.inf)
+            for f in self.dir.glob("step_*.json"):
+                if (_step_of(f) if _step_of(f) is not None else done + 1) <= done:
+                    f.unlink(missing_ok=True)
+
+    def _save(self) -> None:
+        try:
+            write_state(self.run_dir, self.state)
+        except OSError as e:  # a full disk: the trackers go on; a restart may send a step again
+            log.warning("could not write %s: %s", self.run_dir / "trackers.json", e)
+
+
+class _Lane:
+    """One tracker of a `Reporter`: its thread opens it, then sends each committed step it has not received, in
+    order. status: "opening", "open" or "failed" (it did not start: left out until the trainer restarts)."""
+
+    def __init__(self, reporter: Reporter, name: str, resumed_step: int):
+        self.reporter, self.name, self.resumed_step = reporter, name, resumed_step
+        self.status = "opening"
+        self.queue: queue.Queue = queue.Queue()
+        self.pending: list[tuple[float, int]] = []  # (when it is durable, step)
+        self.thread = threading.Thread(target=self._run, name=f"tracker-{name}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._open_and_send()
+        except Exception as e:  # noqa: BLE001 - a bug here must not outlive the tracker quietly, nor stop training
+            log.warning("tracker %s stopped (%s: %s); training goes on", self.name, type(e).__name__, e)
+            self.status = "failed"
+            self.reporter.held(self.name, None)
+
+    def _open_and_send(self) -> None:
+        r = self.reporter
+        with r.lock:
+            state = json.loads(json.dumps(r.state))  # the other lanes write theirs meanwhile
+        saved = state.get(name := self.name)
+        sent = state["sent_through"].get(name)
+        purge = {"purge_step": sent + 1 if sent is not None else 0} if name == "tensorboard" else {}
+        trackers = Trackers([name], r.cfg.tracking, r.run_dir, r.config, state, "trainer", **purge)
+        if not trackers.open:
+            self.status = "failed"
+            r.held(name, None)
+            return
+        self.tracker = trackers.open[0]
+        if saved is not None and self.tracker.new_run:  # the saved run is gone: this one starts at step 0
+            with r.lock:
+                r.state["sent_through"].pop(name, None)
+        self.logged = r.state["sent_through"].get(name, -1)  # handed to the tracker's library
+        self.status = "open"
+        r.held(name, None, self.tracker.state)
+        self._send(trackers, self.resumed_step)
         while True:
             try:
                 item = self.queue.get(timeout=1.0)
@@ -164,56 +244,22 @@ class Reporter:
             self._confirm(time.monotonic())
 
     def _send(self, trackers: Trackers, through: int) -> None:
-        """Send every step < `through` that an open tracker has not received, in order."""
-        if not self.logged:  # no tracker started: nothing will read the staged reports
-            for f in self.dir.glob("step_*.json"):
-                if (_step_of(f) or 0) < through:
-                    f.unlink(missing_ok=True)
-            return
-        first = min(self.logged.values()) + 1
-        for step in range(first, through):
-            names = [n for n, last in self.logged.items() if last < step]
-            report = self._report(step)
+        """Send every step < `through` this tracker has not received, in order; a step that failed is counted
+        (Trackers) and not sent again."""
+        for step in range(self.logged + 1, through):
+            report = self.reporter.report(step)
             if report is not None:
-                trackers.each("log_step", report, only=names)
-            for t in trackers.open:  # sent, or failed and counted: a failed step is not retried
-                if t.name in names:
-                    self.logged[t.name] = step
-                    self.pending.append((time.monotonic() + t.durable_after_s, t.name, step))
+                trackers.each("log_step", report)
+            self.logged = step
+            self.pending.append((time.monotonic() + self.tracker.durable_after_s, step))
 
     def _confirm(self, now: float) -> None:
-        """Record in trackers.json the steps each tracker holds durably (W&B writes its log some seconds after a
-        call: `durable_after_s`), and delete the staged reports every tracker holds. A restart sends the
-        steps not recorded again."""
-        done = [p for p in self.pending if p[0] <= now]
-        if not done:
-            return
-        self.pending = [p for p in self.pending if p[0] > now]
-        durable = self.state["sent_through"]
-        for _, name, step in done:
-            durable[name] = max(durable.get(name, -1), step)
-        self._save()
-        held = min(durable.get(n, -1) for n in self.logged)  # self.logged: not empty when anything was sent
-        for f in self.dir.glob("step_*.json"):
-            if (_step_of(f) if _step_of(f) is not None else held + 1) <= held:
-                f.unlink(missing_ok=True)
-
-    def _report(self, step: int) -> StepReport | None:
-        path = self.dir / f"step_{step:05d}.json"
-        try:
-            return StepReport.from_json(json.loads(path.read_text()))
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged file: its scalars from the records
-            log.warning("%s does not read (%s); sending the step's metrics.jsonl values only", path, e)
-        record = self.records.get(step)
-        return StepReport(step, scalars(record)) if record is not None else None
-
-    def _save(self) -> None:
-        try:
-            write_state(self.run_dir, self.state)
-        except OSError as e:  # a full disk: the trackers go on; a restart may send a step again
-            log.warning("could not write %s: %s", self.run_dir / "trackers.json", e)
+        """Record the steps the tracker holds durably (W&B writes its log some seconds after a call:
+        `durable_after_s`)."""
+        done = [step for when, step in self.pending if when <= now]
+        if done:
+            self.pending = [p for p in self.pending if p[0] > now]
+            self.reporter.held(self.name, max(done))
 
 
 def _step_of(path: Path) -> int | None:
