@@ -40,6 +40,8 @@ import torch
 
 from opsd.config import ModelSection
 from opsd.credit.policy_loss import entropy_from_logits, token_logprobs  # noqa: F401  (the one log-prob convention, case 6)
+from opsd.models import hf_branch
+from opsd.models.hf_weights import load_pretrained, load_state_strict, merge_adapter
 from opsd.models.hub import resolve_model
 
 log = logging.getLogger(__name__)
@@ -201,6 +203,14 @@ def check_branch_args(
     return base, cuts, conts
 
 
+def check_continuations_finite(cont_lps: list[list[np.ndarray]]) -> None:
+    """The finiteness check of `branch`'s continuation log-probs (per cut, per continuation), shared by both
+    backends: raises NonFiniteLogitsError whose `rows` are the cuts with a NaN/inf log-prob."""
+    bad = sorted(i for i, cs in enumerate(cont_lps) if any(not np.isfinite(a).all() for a in cs))
+    if bad:
+        raise NonFiniteLogitsError(f"branch: non-finite continuation log-probs at cuts {bad}", bad)
+
+
 def _one_caller(fn):
     """The backend method `fn` under the backend's lock: threads (groups in flight) take turns on the model."""
 
@@ -226,34 +236,6 @@ def served_dtype(cfg: ModelSection) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
-@contextlib.contextmanager
-def _load_report_dropped():
-    """Drop transformers' "LOAD REPORT" warning (a table of the keys `_check_loading_info` refuses in one line)."""
-    log = logging.getLogger("transformers.modeling_utils")
-    def drop(record: logging.LogRecord) -> bool:
-        return "LOAD REPORT" not in str(record.msg)
-
-    log.addFilter(drop)
-    try:
-        yield
-    finally:
-        log.removeFilter(drop)
-
-
-def _check_loading_info(info: dict, what: str) -> None:
-    """Refuse a checkpoint whose weight files and config.json disagree: weights the architecture needs but the
-    files lack (transformers initialises them at random, with only a log line) or tensors the architecture has
-    no place for (left out: e.g. a config with fewer layers than the weights). `info` is from_pretrained's
-    `output_loading_info`; tied and ignorable keys are already left out of it. Raises ValueError."""
-    for key, why in (("missing_keys", "missing from its weight files (they would be initialised at random)"),
-                     ("unexpected_keys", "in its weight files but not in its config's architecture (they would be dropped)"),
-                     ("mismatched_keys", "of another shape in its weight files than its config says")):
-        names = sorted(k if isinstance(k, str) else str(k[0]) for k in info.get(key) or ())  # mismatched: (key, ...)
-        if names:
-            raise ValueError(f"{what}: {len(names)} weights {why}, e.g. {', '.join(names[:3])}: "
-                             f"config.json and the weights are not the same model")
-
-
 class HFBackend:
     """A causal LM served with transformers on one device (the vLLM backend keeps this interface).
 
@@ -272,10 +254,7 @@ class HFBackend:
     """
 
     def __init__(self, cfg: ModelSection, device: str = "cpu", weights_dtype: torch.dtype | None = None):
-        from transformers import AutoModelForCausalLM
-
         from opsd.models.tokenizer import load_tokenizer, turn_stop_ids
-        from opsd.models.trust import check_weight_files, remote_code_refused
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -289,15 +268,7 @@ class HFBackend:
         self.path = ensure_model(cfg)
         quiet_progress_bars()
         self.tokenizer = load_tokenizer(cfg, self.path)
-        check_weight_files(self.path, f"model {cfg.name!r}")
-        # ignore_mismatched_sizes: a wrong shape comes back in `info` (refused below) instead of a RuntimeError that
-        # reads as an outage; transformers' multi-line report of the same keys is left out of the role's log.
-        with remote_code_refused(self.path, cfg.trust_remote_code), _load_report_dropped():
-            self.model, info = AutoModelForCausalLM.from_pretrained(
-                self.path, dtype=self.weights_dtype, local_files_only=True, trust_remote_code=cfg.trust_remote_code,
-                use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True,
-            )
-        _check_loading_info(info, f"model {cfg.name!r} ({self.path})")
+        self.model = load_pretrained(cfg, self.path, self.weights_dtype)
         self.model.to(self.device)
         self.model.eval()
         self.lock = threading.RLock()  # generate/score/branch/load_weights and HFEngine's waves take turns
@@ -322,6 +293,11 @@ class HFBackend:
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
         """True when a prompt of `prompt_len` tokens may be sent with this token budget."""
         return prompt_len >= 1 and max_new_tokens >= 1 and prompt_len + max_new_tokens <= self.max_model_len
+
+    def _forward(self, **inputs):
+        """The model's output for `inputs` (the model's keyword arguments), under `autocast` for `dtype`."""
+        with autocast(self.dtype, self.device):
+            return self.model(**inputs)
 
     # -- sampling ----------------------------------------------------------
 
@@ -374,8 +350,7 @@ class HFBackend:
 
         ids, mask, pos = left_pad(prompts, self.pad_token_id)
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        with autocast(self.dtype, self.device):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         return self._decode(
             out.past_key_values, out.logits[:, -1, :].float(), mask, pos[:, -1:] + 1, max_new_tokens,
             temperature, top_p, gen, stops, labels=list(range(len(prompts))), what="prompts",
@@ -446,15 +421,14 @@ class HFBackend:
                 k = keep.to(self.device)
                 live, nxt, mask, pos = live[keep], nxt[k], mask[k], pos[k]
             mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
-            with autocast(self.dtype, self.device):
-                out = self.model(
-                    input_ids=nxt.view(-1, 1),
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+            out = self._forward(
+                input_ids=nxt.view(-1, 1),
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()  # raw logits, before any processing
             pos = pos + 1
@@ -551,14 +525,13 @@ class HFBackend:
             # Left padding puts every row's scored tokens at the end; logits at
             # position p predict token p+1, so keep the last K+1 positions.
             K = max(len(sequences[i]) - starts[i] for i in rows)
-            with autocast(self.dtype, self.device):
-                logits = self.model(
-                    input_ids=ids.to(self.device),
-                    attention_mask=mask.to(self.device),
-                    position_ids=pos.to(self.device),
-                    use_cache=False,
-                    logits_to_keep=K + 1,
-                ).logits[:, :-1, :]  # [b, K, V]: predictions for the last K ids
+            logits = self._forward(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=pos.to(self.device),
+                use_cache=False,
+                logits_to_keep=K + 1,
+            ).logits[:, :-1, :]  # [b, K, V]: predictions for the last K ids
             lp = token_logprobs(logits, ids[:, L - K :].to(self.device), temperature).cpu().numpy()
             for j, i in enumerate(rows):
                 n = len(sequences[i]) - starts[i]
@@ -660,185 +633,22 @@ class HFBackend:
         """
         L = len(base)
         base, cuts, conts = check_branch_args(base, start, cuts, continuations, self.max_positions, self._ids)
-        if generate_tokens < 0:
-            raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
-        if generate_tokens > 0:
-            if not temperature > 0:
-                raise ValueError(f"temperature must be > 0 (greedy is not supported), got {temperature}")
-            if not 0 < top_p <= 1:
-                raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if not score_temperature > 0:
-            raise ValueError(f"score_temperature must be > 0, got {score_temperature}")
-
-        if score_mask is not None:
-            score_mask = np.asarray(score_mask, dtype=bool)
-            if score_mask.shape != (L - start,):
-                raise ValueError(f"branch: score_mask of shape {score_mask.shape} for {L - start} scored ids")
-        scored = np.arange(L - start) if score_mask is None else np.flatnonzero(score_mask)  # offsets in base[start:]
-        base_lp = np.zeros(L - start, dtype=np.float32)
-        base_ent = np.zeros(L - start, dtype=np.float32) if return_entropy else None
+        hf_branch.check_branch_options(generate_tokens, temperature, top_p, score_temperature)
+        scored = hf_branch.scored_offsets(score_mask, L - start)
+        if not cuts and not len(scored):  # nothing to read from a forward
+            return BranchResult(np.zeros(L - start, dtype=np.float32), [], [],
+                                np.zeros(L - start, dtype=np.float32) if return_entropy else None)
+        cache, base_lp, base_ent, cut_logits = hf_branch.score_base(self, base, start, cuts, scored,
+                                                                    score_temperature, return_entropy)
+        if not (np.isfinite(base_lp).all() and (base_ent is None or np.isfinite(base_ent).all())):
+            raise NonFiniteLogitsError("branch: non-finite log-probs in the base sequence", [])
         generations: list[Generation | None] = [None] * len(cuts)
-        cont_lps: list[list[np.ndarray]] = [[np.zeros(0, dtype=np.float32) for _ in cs] for cs in conts]
-        # LM-head rows needed: predictions of the scored ids of base[start:] and of each cut's next token.
-        need = {c - 1 for c in cuts}
-        need.update((start - 1 + scored).tolist())
-        if not need:
-            return BranchResult(base_lp, generations, cont_lps, base_ent)
-        n_fwd = L if start < L else max(cuts)
-        keep_rows = sorted(need)
-        where = {r: k for k, r in enumerate(keep_rows)}
-        ids = torch.tensor([base[:n_fwd]], dtype=torch.long, device=self.device)
-        with autocast(self.dtype, self.device):
-            out = self.model(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                position_ids=torch.arange(n_fwd, device=self.device).unsqueeze(0),
-                use_cache=True,
-                logits_to_keep=torch.tensor(keep_rows, dtype=torch.long, device=self.device),
-            )
-        cache = out.past_key_values
-        logits = out.logits[0]  # [len(keep_rows), V]
-        del out
-        for layer in cache.layers:
-            if getattr(layer, "is_sliding", False):
-                raise NotImplementedError("branch: sliding-window caches cannot be shared by prefixes")
-        K = len(scored)
-        if K:
-            # Rows of `logits` predicting the scored ids; without a mask they are consecutive (views, no copy).
-            lo = where[start - 1 + int(scored[0])]
-            idx = None if score_mask is None else torch.tensor(
-                [where[start - 1 + j] for j in scored.tolist()], dtype=torch.long, device=self.device)
-
-            def pick(a: int, b: int) -> torch.Tensor:
-                return logits[lo + a : lo + b] if idx is None else logits[idx[a:b]]
-
-            target = torch.tensor(np.asarray(base[start:])[scored], dtype=torch.long, device=self.device)
-            base_lp[scored] = token_logprobs(pick(0, K), target, score_temperature).cpu().numpy()
-            if return_entropy:
-                base_ent[scored] = np.concatenate([
-                    entropy_from_logits(pick(a, min(a + self._ENTROPY_ROWS, K)), score_temperature).clamp(min=0.0).cpu().numpy()
-                    for a in range(0, K, self._ENTROPY_ROWS)
-                ])
-            if not (np.isfinite(base_lp).all() and (base_ent is None or np.isfinite(base_ent).all())):
-                raise NonFiniteLogitsError("branch: non-finite log-probs in the base sequence", [])
-        cut_logits = logits[[where[c - 1] for c in cuts]].float() if cuts else None  # [n_cuts, V]
-        del logits
-
         if generate_tokens > 0:
-            gen = None
-            if seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(seed))
-            rows = [i for i, c in enumerate(cuts) if self.fits(c, generate_tokens)]  # caller's order
-            for chunk in self._branch_chunks(rows, [cuts[i] + generate_tokens for i in rows]):
-                for i, g in zip(chunk, self._branch_generate(cache, chunk, cuts, cut_logits, generate_tokens,
-                                                             temperature, top_p, gen)):
-                    generations[i] = g
-
-        bad: set[int] = set()
-        multi = []
-        for i, cs in enumerate(conts):
-            for j, cont in enumerate(cs):
-                if len(cont) == 1:
-                    cont_lps[i][j] = token_logprobs(
-                        cut_logits[i], torch.tensor(cont[0], device=self.device), score_temperature
-                    ).reshape(1).cpu().numpy().astype(np.float32)
-                elif len(cont) > 1:
-                    multi.append((i, j))
-        multi.sort(key=lambda ij: -cuts[ij[0]])  # similar prefixes share a batch
-        for chunk in self._branch_chunks(multi, [cuts[i] + len(conts[i][j]) - 1 for i, j in multi]):
-            B = len(chunk)
-            c_t = torch.tensor([cuts[i] for i, _ in chunk], dtype=torch.long, device=self.device)
-            lens = [len(conts[i][j]) for i, j in chunk]
-            cmax, nmax = int(c_t.max()), max(lens) - 1
-            step = torch.full((B, nmax), self.pad_token_id, dtype=torch.long, device=self.device)
-            for r, (i, j) in enumerate(chunk):
-                step[r, : lens[r] - 1] = torch.tensor(conts[i][j][:-1], dtype=torch.long)
-            # Row r sees cache positions < its cut plus its own new ids (right
-            # padding after them is causal-after, so harmless and discarded).
-            hole = (torch.arange(cmax, device=self.device).unsqueeze(0) < c_t.unsqueeze(1)).long()
-            mask = torch.cat([hole, torch.ones((B, nmax), dtype=torch.long, device=self.device)], dim=1)
-            pos = c_t.unsqueeze(1) + torch.arange(nmax, device=self.device).unsqueeze(0)
-            with autocast(self.dtype, self.device):
-                step_logits = self.model(
-                    input_ids=step,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=self._prefix_cache(cache, cmax, B),
-                    use_cache=True,
-                ).logits  # [B, nmax, V]
-            for r, (i, j) in enumerate(chunk):
-                n = lens[r]
-                lg = torch.cat([cut_logits[i : i + 1], step_logits[r, : n - 1].float()], dim=0)
-                target = torch.tensor(conts[i][j], dtype=torch.long, device=self.device)
-                arr = np.ascontiguousarray(token_logprobs(lg, target, score_temperature).cpu().numpy(), dtype=np.float32)
-                cont_lps[i][j] = arr
-            del step_logits
-        for i, cs in enumerate(cont_lps):
-            if any(not np.isfinite(a).all() for a in cs):
-                bad.add(i)
-        if bad:
-            raise NonFiniteLogitsError(f"branch: non-finite continuation log-probs at cuts {sorted(bad)}", sorted(bad))
+            generations = hf_branch.generate_at_cuts(self, cache, cuts, cut_logits, generate_tokens, temperature,
+                                                     top_p, seed)
+        cont_lps = hf_branch.force_continuations(self, cache, cuts, cut_logits, conts, score_temperature)
+        check_continuations_finite(cont_lps)
         return BranchResult(base_lp, generations, cont_lps, base_ent)
-
-    def _branch_chunks(self, items: list, costs: list[int]) -> list[list]:
-        """Split `items` (in order) into batches of at most `branch_batch_tokens` rows * max cost (>= 1 row)."""
-        chunks: list[list] = []
-        cur: list = []
-        worst = 0
-        for item, cost in zip(items, costs):
-            if cur and (len(cur) + 1) * max(worst, cost) > self.branch_batch_tokens:
-                chunks.append(cur)
-                cur, worst = [], 0
-            cur.append(item)
-            worst = max(worst, cost)
-        if cur:
-            chunks.append(cur)
-        return chunks
-
-    def _prefix_cache(self, cache, length: int, batch: int):
-        """A new DynamicCache holding positions [0, length) of the 1-row `cache`, repeated `batch` times.
-
-        The source is never modified (forwards append to the copy).
-        """
-        from transformers import DynamicCache
-
-        data = [
-            (
-                layer.keys[:, :, :length].expand(batch, -1, -1, -1),
-                layer.values[:, :, :length].expand(batch, -1, -1, -1),
-            )
-            for layer in cache.layers
-        ]
-        return DynamicCache(data, config=self.model.config)
-
-    def _branch_generate(
-        self,
-        cache,
-        rows: list[int],
-        cuts: list[int],
-        cut_logits: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        gen: torch.Generator | None,
-    ) -> list[Generation]:
-        """Sample one response after ``base[:cuts[i]]`` for each cut index i in `rows`, as one batch.
-
-        Row r attends to cache positions < its cut (a mask with a hole up to
-        the longest cut) and its own new ids at positions cut, cut+1, ...;
-        the first id comes from `cut_logits` (the base forward). Mirrors
-        `generate`: both run `_decode`.
-        """
-        B = len(rows)
-        c_t = torch.tensor([cuts[i] for i in rows], dtype=torch.long, device=self.device)
-        cmax = int(c_t.max())
-        past = self._prefix_cache(cache, cmax, B)
-        mask = (torch.arange(cmax, device=self.device).unsqueeze(0) < c_t.unsqueeze(1)).long()
-        pos = c_t.view(B, 1)
-        stops = torch.tensor(self.stop_token_ids, dtype=torch.long)
-        return self._decode(past, cut_logits[rows], mask, pos, max_new_tokens, temperature, top_p, gen, stops,
-                            labels=list(rows), what="cuts")
 
     # -- weights -----------------------------------------------------------
 
@@ -911,27 +721,13 @@ class HFBackend:
         elif set(names) != set(base):
             raise lora.AdapterError(f"{path}: adapts other modules than the first adapter loaded ({len(names)} vs {len(base)} weights)")
         try:
-            self._merge(adapter, base, params)
+            merge_adapter(adapter, base, params)
         except BaseException:
             # Everything was checked above: only an allocation/device failure gets here.
             # Put back what the model held (the previous merge, or the base).
-            self._merge(self._lora_merged, base, params)
+            merge_adapter(self._lora_merged, base, params)
             raise
         self._lora_base, self._lora_merged = base, adapter
-
-    @staticmethod
-    def _merge(adapter, base: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> None:
-        """Write base + adapter (or the base alone when `adapter` is None) into `params`, weight by weight."""
-        from opsd.lora import merge_one
-
-        for name, w0 in base.items():
-            p = params[name]
-            if adapter is None:
-                p.copy_(w0)
-                continue
-            m = name[: -len(".weight")]
-            p.copy_(merge_one(w0.to(p.device), adapter.tensors[m + ".lora_A.weight"], adapter.tensors[m + ".lora_B.weight"],
-                              adapter.scale))
 
     def save_weights(self, path: Path, dtype: torch.dtype | None = None) -> None:
         """Write the policy at `path` atomically (tmp file + rename): a reader sees the old or the complete new file.
@@ -969,47 +765,3 @@ class HFBackend:
         self.tokenizer.save_pretrained(tmp)
         shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
-
-
-def load_state_strict(model: torch.nn.Module, loaded: dict[str, torch.Tensor], source: str) -> None:
-    """Copy the tensors `loaded` into `model` in place, checking everything before touching a weight.
-
-    `loaded` must hold every parameter/buffer of the model with the same
-    shape and dtype, finite values, and no other key; a tied tensor (LM head = embedding) may be stored
-    once under either name, or under both with equal values. Raises KeyError
-    (missing/unexpected keys) or ValueError (shape, dtype or tie mismatch, NaN/inf), naming
-    `source`; the model is then unchanged.
-    """
-    own = model.state_dict()
-    unexpected = sorted(set(loaded) - set(own))
-    # Names sharing storage in the live model (tied weights) form one group.
-    groups: dict[int, list[str]] = {}
-    for name, t in own.items():
-        groups.setdefault(t.data_ptr(), []).append(name)
-    full: dict[str, torch.Tensor] = {}
-    missing = []
-    for names in groups.values():
-        present = [n for n in names if n in loaded]
-        if not present:
-            missing.extend(names)
-            continue
-        for n in present[1:]:
-            if not torch.equal(loaded[n], loaded[present[0]]):
-                raise ValueError(f"{source}: tied tensors {present[0]} and {n} differ")
-        for n in names:
-            full[n] = loaded[present[0]]
-    if missing or unexpected:
-        raise KeyError(f"{source}: missing {missing}, unexpected {unexpected}")
-    bad = [n for n, t in full.items() if t.shape != own[n].shape]
-    if bad:
-        raise ValueError(f"{source}: shape mismatch for {bad}")
-    # load_state_dict would cast an int or half file silently, and a NaN weight poisons every answer.
-    bad = [n for n, t in full.items() if t.dtype != own[n].dtype]
-    if bad:
-        raise ValueError(f"{source}: dtype differs from the model's for {bad[:5]} ({full[bad[0]].dtype} vs {own[bad[0]].dtype})")
-    from opsd.weights_io import all_finite
-
-    bad = [n for n, t in full.items() if not all_finite(t)]
-    if bad:
-        raise ValueError(f"{source}: non-finite values in {bad[:5]}")
-    model.load_state_dict(full, strict=True)  # copies in place: ties survive

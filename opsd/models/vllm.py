@@ -72,7 +72,7 @@ import torch  # noqa: E402
 from opsd.config import ModelSection  # noqa: E402
 from opsd.models.engine import EngineStats, SampleRequest  # noqa: E402
 from opsd.models.hf import (  # noqa: E402
-    BranchResult, Generation, NonFiniteLogitsError, check_branch_args, ensure_model,
+    BranchResult, Generation, NonFiniteLogitsError, check_branch_args, check_continuations_finite, ensure_model,
 )
 
 log = logging.getLogger(__name__)
@@ -659,13 +659,9 @@ class VLLMBackend:
         for i, o in zip(gen_rows, outs):
             generations[i] = self._generation(o, "cut", i)
         cont_lps: list[list[np.ndarray]] = [[np.zeros(0, dtype=np.float32) for _ in cs] for cs in conts]
-        bad: set[int] = set()
         for (i, j), arr in zip(cont_rows, scored):
             cont_lps[i][j] = arr
-            if not np.isfinite(arr).all():
-                bad.add(i)
-        if bad:
-            raise NonFiniteLogitsError(f"branch: non-finite continuation log-probs at cuts {sorted(bad)}", sorted(bad))
+        check_continuations_finite(cont_lps)
         return BranchResult(base_lp, generations, cont_lps, None)
 
     async def _branch(self, base: list[int], start: int, cuts: list[int], conts: list[list[list[int]]],

@@ -22,6 +22,7 @@ from functools import partial
 from opsd import metrics
 from opsd.auth import api_token
 from opsd.chat import ChatFormat
+from opsd.config import RunConfig
 from opsd.models import check_teacher_model
 from opsd.queue import StreamNames
 from opsd.service import FATAL_EXIT, RoleProcess, consume_forever, embedder_url, fatal, load_worker_backend
@@ -38,14 +39,7 @@ def main() -> None:
     cfg = proc.cfg
     log = logging.getLogger(ROLE)
     if not cfg.needs_teacher:
-        # grpo: rollouts go straight to the trainer. A teacher reading them (a compose or k8s stack that
-        # starts every role) would take and delete the trainer's groups: serve health, consume nothing.
-        proc.status.update(idle=True, reason=f"run.method {cfg.run.method} needs no teacher")
-        proc.unready = None  # it has nothing to serve: a rolling update need not wait for it
-        proc.serve(port=cfg.teacher.metrics_port)
-        log.info("run.method %s needs no teacher: idle (serving /health, /metrics and the probes only)", cfg.run.method)
-        while not proc.stop.wait(1.0):
-            proc.liveness.beat()
+        _serve_idle(proc, log)
         return
     token = None
     if cfg.run.method == "alignopsd":
@@ -73,13 +67,7 @@ def main() -> None:
     proc.unready = "waiting for Redis"
     queue = proc.open_queue(streams.rollouts, RolloutGroup, backend.vocab_size)
     proc.status.update(policy_version=backend.policy_version)
-    if external:
-        log.info("external teacher %s (%s, frozen: never reloaded on policy versions)", cfg.teacher_model.name,
-                 cfg.teacher_model.backend)
-    elif cfg.teacher.version != "live":
-        log.info("self teacher, version %s (%s)", cfg.teacher.version,
-                 "the initial policy" if cfg.teacher.version == "frozen" else "the trainer's moving average of the policy"
-                 if cfg.teacher_ema is not None else "the policy that many versions before the group's")
+    _log_teacher_version(cfg, log)
     if cfg.simulate.enabled:
         log.warning("simulated compute: each group is held for %.2f s (simulate.teacher_s), model %s", cfg.simulate.teacher_s, cfg.model.name)
 
@@ -144,6 +132,31 @@ def main() -> None:
     consume_forever(proc, queue, streams.scored, handle, cfg.redis.reclaim_idle_ms, cfg.redis.block_ms, out_group="trainer",
                     max_in_flight=in_flight)
     log.info("stopped")
+
+
+def _serve_idle(proc: RoleProcess, log: logging.Logger) -> None:
+    """A method without a teacher (grpo): serve /health, /metrics and the probes until stopped, consume nothing.
+
+    Rollouts go straight to the trainer; a teacher reading them (a compose or k8s stack that starts every
+    role) would take and delete the trainer's groups."""
+    cfg = proc.cfg
+    proc.status.update(idle=True, reason=f"run.method {cfg.run.method} needs no teacher")
+    proc.unready = None  # it has nothing to serve: a rolling update need not wait for it
+    proc.serve(port=cfg.teacher.metrics_port)
+    log.info("run.method %s needs no teacher: idle (serving /health, /metrics and the probes only)", cfg.run.method)
+    while not proc.stop.wait(1.0):
+        proc.liveness.beat()
+
+
+def _log_teacher_version(cfg: RunConfig, log: logging.Logger) -> None:
+    """Say which weights score when they are not the group's own policy version (an external or older teacher)."""
+    if cfg.teacher.source == "model":
+        log.info("external teacher %s (%s, frozen: never reloaded on policy versions)", cfg.teacher_model.name,
+                 cfg.teacher_model.backend)
+    elif cfg.teacher.version != "live":
+        log.info("self teacher, version %s (%s)", cfg.teacher.version,
+                 "the initial policy" if cfg.teacher.version == "frozen" else "the trainer's moving average of the policy"
+                 if cfg.teacher_ema is not None else "the policy that many versions before the group's")
 
 
 if __name__ == "__main__":

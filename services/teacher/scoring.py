@@ -186,46 +186,98 @@ def score_group(
     """
     t0 = time.perf_counter()
     stats = TeacherStats()
-    max_len = cfg.teacher_model.max_model_len
-    trajs = group.trajectories
     turns = group.canonical_turns()
-    M = len(turns)
-    views = _privileged_views(group, chat, cfg.env.privileged)
-    # bases[i][v]: view v's privileged prefix + trajectory i's ids (up to its last turn's response).
+    layout = _view_layout(group, chat, cfg.env.privileged)
+    budget = cfg.teacher.thinking_max_new_tokens if embedder is not None else 0
+    teacher_S, entropy_S, own = _identity_pass(group, backend, chat, cfg, layout, budget, guard, stats)
+    student = [group.trajectories[i].turns[k] for i, k in turns]
+    texts = _turn_texts(chat, student, [own.get(tk) for tk in turns])
+    corr = _no_correspondence(len(turns))
+    if embedder is not None and turns:
+        _correspond(group, turns, student, texts, embedder, cfg, corr, stats)
+    cross = _matched_pass(group, turns, corr.sources, layout, cfg.teacher_model.max_model_len, backend, guard)
+    stats.sources = len(cross)
+    corrected_S, cross_M = _rectify(group, turns, teacher_S, cross, corr, cfg.credit.alignopsd.aggregation_mode, stats)
+    _count_tokens(group, teacher_S, stats)
+    student_thinking, teacher_thinking, student_action, teacher_action = texts
+    scored = ScoredGroup(
+        rollout=group,
+        teacher_version=backend.policy_version,
+        teacher_logprobs_S=teacher_S,
+        corrected_logprobs_S=corrected_S,
+        teacher_thinking_M=teacher_thinking,
+        similarity_MM=corr.H_MM,
+        eligible_MM=corr.elig_MM,
+        selected_sources_M=corr.sources,
+        source_weights_M=corr.weights,
+        rho_M=corr.rho_M,
+        alpha_M=corr.alpha_M,
+        identity_fallback=stats.embedder_fallback,
+        teacher_seconds=time.perf_counter() - t0,
+        teacher_entropy_S=entropy_S,
+        teacher_response_M=[own.get(tk, "") for tk in turns],
+        student_thinking_M=student_thinking,
+        student_action_M=student_action,
+        teacher_action_M=teacher_action,
+        cross_logprobs_M=cross_M,
+        teacher=f"self:{cfg.teacher.version}" if cfg.teacher.source == "self" else f"model:{cfg.teacher_model.name}",
+    )
+    if corr.embeddings is not None:
+        (scored.student_thinking_emb_MD, scored.teacher_thinking_emb_MD,
+         scored.student_action_emb_MD, scored.teacher_action_emb_MD) = corr.embeddings
+    scored.validate(backend.vocab_size)
+    return scored, stats
+
+
+@dataclass
+class _ViewLayout:
+    """Where a group's trajectories sit in their privileged views (`_privileged_views`), for both passes."""
+
+    views: list[list[tuple[list[int], list[int], int]]]  # [i]: trajectory i's (prefix ids, turn indices, ids end)
+    bases: list[list[list[int]]]  # [i][v]: view v's privileged prefix + trajectory i's ids (up to its end)
+    view_of: dict[tuple[int, int], int]  # (trajectory, turn) -> the view holding the turn
+    turn_cuts: list[list[int]]  # [i][k]: privileged prompt length of turn k (where its response starts)
+
+
+def _view_layout(group: RolloutGroup, chat: ChatFormat, mode: str) -> _ViewLayout:
+    """The privileged views of `group` (privileged mode `mode`) and each turn's view and cut in them."""
+    trajs = group.trajectories
+    views = _privileged_views(group, chat, mode)
     bases = [[pre + t.token_ids_S[:end].tolist() for pre, _, end in views[i]] for i, t in enumerate(trajs)]
     view_of = {(i, k): v for i in range(len(trajs)) for v, (_, ks, _) in enumerate(views[i]) for k in ks}
     turn_cuts = [[len(views[i][view_of[(i, k)]][0]) + rec.response_start for k, rec in enumerate(t.turns)]
-                 for i, t in enumerate(trajs)]  # privileged prompt lengths
-    seed = zlib.crc32(group.group_id.encode()) + 7919 * group.task.policy_version
+                 for i, t in enumerate(trajs)]
+    return _ViewLayout(views, bases, view_of, turn_cuts)
 
-    # Pass 1: identity log-probs of every trajectory, and (AlignOPSD) the teacher's own response per turn.
-    budget = cfg.teacher.thinking_max_new_tokens if embedder is not None else 0
+
+def _identity_pass(group: RolloutGroup, backend, chat: ChatFormat, cfg: RunConfig, layout: _ViewLayout, budget: int,
+                   guard: Callable[[], ContextManager[Any]], stats: TeacherStats):
+    """Pass 1: every trajectory's log-probs under its own privileged history and, with a `budget` of new tokens
+    (AlignOPSD), the teacher's own response at each turn.
+
+    Returns (teacher_S, entropy_S, own): per trajectory float32 [S] log-probs and entropies (clipped to
+    [0, log V]), 0 off the loss mask (entropy_S None from a backend that reports no entropies, vLLM); own:
+    (trajectory, turn) -> the teacher's response text (the chat's prefill included).
+    """
+    seed = zlib.crc32(group.group_id.encode()) + 7919 * group.task.policy_version
     teacher_S: list[np.ndarray] = []
-    entropy_S: list[np.ndarray] | None = []  # None when the backend reports no entropies (vLLM)
+    entropy_S: list[np.ndarray] | None = []
     own: dict[tuple[int, int], str] = {}
     max_entropy = float(np.log(backend.vocab_size))
-    for i, t in enumerate(trajs):
+    for i, t in enumerate(group.trajectories):
         lp_S = np.zeros(t.token_ids_S.shape[0], dtype=np.float32)
         ent_S: np.ndarray | None = np.zeros_like(lp_S)
-        for v, (pre, ks, end) in enumerate(views[i]):
+        for v, (pre, ks, end) in enumerate(layout.views[i]):
             # No privileged prefix (env.privileged none): the first id has no prefix to be scored after, and
             # is never a loss token (the prompt comes first), so scoring starts at the second.
             skip = 0 if pre else 1
             with guard():
-                res = backend.branch(bases[i][v], len(pre) + skip, [turn_cuts[i][k] for k in ks] if budget else [],
+                res = backend.branch(layout.bases[i][v], len(pre) + skip,
+                                     [layout.turn_cuts[i][k] for k in ks] if budget else [],
                                      generate_tokens=budget, temperature=cfg.rollout.temperature,
                                      top_p=cfg.rollout.top_p, seed=seed + i + 104729 * v, return_entropy=True,
                                      **_loss_tokens_only(backend, t, ks, end, skip))
-            own_lp = np.r_[np.zeros(skip, np.float32), np.asarray(res.base_logprobs, dtype=np.float32)]
-            own_ent = None if res.base_entropies is None else np.r_[
-                np.zeros(skip, np.float32), np.asarray(res.base_entropies, dtype=np.float32)]
-            for k in ks:  # a view holds only its own turns' responses
-                sl = t.response_slice(k)
-                lp_S[sl] = own_lp[sl]
-                if own_ent is None:
-                    ent_S = None
-                elif ent_S is not None:
-                    ent_S[sl] = own_ent[sl]
+            ent_S = _keep_view_turns(t, ks, skip, res, lp_S, ent_S)
             for k, g in zip(ks if budget else [], res.generations):
                 if g is not None:
                     own[(i, k)] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
@@ -235,147 +287,193 @@ def score_group(
             entropy_S = None
         elif entropy_S is not None:
             entropy_S.append(np.where(t.loss_mask_S == 1, np.clip(ent_S, 0.0, max_entropy), 0.0).astype(np.float32))
-    teacher_parsed = [parse_response(own[(i, k)], chat.prompt_format) if (i, k) in own else None for i, k in turns]
+    return teacher_S, entropy_S, own
 
-    # Correspondences. Action-only format: the action text stands in for the thinking.
+
+def _keep_view_turns(traj, ks: list[int], skip: int, res, lp_S: np.ndarray, ent_S: np.ndarray | None):
+    """Copy the log-probs (into `lp_S`) and entropies (into `ent_S`) of turns `ks` from one view's `branch`
+    result `res`, whose scores start `skip` ids into the trajectory; a view holds only its own turns' responses.
+
+    Returns `ent_S`, or None once a view came without entropies."""
+    own_lp = np.r_[np.zeros(skip, np.float32), np.asarray(res.base_logprobs, dtype=np.float32)]
+    own_ent = None if res.base_entropies is None else np.r_[
+        np.zeros(skip, np.float32), np.asarray(res.base_entropies, dtype=np.float32)]
+    for k in ks:
+        sl = traj.response_slice(k)
+        lp_S[sl] = own_lp[sl]
+        if own_ent is None:
+            ent_S = None
+        elif ent_S is not None:
+            ent_S[sl] = own_ent[sl]
+    return ent_S
+
+
+def _turn_texts(chat: ChatFormat, student: list, teacher_own: list[str | None]) -> tuple[list[str], ...]:
+    """Per canonical turn: (student thinking, teacher thinking, student action, teacher action), the texts the
+    embedder compares. `student`: the student's turn records; `teacher_own`: the teacher's response text of each
+    turn, None where it generated none. Action-only format: the action text stands in for the thinking; an
+    invalid response's thinking is ""."""
     use_action = chat.prompt_format == "action"
-    student = [trajs[i].turns[k] for i, k in turns]
+    teacher_parsed = [parse_response(r, chat.prompt_format) if r is not None else None for r in teacher_own]
     teacher_thinking = [(p.action if use_action else p.thinking) if p and p.valid else "" for p in teacher_parsed]
     student_thinking = [(s.action if use_action else s.thinking) if s.format_valid else "" for s in student]
     teacher_action = [p.action if p else "" for p in teacher_parsed]
-    embeddings: list[np.ndarray] | None = None
-    sources: list[list[int]] = [[] for _ in range(M)]
-    weights: list[list[float]] = [[] for _ in range(M)]
-    H_MM = np.zeros((M, M), dtype=np.float32)
-    elig_MM = np.zeros((M, M), dtype=bool)
-    rho_M = np.zeros(M, dtype=np.float32)
-    alpha_M = np.zeros(M, dtype=np.float32)
-    if embedder is not None and M:
-        payload = {
-            "task_id": group.group_id,
-            "align": cfg.credit.alignopsd.model_dump(),
-            "turns": [
-                {
-                    "rollout_id": trajs[i].rollout_id,
-                    "turn_id": k,
-                    "data_source": group.task.env,
-                    "student_text": student_thinking[m],
-                    "teacher_text": teacher_thinking[m],
-                    "student_valid": bool(s.format_valid and student_thinking[m]),
-                    "teacher_valid": bool(teacher_thinking[m]),
-                    "student_action": s.action,
-                    "teacher_action": teacher_action[m],
-                }
-                for m, ((i, k), s) in enumerate(zip(turns, student))
-            ],
-            "return_embeddings": bool(cfg.trainer.dump_credit),
-        }
-        # Eligibility as the embedder computes it (spec 4.1), from what we sent it:
-        # an answer pairing a turn with itself or a sibling turn of its own rollout is garbage.
-        sent = payload["turns"]
-        own_elig_MM = correspondence.structural_mask(
-            [group.group_id] * M, [t["rollout_id"] for t in sent], [t["data_source"] for t in sent],
-            np.array([t["student_valid"] for t in sent]), np.array([t["teacher_valid"] for t in sent]))
-        try:
-            resp = CorrespondResponse.model_validate(embedder.correspond(payload)).check(M)
-            # check() keeps every source inside the answer's eligibility; this keeps that inside ours.
-            if (np.asarray(resp.eligible, dtype=bool) & ~own_elig_MM).any():
-                raise ValueError("eligible pairs outside the structural mask (same rollout, other task or data "
-                                 "source, invalid thinking)")
-            H_MM = np.asarray(resp.similarity, dtype=np.float32)
-            elig_MM = np.asarray(resp.eligible, dtype=bool)
-            sources, weights = resp.selected_sources, resp.source_weights
-            rho_M = np.asarray(resp.rho, dtype=np.float32)
-            alpha_M = np.asarray(resp.alpha, dtype=np.float32)
-            if resp.student_thinking_emb is not None:
-                texts = (student_thinking, teacher_thinking, [s.action for s in student], teacher_action)
-                embeddings = [np.asarray(v, dtype=np.float32).reshape(M, -1) for v in (
-                    resp.student_thinking_emb, resp.teacher_thinking_emb, resp.student_action_emb, resp.teacher_action_emb)]
-                for emb_MD, txt in zip(embeddings, texts):
-                    emb_MD[[not x for x in txt]] = 0.0  # empty/invalid text embeds to zero (the embedder does so too)
-        # EmbedderAuthError is not caught: a wrong token fails the job, loudly, instead of every group falling back.
-        except (httpx.HTTPError, EmbedderUnavailable, ValueError) as e:  # pydantic's ValidationError is a ValueError
-            log.warning("group %s: embedder unavailable or its answer unusable (%s); identity views only",
-                        group.group_id, e)
-            stats.embedder_fallback = True
-            metrics.EMBEDDER_FALLBACKS.labels("teacher").inc()
+    return student_thinking, teacher_thinking, [s.action for s in student], teacher_action
 
-    # Pass 2: each target's response under each matched source turn's privileged history.
+
+@dataclass
+class _Correspondence:
+    """The embedder's answer for a group's M canonical turns (`CorrespondResponse`), as arrays; no sources and
+    alpha 0 (identity views only) until it answers."""
+
+    H_MM: np.ndarray
+    elig_MM: np.ndarray
+    sources: list[list[int]]
+    weights: list[list[float]]
+    rho_M: np.ndarray
+    alpha_M: np.ndarray
+    embeddings: list[np.ndarray] | None = None  # [M, D] student/teacher thinking, student/teacher action
+
+
+def _no_correspondence(M: int) -> _Correspondence:
+    """What an unasked or failed embedder leaves for M turns: identity views only."""
+    return _Correspondence(np.zeros((M, M), dtype=np.float32), np.zeros((M, M), dtype=bool), [[] for _ in range(M)],
+                           [[] for _ in range(M)], np.zeros(M, dtype=np.float32), np.zeros(M, dtype=np.float32))
+
+
+def _correspond(group: RolloutGroup, turns: list[tuple[int, int]], student: list, texts: tuple[list[str], ...],
+                embedder: EmbedderClient, cfg: RunConfig, corr: _Correspondence, stats: TeacherStats) -> None:
+    """Ask the embedder for the correspondences of the group's turns and fill `corr` with its answer.
+
+    An answer the embedder cannot have computed (`CorrespondResponse.check`, or eligible pairs outside the
+    structural mask of what was sent), or no answer, leaves `corr` as it was: `_fall_back`. Raises
+    EmbedderAuthError (not caught: a wrong token fails the job, loudly, instead of every group falling back).
+    """
+    M = len(turns)
+    payload = _correspond_payload(group, turns, student, texts, cfg)
+    # Eligibility as the embedder computes it (spec 4.1), from what we sent it:
+    # an answer pairing a turn with itself or a sibling turn of its own rollout is garbage.
+    sent = payload["turns"]
+    own_elig_MM = correspondence.structural_mask(
+        [group.group_id] * M, [t["rollout_id"] for t in sent], [t["data_source"] for t in sent],
+        np.array([t["student_valid"] for t in sent]), np.array([t["teacher_valid"] for t in sent]))
+    try:
+        resp = CorrespondResponse.model_validate(embedder.correspond(payload)).check(M)
+        # check() keeps every source inside the answer's eligibility; this keeps that inside ours.
+        if (np.asarray(resp.eligible, dtype=bool) & ~own_elig_MM).any():
+            raise ValueError("eligible pairs outside the structural mask (same rollout, other task or data "
+                             "source, invalid thinking)")
+        corr.H_MM = np.asarray(resp.similarity, dtype=np.float32)
+        corr.elig_MM = np.asarray(resp.eligible, dtype=bool)
+        corr.sources, corr.weights = resp.selected_sources, resp.source_weights
+        corr.rho_M = np.asarray(resp.rho, dtype=np.float32)
+        corr.alpha_M = np.asarray(resp.alpha, dtype=np.float32)
+        if resp.student_thinking_emb is not None:
+            corr.embeddings = [np.asarray(v, dtype=np.float32).reshape(M, -1) for v in (
+                resp.student_thinking_emb, resp.teacher_thinking_emb, resp.student_action_emb, resp.teacher_action_emb)]
+            for emb_MD, txt in zip(corr.embeddings, texts):
+                emb_MD[[not x for x in txt]] = 0.0  # empty/invalid text embeds to zero (the embedder does so too)
+    except (httpx.HTTPError, EmbedderUnavailable, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        _fall_back(group, e, stats)
+
+
+def _correspond_payload(group: RolloutGroup, turns: list[tuple[int, int]], student: list,
+                        texts: tuple[list[str], ...], cfg: RunConfig) -> dict:
+    """The CorrespondRequest (as JSON) for the group's canonical turns."""
+    student_thinking, teacher_thinking, _, teacher_action = texts
+    trajs = group.trajectories
+    return {
+        "task_id": group.group_id,
+        "align": cfg.credit.alignopsd.model_dump(),
+        "turns": [
+            {
+                "rollout_id": trajs[i].rollout_id,
+                "turn_id": k,
+                "data_source": group.task.env,
+                "student_text": student_thinking[m],
+                "teacher_text": teacher_thinking[m],
+                "student_valid": bool(s.format_valid and student_thinking[m]),
+                "teacher_valid": bool(teacher_thinking[m]),
+                "student_action": s.action,
+                "teacher_action": teacher_action[m],
+            }
+            for m, ((i, k), s) in enumerate(zip(turns, student))
+        ],
+        "return_embeddings": bool(cfg.trainer.dump_credit),
+    }
+
+
+def _fall_back(group: RolloutGroup, err: Exception, stats: TeacherStats) -> None:
+    """The embedder did not answer, or answered garbage: the group is scored with identity views only."""
+    log.warning("group %s: embedder unavailable or its answer unusable (%s); identity views only",
+                group.group_id, err)
+    stats.embedder_fallback = True
+    metrics.EMBEDDER_FALLBACKS.labels("teacher").inc()
+
+
+def _matched_pass(group: RolloutGroup, turns: list[tuple[int, int]], sources: list[list[int]], layout: _ViewLayout,
+                  max_len: int, backend, guard: Callable[[], ContextManager[Any]]) -> dict[tuple[int, int], np.ndarray]:
+    """Pass 2: each target's response under each matched source turn's privileged history, one cached forward
+    per source view. Returns (target row, source row) -> log-probs [response]; a pair whose view does not fit
+    `max_len` is left out."""
+    trajs = group.trajectories
     wanted: dict[tuple[int, int], dict[int, list[int]]] = {}  # (source trajectory, view) -> source turn -> target rows
     for t, (ti, tk) in enumerate(turns):
         n_resp = trajs[ti].turns[tk].response_end - trajs[ti].turns[tk].response_start
         for s in sources[t]:
             si, sk = turns[s]
-            if turn_cuts[si][sk] + n_resp <= max_len:  # a view past the context budget is dropped
-                wanted.setdefault((si, view_of[(si, sk)]), {}).setdefault(sk, []).append(t)
-    cross: dict[tuple[int, int], np.ndarray] = {}  # (target row, source row) -> log-probs [response]
-    row_of = {turns[m]: m for m in range(M)}
+            if layout.turn_cuts[si][sk] + n_resp <= max_len:  # a view past the context budget is dropped
+                wanted.setdefault((si, layout.view_of[(si, sk)]), {}).setdefault(sk, []).append(t)
+    cross: dict[tuple[int, int], np.ndarray] = {}
+    row_of = {turns[m]: m for m in range(len(turns))}
     for (si, v), by_turn in wanted.items():
         ks = sorted(by_turn)
         conts = [[trajs[turns[t][0]].token_ids_S[trajs[turns[t][0]].response_slice(turns[t][1])].tolist() for t in by_turn[k]] for k in ks]
         # start = len(base): only the prefix up to the last cut is run again, nothing re-scored.
-        base = bases[si][v]
+        base = layout.bases[si][v]
         with guard():
-            res = backend.branch(base, len(base), [turn_cuts[si][k] for k in ks], continuations=conts)
+            res = backend.branch(base, len(base), [layout.turn_cuts[si][k] for k in ks], continuations=conts)
         for k, lps in zip(ks, res.continuation_logprobs):
             for t, lp in zip(by_turn[k], lps):
                 cross[(t, row_of[(si, k)])] = lp
-    stats.sources = len(cross)
+    return cross
 
-    # Rectification per target turn (sources that did not fit are dropped, weights renormalized).
+
+def _rectify(group: RolloutGroup, turns: list[tuple[int, int]], teacher_S: list[np.ndarray],
+             cross: dict[tuple[int, int], np.ndarray], corr: _Correspondence, aggregation_mode: str,
+             stats: TeacherStats) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Rectification per target turn: corrected teacher = (1 - alpha) identity + alpha aggregate of its sources.
+
+    Sources without a matched view (past the context budget) or of weight 0 are dropped from `corr` (weights
+    renormalized). Returns (corrected_S per trajectory, cross_M: [K_t, n_t] log-probs per target)."""
+    trajs = group.trajectories
     corrected_S = [arr.copy() for arr in teacher_S]
     cross_M: list[np.ndarray] = []
     for t, (i, k) in enumerate(turns):
         # A weight-0 source changes nothing in either aggregation mode (and log 0 would): leave it out too.
-        kept = [(s, w) for s, w in zip(sources[t], weights[t]) if (t, s) in cross and w > 0]
-        stats.dropped_sources += len(sources[t]) - len(kept)
+        kept = [(s, w) for s, w in zip(corr.sources[t], corr.weights[t]) if (t, s) in cross and w > 0]
+        stats.dropped_sources += len(corr.sources[t]) - len(kept)
         sl = trajs[i].response_slice(k)
         n_t = sl.stop - sl.start
         w_K = np.asarray([w for _, w in kept], dtype=np.float32)
         w_K = w_K / w_K.sum() if kept else w_K
-        sources[t], weights[t] = [s for s, _ in kept], [float(w) for w in w_K]
+        corr.sources[t], corr.weights[t] = [s for s, _ in kept], [float(w) for w in w_K]
         cross_KL = np.stack([cross[(t, s)] for s, _ in kept]).astype(np.float32) if kept else np.zeros((0, n_t), np.float32)
         cross_M.append(cross_KL)
-        if not kept or alpha_M[t] == 0:
+        if not kept or corr.alpha_M[t] == 0:
             continue
-        _, corrected_L = correspondence.rectify(
-            teacher_S[i][sl], cross_KL, w_K, float(alpha_M[t]), cfg.credit.alignopsd.aggregation_mode
-        )
+        _, corrected_L = correspondence.rectify(teacher_S[i][sl], cross_KL, w_K, float(corr.alpha_M[t]), aggregation_mode)
         corrected_S[i][sl] = np.where(trajs[i].loss_mask_S[sl] == 1, corrected_L, 0.0)
+    return corrected_S, cross_M
 
-    for t, lp in zip(trajs, teacher_S):
+
+def _count_tokens(group: RolloutGroup, teacher_S: list[np.ndarray], stats: TeacherStats) -> None:
+    """Add the group's scored tokens and its teacher-sampler log-prob gap on loss tokens to `stats`."""
+    for t, lp in zip(group.trajectories, teacher_S):
         mask = t.loss_mask_S == 1
         stats.gap_sum += float((lp[mask] - t.sampler_logprobs_S[mask]).sum())
         stats.gap_tokens += int(mask.sum())
         stats.scored_tokens += int(t.token_ids_S.shape[0])
-
-    scored = ScoredGroup(
-        rollout=group,
-        teacher_version=backend.policy_version,
-        teacher_logprobs_S=teacher_S,
-        corrected_logprobs_S=corrected_S,
-        teacher_thinking_M=teacher_thinking,
-        similarity_MM=H_MM,
-        eligible_MM=elig_MM,
-        selected_sources_M=sources,
-        source_weights_M=weights,
-        rho_M=rho_M,
-        alpha_M=alpha_M,
-        identity_fallback=stats.embedder_fallback,
-        teacher_seconds=time.perf_counter() - t0,
-        teacher_entropy_S=entropy_S,
-        teacher_response_M=[own.get(tk, "") for tk in turns],
-        student_thinking_M=student_thinking,
-        student_action_M=[s.action for s in student],
-        teacher_action_M=teacher_action,
-        cross_logprobs_M=cross_M,
-        teacher=f"self:{cfg.teacher.version}" if cfg.teacher.source == "self" else f"model:{cfg.teacher_model.name}",
-    )
-    if embeddings is not None:
-        (scored.student_thinking_emb_MD, scored.teacher_thinking_emb_MD,
-         scored.student_action_emb_MD, scored.teacher_action_emb_MD) = embeddings
-    scored.validate(backend.vocab_size)
-    return scored, stats
 
 
 def _privileged_views(group: RolloutGroup, chat: ChatFormat, mode: str) -> list[list[tuple[list[int], list[int], int]]]:

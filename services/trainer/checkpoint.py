@@ -43,7 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from opsd.config import RESUMABLE_FIELDS, config_hash
-from opsd.models.hf import load_state_strict
+from opsd.models.hf_weights import load_state_strict
 from opsd.tracking import STATE_FILE as TRACKER_STATE_FILE
 from opsd.tracking import read_state as read_tracker_state
 from opsd.weights_io import all_finite

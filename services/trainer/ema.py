@@ -53,6 +53,6 @@ class PolicyEMA:
         """Restore the average from a file `save` wrote; raises ValueError/OSError (names, shapes, a missing file)."""
         from safetensors.torch import load_file
 
-        from opsd.models.hf import load_state_strict
+        from opsd.models.hf_weights import load_state_strict
 
         load_state_strict(self.model, load_file(str(path), device="cpu"), str(path))
