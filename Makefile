@@ -8,7 +8,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: demo docs test test-main test-vllm install install-vllm tokenizer-files promtool java chromium gpu-check clean compose-env compose-check cuda-images bench bench-quick redis-tools
+.PHONY: demo docs docs-serve test test-main test-vllm install install-vllm tokenizer-files promtool java chromium gpu-check clean compose-env compose-check cuda-images bench bench-quick redis-tools
 
 # TextWorld-Express and ScienceWorld run a bundled jar: install a Java runtime when there is none. Only the
 # targets that play them need it (the tests, the benchmarks); `make demo` plays TextWorld, no JVM.
@@ -102,6 +102,11 @@ test: test-main test-vllm
 # `make install` (it is in the dev extra), so the venv's stamp covers it.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The site served at http://127.0.0.1:8000/, rebuilt as the pages change (Ctrl-C stops it). site/ opened from disk
+# (file://) does not navigate: the site's links are directory URLs (reference/cli/), which only a server resolves.
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
 
 test-main: $(STAMP) $(TOKENIZER_FILES) $(PROMTOOL) | java chromium
 	$(PY) -m pytest -q -rfEs -p no:cacheprovider --durations=25 tests --ignore=tests/vllm

@@ -49,10 +49,9 @@ import typer
 import yaml
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opsd.config import RunConfig, read_yaml
-from opsd.progress import StepProgress, complete_lines, format_line, in_step_line, printable_line
+from opsd.progress import StepProgress, complete_lines, format_line, in_step_line, printable_line, progress_bar
 from opsd.supervisor import Services
 
 # Plain click help: typer's rich help prints a type for every option, so flags such as --dump-credit and --help
@@ -403,8 +402,7 @@ def _follow_steps(services: Services, cfg: RunConfig, run_dir: Path, redis_url: 
     """Supervise the roles until DONE: a line per step metrics.jsonl gains (`seen` logged already), the progress
     bar, news from inside the step in progress. Raises RuntimeError for a role out of restarts."""
     inside = StepProgress(redis_url, cfg, console.is_terminal)
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                  TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
+    with progress_bar(console, disable=not console.is_terminal) as progress:
         bar = progress.add_task("training", total=cfg.run.steps, completed=min(seen, cfg.run.steps))
         while True:
             for msg in services.supervise():
@@ -552,7 +550,10 @@ def inspect_cmd(
 
 
 @app.command("prepare")
-def prepare_cmd(config: Path = typer.Argument(..., exists=True, dir_okay=False)) -> None:
+def prepare_cmd(
+    config: Path = typer.Argument(..., exists=True, dir_okay=False,
+                                  help="run config (YAML): the model and the env whose caches to fill"),
+) -> None:
     """Fill the caches (model files, games) without training.
 
     Converts a packaged model or downloads a Hub model (model.name org/name, at model.revision) into its cache,

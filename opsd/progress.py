@@ -137,19 +137,21 @@ class StepProgress:
     def news(self, step: int, rolled: int, scored: int, now: float) -> str | None:
         """The text for `step` given the run's totals `rolled` and `scored` at monotonic time `now`, or None.
 
-        Once the step's groups are all in (scored, or rolled out without a teacher) the text says the
-        trainer is training. On a terminal every change is news (the progress bar's live description);
-        otherwise a plain line, with the seconds since the last step line, comes at most every PLAIN_EVERY_S
-        seconds, counted from the last line, a step line included (the step line just said what there was
-        to say, so a new step is not announced with zero counts), and at least every HEARTBEAT_S."""
+        The counts are groups since the last step line, out of the groups a step trains on (`env.num_games`);
+        with max_staleness > 0 some may belong to the next steps. Once the step's groups are all in (scored, or
+        rolled out without a teacher) the text says the trainer is training. On a terminal every change is news
+        (the progress bar's live description); otherwise a plain line, with the seconds since the last step
+        line, comes at most every PLAIN_EVERY_S seconds, counted from the last line, a step line included (the
+        step line just said what there was to say, so a new step is not announced with zero counts), and at
+        least every HEARTBEAT_S."""
         if step != self.step:  # counts start again; a terminal shows the new step at once even if the text repeats
             self.step, self.base, self.last_print, self.last_text = step, (rolled, scored), now, ""
             self.step_start = now
         new_rolled, new_scored = rolled - self.base[0], scored - self.base[1]
-        text = f"{new_rolled} group{'' if new_rolled == 1 else 's'} rolled out"
-        text += f", {new_scored} scored" if self.teacher else ""
-        text += f" since the last step line ({self.per_step} a step)"
-        text += "; all in, training" if (new_scored if self.teacher else new_rolled) >= self.per_step else ""
+        # Short enough for an 80-column terminal beside the bar (`progress_bar`): "2/2 rolled out, 1/2 scored".
+        text = f"{new_rolled}/{self.per_step} rolled out"
+        text += f", {new_scored}/{self.per_step} scored" if self.teacher else ""
+        text += "; training" if (new_scored if self.teacher else new_rolled) >= self.per_step else ""
         quiet = now - self.last_print
         if self.terminal:
             skip = text == self.last_text
@@ -167,4 +169,19 @@ def in_step_line(done: int, total: int, news: str | None) -> str | None:
     and metrics.jsonl number them, so the step in progress is step `done` (< `total`)."""
     if news is None or done >= total:
         return None
-    return f"step {done} in progress ({done}/{total} done): {news}"
+    return f"step {done}: {news}"
+
+
+# The bar's width: with it, the step-in-progress text of a quickstart-sized run ("step 1: 2/2 rolled out, 2/2
+# scored; training"), the step count and the time fit an 80-column terminal.
+BAR_WIDTH = 12
+
+
+def progress_bar(console, disable: bool = False):
+    """The progress display `opsd run` shows on a terminal: the step in progress (`in_step_line`), a bar, the
+    steps done and the time elapsed."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(bar_width=BAR_WIDTH),
+                    TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(), console=console,
+                    disable=disable)

@@ -265,11 +265,14 @@ class ScoredGroup:
 
     Optional fields (None in messages from before they existed; the teacher
     fills them as noted). Per trajectory, aligned with token_ids_S:
+
     - teacher_entropy_S: float32 [S] per trajectory, entropy (nats, T = 1) of
       the identity view's next-token distribution at each response position,
       in [0, log V], 0 off the loss mask (FiRe-OPD's teacher confidence).
+
     Per group, over the M canonical turns (what a credit dump writes in the
     refvector AlignOPSD schema):
+
     - teacher_response_M: the teacher's own decoded response (prefill
       included; "" where none was generated); student_thinking_M: the student
       text the embedder embedded (same rule as teacher_thinking_M);
@@ -416,6 +419,7 @@ class CreditBatch:
       nothing [M, M] over the step is kept (opsd.credit.batch).
     - per row: task_id, rollout_id, turn_id, data_source, episode_reward
       (raw return repeated on every turn), is_action_valid.
+
     Teacher fields may be None for methods that need no teacher (GRPO).
     """
 

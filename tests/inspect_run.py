@@ -125,8 +125,10 @@ def write_run(run_dir: Path, tokenizer_json: Path | None = None, G: int = 3, tur
     for step, method in methods.items():
         write_step(run_dir, step, method, groups, scored)
         lines.append(json.dumps({"step": step, "success_rate": 0.25 + 0.05 * step, "reward_mean": 0.1 * step,
-                                 "gap": -0.5 + 0.01 * step, "privileged_signal": None if step == 1 else 0.02 * step,
-                                 "span_len": 2.0, "loss": 1.0 / (step + 1), "teacher": ["self:live"]}))
+                                 "teacher_student_gap": -0.5 + 0.01 * step,
+                                 "privileged_signal": None if step == 1 else 0.02 * step, "mean_span_length": 2.0,
+                                 "loss": 1.0 / (step + 1), "advantage_abs_mean": 0.1, "corrected_gap": -0.4,
+                                 "teacher": ["self:live"]}))
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if tokenizer_json is None:
         write_tokenizer(run_dir / "checkpoint" / "tokenizer.json")

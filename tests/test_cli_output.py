@@ -50,37 +50,63 @@ def test_a_plain_in_step_line_never_follows_a_step_line_at_once():
     step line is not followed by a line announcing the next step with zero counts; with nothing new, still
     one line every HEARTBEAT_S (60 s), and the step's groups all in says the trainer is training."""
     p = _progress(terminal=False)
-    counts = " since the last step line (2 a step)"
     assert p.news(0, 0, 0, now=100.0) is None  # the run's first look
     assert p.news(0, 1, 0, now=110.0) is None  # too soon
-    assert p.news(0, 2, 1, now=131.0) == f"2 groups rolled out, 1 scored{counts}; 31 s into the step"
+    assert p.news(0, 2, 1, now=131.0) == "2/2 rolled out, 1/2 scored; 31 s into the step"
     assert p.news(0, 2, 1, now=170.0) is None  # nothing new, and under a minute
-    assert p.news(0, 2, 2, now=172.0) == f"2 groups rolled out, 2 scored{counts}; all in, training; 72 s into the step"
+    assert p.news(0, 2, 2, now=172.0) == "2/2 rolled out, 2/2 scored; training; 72 s into the step"
     assert p.news(0, 2, 2, now=231.0) is None  # nothing new
-    assert p.news(0, 2, 2, now=232.0) == f"2 groups rolled out, 2 scored{counts}; all in, training; 132 s into the step"
+    assert p.news(0, 2, 2, now=232.0) == "2/2 rolled out, 2/2 scored; training; 132 s into the step"
     assert p.news(1, 2, 2, now=240.0) is None  # step 0's line was just printed
     assert p.news(1, 3, 2, now=259.0) is None  # 19 s after it
-    assert p.news(1, 3, 2, now=271.0) == f"1 group rolled out, 0 scored{counts}; 31 s into the step"
+    assert p.news(1, 3, 2, now=271.0) == "1/2 rolled out, 0/2 scored; 31 s into the step"
 
 
 def test_on_a_terminal_every_change_and_each_new_step_is_shown():
     p = _progress(terminal=True)
-    assert p.news(0, 5, 5, now=0.0) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
-    assert p.news(0, 6, 5, now=0.5) == "1 group rolled out, 0 scored since the last step line (2 a step)"
+    assert p.news(0, 5, 5, now=0.0) == "0/2 rolled out, 0/2 scored"
+    assert p.news(0, 6, 5, now=0.5) == "1/2 rolled out, 0/2 scored"
     assert p.news(0, 6, 5, now=1.0) is None
-    assert p.news(0, 7, 7, now=1.2) == "2 groups rolled out, 2 scored since the last step line (2 a step); all in, training"
+    assert p.news(0, 7, 7, now=1.2) == "2/2 rolled out, 2/2 scored; training"
     # The next step starts from zero again, shown even though the text is one the bar showed before.
-    assert p.news(1, 6, 5, now=1.5) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
+    assert p.news(1, 6, 5, now=1.5) == "0/2 rolled out, 0/2 scored"
+
+
+def test_without_a_teacher_only_rollouts_are_counted():
+    cfg = RunConfig.model_validate({"run": {"method": "grpo"}, "env": {"num_games": 2}})
+    p = StepProgress("redis://:pw@127.0.0.1:1/0", cfg, terminal=True)
+    assert p.news(0, 0, 0, now=0.0) == "0/2 rolled out"  # the step's counts start here
+    assert p.news(0, 1, 0, now=0.5) == "1/2 rolled out"
+    assert p.news(0, 2, 0, now=1.0) == "2/2 rolled out; training"
 
 
 def test_the_in_step_line_names_the_step_in_progress_and_none_past_the_last():
-    news = "1 group rolled out, 0 scored since the last step line (2 a step)"
+    news = "1/2 rolled out, 0/2 scored"
     # Step lines are "step 0" .. "step 2" for 3 steps: after 2 of them, step 2 is the one in progress.
-    assert in_step_line(0, 3, news) == f"step 0 in progress (0/3 done): {news}"
-    assert in_step_line(2, 3, news) == f"step 2 in progress (2/3 done): {news}"
+    assert in_step_line(0, 3, news) == f"step 0: {news}"
+    assert in_step_line(2, 3, news) == f"step 2: {news}"
     assert in_step_line(3, 3, news) is None  # the last step's line is out: the trainer is saving
     assert in_step_line(4, 3, news) is None
     assert in_step_line(1, 3, None) is None
+
+
+def test_the_progress_bar_fits_an_80_column_terminal():
+    """The bar `opsd run` shows, on the quickstart's longest in-step text: nothing is cut off in 80 columns
+    (it ended at "...0 scored since the la..." before)."""
+    import io
+
+    from rich.console import Console
+
+    from opsd.progress import progress_bar
+
+    console = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
+    text = in_step_line(1, 3, "2/2 rolled out, 2/2 scored; training")
+    with progress_bar(console) as progress:
+        progress.add_task(text, total=3, completed=1)
+        console.print(progress.make_tasks_table(progress.tasks))
+    shown = console.file.getvalue()
+    assert text in shown and "1/3 steps" in shown and "…" not in shown, shown
+    assert max(len(line) for line in shown.splitlines()) <= 80
 
 
 def _groups(group, path: tuple[str, ...] = ()):

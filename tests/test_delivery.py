@@ -810,13 +810,13 @@ def test_the_cli_reports_progress_inside_a_step(redis_url, redis_client, stream_
     assert plain.poll(1) is None  # a file: not before PLAIN_EVERY_S
     plain.PLAIN_EVERY_S = 0.0
     redis_client.hincrby(names.counts, f"produced:{names.rollouts}", 1)
-    assert re.fullmatch(r"1 group rolled out, 0 scored since the last step line \(2 a step\); \d+ s into the step", plain.poll(1))
+    assert re.fullmatch(r"1/2 rolled out, 0/2 scored; \d+ s into the step", plain.poll(1))
     assert plain.poll(1) is None  # nothing new (and under HEARTBEAT_S)
     term = StepProgress(redis_url, cfg, terminal=True)
-    assert term.poll(2) == "0 groups rolled out, 0 scored since the last step line (2 a step)"
+    assert term.poll(2) == "0/2 rolled out, 0/2 scored"
     redis_client.hincrby(names.counts, f"produced:{names.scored}", 2)
-    assert term.poll(2) == "0 groups rolled out, 2 scored since the last step line (2 a step); all in, training"
-    assert term.poll(3).startswith("0 groups rolled out, 0 scored")  # a new step counts from its start
+    assert term.poll(2) == "0/2 rolled out, 2/2 scored; training"
+    assert term.poll(3).startswith("0/2 rolled out, 0/2 scored")  # a new step counts from its start
     # A stalled Redis: the connection is made (the listen queue takes it) and nothing ever answers.
     with socket.create_server(("127.0.0.1", 0), backlog=16) as stalled:
         dead = StepProgress(f"redis://:pw@127.0.0.1:{stalled.getsockname()[1]}/0", cfg, terminal=True)

@@ -113,6 +113,20 @@ def test_run_page_lists_steps_and_metrics(client, run_dir):
     assert "teacher" not in r["metrics"]  # not a number
 
 
+def test_the_run_page_plots_first_metrics_the_trainer_writes():
+    """app.js's PREFERRED (plotted first on the run page) names metrics.jsonl keys the trainer writes: the keys
+    of its own metrics.png panels (services/trainer/report.py PLOTTED)."""
+    import re
+
+    from services.trainer.report import PLOTTED
+
+    app_js = (Path(__file__).resolve().parent.parent / "opsd/inspect/static/app.js").read_text()
+    preferred = json.loads(re.search(r"^const PREFERRED = (\[.*?\]);", app_js, flags=re.M).group(1))
+    written = {key for keys, *_ in PLOTTED for key in keys}
+    assert preferred and set(preferred) <= written, set(preferred) - written
+    assert {"teacher_student_gap", "mean_span_length"} <= set(preferred)
+
+
 def test_compare_runs_the_credit_check_replay(client, run_dir):
     step = registered().index("grpo_opd")
     case = dump(run_dir, step)

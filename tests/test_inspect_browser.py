@@ -270,6 +270,10 @@ def test_click_through_run_step_group_trajectory_compare(page, run_dir, tmp_path
     assert page.locator("svg[data-metric='loss']").count() == 1
     assert page.locator("svg[data-metric='loss'] circle").count() == len(registered())
     assert page.locator("#steps a").count() == len(registered())
+    # The trainer's headline metrics first (app.js PREFERRED), then the others by name.
+    shown = [m.get_attribute("data-metric") for m in page.locator("#plots svg[data-metric]").all()]
+    assert shown == ["success_rate", "reward_mean", "teacher_student_gap", "privileged_signal", "mean_span_length",
+                     "loss", "advantage_abs_mean", "corrected_gap"], shown
     page.screenshot(path=str(tmp_path / "run.png"), full_page=True)
 
     click(page, f"#steps a[href='#/step/{step}']")

@@ -9,6 +9,8 @@ command lines with it.
 from __future__ import annotations
 
 import re
+import typing
+from pathlib import Path
 
 import typer
 
@@ -47,10 +49,64 @@ def _cell(text: str | None) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
+# Python type -> the name click gives its parameter type in --help (click.INT is "integer", ...).
+_CLICK_TYPES = {int: "INTEGER", float: "FLOAT", str: "TEXT", bool: "BOOLEAN"}
+_CLICK_PATHS = {"file": "FILE", "dir": "DIRECTORY", "path": "PATH"}  # click.Path(file_okay=..., dir_okay=...)
+
+
+def _is_argument(param) -> bool:
+    return param.param_type_name == "argument"
+
+
+def click_type(param) -> str:
+    """The parameter's type as click writes it (`INTEGER`, `PATH`, `FILE`, `INTEGER RANGE`, `PATH...` for many
+    values), "" for a flag. typer 0.29's own help writes `<int>`, `<file>`, `<list[Path]>` instead."""
+    if getattr(param, "is_flag", False):
+        return ""
+    desc = param.type_descriptor
+    annotation = desc.annotation
+    if desc.is_list:
+        (annotation,) = typing.get_args(annotation) or (str,)
+    if desc.is_choice:
+        name = "[" + "|".join(str(c) for c in desc.choices or ()) + "]"
+    elif desc.is_path or annotation is Path:
+        name = _CLICK_PATHS.get(desc.path_type, "PATH")
+    else:
+        name = _CLICK_TYPES.get(annotation, getattr(annotation, "__name__", str(annotation)).upper())
+        if desc.is_ranged:
+            name += " RANGE"
+    return name + ("..." if param.nargs != 1 else "")
+
+
+def _argument_metavar(param) -> str:
+    """An argument as click's usage line writes it: CONFIG, [CONFIG] when optional, PATHS... for many."""
+    name = param.metavar or param.name.upper()
+    if not param.required:
+        name = f"[{name}]"
+    return name + ("..." if param.nargs != 1 else "")
+
+
+def usage(cmd, ctx) -> str:
+    """The command's usage line, click's own (`Command.get_usage`), its arguments written as click writes them
+    (`opsd credit check [OPTIONS] PATHS...`; typer 0.29 writes `{paths}...`)."""
+    line = cmd.get_usage(ctx)
+    for param in cmd.get_params(ctx):
+        if _is_argument(param):
+            for piece in param.get_usage_pieces(ctx):
+                line = line.replace(f" {piece}", f" {_argument_metavar(param)}", 1)
+    return line
+
+
 def _param_row(param, ctx) -> str:
-    """One table row from the parameter's own `--help` record: its names and value, and its help."""
-    names, help_text = param.get_help_record(ctx) or (param.name, "")
-    return f"| `{names}` | {_cell(help_text)} |"
+    """One table row: the option's names (an argument's name as the usage line writes it), click's type, and
+    the help of the parameter's own `--help` record (default, range, required)."""
+    _, help_text = param.get_help_record(ctx) or ("", "")
+    if _is_argument(param):
+        names = param.metavar or param.name.upper()
+    else:
+        names = ", ".join(sorted([*param.opts, *param.secondary_opts], key=lambda o: (o.startswith("--"), o)))
+    kind = click_type(param)
+    return f"| `{names}` | {f'`{kind}`' if kind else ''} | {_cell(help_text)} |"
 
 
 def cli_reference() -> str:
@@ -58,10 +114,11 @@ def cli_reference() -> str:
     top = root()
     out = ["# CLI reference", "",
            "Every `opsd` command, generated from opsd/cli.py when the site is built (`opsd --help` and "
-           "`opsd COMMAND --help` print the same). The command is installed in `.venv/bin/`.", ""]
+           "`opsd COMMAND --help` print the same help; they write a type as `<int>` where this page, as click "
+           "does, writes `INTEGER`). The command is installed in `.venv/bin/`.", ""]
     for cmd, ctx in _commands(top, _ctx(top, info_name="opsd")):
         path = ctx.command_path
-        out += [f"## `{path}`", "", "```text", cmd.get_usage(ctx), "```", ""]
+        out += [f"## `{path}`", "", "```text", usage(cmd, ctx), "```", ""]
         if cmd.help:
             out += [_cell_block(cmd.help), ""]
         if _is_group(cmd):
@@ -69,15 +126,39 @@ def cli_reference() -> str:
             out += ["Commands: " + ", ".join(f"`{path} {n}`" for n in subs) + ".", ""]
         params = [p for p in cmd.get_params(ctx)]
         if params:
-            out += ["| argument or option | help (default, range) |", "|---|---|"]
+            out += ["| argument or option | type | help (default, range) |", "|---|---|---|"]
             out += [_param_row(p, ctx) for p in params]
             out.append("")
     return "\n".join(out)
 
 
+# "docs/getting-started.md" in a help text, and the heading named after it ("docs/x.md: Where the outputs land")
+_DOC_PATH = re.compile(r"\bdocs/(?P<page>[\w./-]+?\.md)(?::\s+(?P<heading>[A-Z][\w ,'-]*\w))?")
+DOCS = Path(__file__).resolve().parents[1]
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs (toc's slugify) gives a heading."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
+def link_doc_paths(text: str) -> str:
+    """`docs/<page>.md` mentions in a help text as links from the CLI reference page (reference/cli.md), to the
+    heading named after the colon when the page has it; a path that is no page stays text."""
+    def link(m: re.Match) -> str:
+        page, heading = m.group("page"), m.group("heading")
+        if not (DOCS / page).is_file():
+            return m.group(0)
+        headings = {_slug(h) for h in re.findall(r"^#+\s+(.+?)\s*$", (DOCS / page).read_text(), flags=re.M)}
+        if heading and _slug(heading) in headings:
+            return f"[docs/{page}: {heading}](../{page}#{_slug(heading)})"
+        return f"[docs/{page}](../{page}){m.group(0)[len('docs/' + page):]}"
+    return _DOC_PATH.sub(link, text)
+
+
 def _cell_block(text: str) -> str:
-    """A command's help as Markdown paragraphs, angle brackets escaped."""
-    return text.replace("<", "&lt;").replace(">", "&gt;").replace("\b\n", "")
+    """A command's help as Markdown paragraphs, angle brackets escaped, docs/ paths made links."""
+    return link_doc_paths(text.replace("<", "&lt;").replace(">", "&gt;").replace("\b\n", ""))
 
 
 def resolve(argv: list[str]) -> str | None:

@@ -3,7 +3,8 @@
 `command_problems(markdown)` reads every fenced code block, and every inline code span, of a Markdown text
 and returns one line per command line that names a command, subcommand, option or make target that does
 not exist. A line counts when it starts (after `$ `, environment assignments and `sudo`) with `opsd`,
-`.venv/bin/opsd`, `.venv-vllm/bin/opsd` or `make`.
+`.venv/bin/opsd`, `.venv-vllm/bin/opsd` or `make`. A block whose title says it is output
+(```` ```text title="make demo's output" ````) shows what a command printed, and is not read.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ OPSD = ("opsd", ".venv/bin/opsd", ".venv-vllm/bin/opsd")
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 _INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_OUTPUT = re.compile(r'\btitle="[^"]*\boutput\b', flags=re.I)  # a fence's info string: a block of output
 
 
 @lru_cache(maxsize=1)
@@ -35,13 +37,14 @@ def make_targets(makefile: Path = ROOT / "Makefile") -> frozenset[str]:
 
 def _code_lines(markdown: str) -> list[str]:
     """The lines of fenced code blocks (backslash continuations joined) and the inline code spans outside them."""
-    out, fence, block = [], None, []
+    out, fence, block, output = [], None, [], False
     for line in markdown.splitlines():
         m = _FENCE.match(line)
         if fence is None and m:
-            fence, block = m.group(2), []
+            fence, block, output = m.group(2), [], bool(_OUTPUT.search(m.group(3)))
         elif fence is not None and m and m.group(2).startswith(fence) and not m.group(3).strip():
-            out += "\n".join(block).replace("\\\n", " ").splitlines()
+            if not output:
+                out += "\n".join(block).replace("\\\n", " ").splitlines()
             fence = None
         elif fence is not None:
             block.append(line)

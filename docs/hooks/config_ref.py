@@ -177,7 +177,7 @@ def config_reference() -> str:
     comments = _section_comments(config_module.RunConfig)
     out = ["# Config reference", "",
            "Every key of a run config (YAML, `configs/*.yaml`), generated from `opsd/config/` when the site is "
-           "built: type, default, bounds and the comment the source gives it. Unknown keys are errors. A "
+           "built: type, default, bounds and the comment the source gives it. A "
            "section's keys may be left out: each has its default. Cross-field rules (a setting refused with "
            "another) are checked on load and named in the error; they are not listed here.", ""]
     top_doc = inspect.getdoc(config_module)

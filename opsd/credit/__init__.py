@@ -1,4 +1,9 @@
-"""Advantage estimators, registered by name (spec: ../../shared/spec/credit-methods.md).
+"""Advantage estimators, registered by name.
+
+They implement the project's credit specification, `spec/credit-methods.md` in the project's shared folder,
+which is kept beside the repository, outside it (`../shared` on the project's machines and in CI, or the
+folder `OPSD_SHARED` names), so a clone does not have it. The equations it specifies are on the docs page
+Credit methods (docs/concepts/credit.md) and in the docstring of each estimator, with the spec's sections (§).
 
 A config picks an estimator with a string (`run.method`); a new estimator is a
 function decorated with `@register("name")` taking `(batch: CreditBatch,

@@ -10,6 +10,7 @@ advantage is `Â = A_seq ((1-λ) + λ m_k)` on the loss tokens. GRPO keeps the
 sign and, within ±λb, the size of every advantage.
 
 Variants (cfg.agentopsd.variant):
+
 - "paper" (default): B_0 = clip(S/G, 1e-4, 1-1e-4), S = trajectories of the
   task whose episode reward is > 0, G = trajectories of the task; γ = 0.95;
   A_seq from cfg.grpo_scope; a one-row GRPO group gets A = 0.
@@ -17,6 +18,7 @@ Variants (cfg.agentopsd.variant):
   the reward of each trajectory's first turn row (invalid-action penalty
   included), clipped; γ = 1; A_seq from the "turn" scope; a one-row group
   gets mean 0, std 1 like verl.
+
 Arithmetic follows the reference's float32 torch code where it changes the
 result (a belief saturated near 1 - 1e-4 keeps few float32 digits in its
 increments): float32 everywhere, e_k summed in torch's order on short rows,
@@ -28,6 +30,7 @@ up to each row's last loss token are computed (`_token_multiplier`), bit
 for bit the whole-row result.
 
 Edge cases (all counted in the metrics):
+
 - A turn without loss tokens (`agentopsd/turns_without_loss_tokens`): as in the released
   code its A_seq is taken as 0 (so its advantage is 0) and e_k = 0 (the
   belief only decays), but it still takes part in the GRPO statistics and,

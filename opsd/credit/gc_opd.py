@@ -24,6 +24,7 @@ product (response = trajectory) and the refvector replay (response = row; uids
 `rollout_n`, as the reference does) run the same code.
 
 Edge cases (counted in metrics, never a crash):
+
 - a turn without loss tokens (`gc_opd/turns_without_loss_tokens`) adds
   nothing to its trajectory's sums; a trajectory without any
   (`gc_opd/trajectories_without_loss_tokens`) scores s_i = 0 (denominator

@@ -10,6 +10,7 @@ Multi-turn mapping (the same as opsd.credit.gc_opd, whose row bookkeeping this
 module reuses): the reference's "row" (one single-turn response) is here a
 TRAJECTORY (task_id, rollout_id), i.e. all loss tokens of all its turn rows,
 and its group is the task:
+
 - Uni-OPD: a trajectory's mean OPD score is the masked mean over all its loss
   tokens; it is "correct" when its reward (mean of its rows' episode_reward,
   see gc_opd) is > 0; the shift is per trajectory, added to all its tokens.
@@ -17,6 +18,7 @@ and its group is the task:
   its loss tokens vs the percentile over trajectories); entropy maxima and the
   mean-1 normalisation of the token weights run over all valid tokens.
 - PowerOPD and ExOPD are per token: the mapping does not matter.
+
 The refvector replays build a batch where each file row is its own one-turn
 trajectory and call the same functions.
 
@@ -472,6 +474,7 @@ def fire_opd_credit(batch: CreditBatch, cfg: CreditSection) -> FiReOPDResult:
        w = (1 + α·confidence)(1 + β·confusion), divided by its mean over ALL
        valid tokens (before filtering).
     3. A = w·(teacher − student)·mask·keep.
+
     Args: batch with teacher_entropy_ML and student_entropy_ML (nats);
       cfg.fire_opd. Returns: FiReOPDResult.
     Raises: ValueError naming a missing field (teacher log-probs or an

@@ -1,6 +1,7 @@
 """Replaying credit vector files: `opsd credit check PATH...`.
 
-A vector file (schema: ../shared/refvectors/README.md) holds one case:
+A vector file (schema: refvectors/README.md in the project's shared folder, which is kept beside the
+repository, outside it: ../shared or $OPSD_SHARED) holds one case:
 `method`, `config`, `inputs`, `expected` (and, for AgentOPSD,
 `expected_variants`). `check_file` runs the file's method with the file's
 config on the file's inputs through the same functions the trainer calls,
@@ -182,22 +183,46 @@ def replayer(method: str, config: Mapping[str, Any] | None = None) -> Callable[[
 
 @dataclass
 class FieldResult:
-    name: str  # "field" or "variant/field"
+    """One compared field of a vector file: the replay's value against the file's `expected` one.
+
+    - `name`: the field, "field" or, for an AgentOPSD variant, "variant/field"; "error" when the file expects
+      the replay to raise, "variant/" for a variant the replay did not compute;
+    - `ok`: within tolerance (floats: `tol * max(1, |expected|)`, `tolerance_for`) or equal (ints, bools,
+      strings, index lists);
+    - `max_abs_error`: the largest absolute difference over the field's floats (inf for a NaN or a mismatched
+      infinity); None for exact (non-float) fields and for fields not computed;
+    - `detail`: the first mismatch (`advantages[3]: expected 0.5, got 0.51 (|err| 0.01)`), "not computed",
+      or what the replay raised; "" for a field that matches.
+    """
+
+    name: str
     ok: bool
-    max_abs_error: float | None  # None for exact (non-float) fields
+    max_abs_error: float | None
     detail: str = ""
 
 
 @dataclass
 class FileResult:
+    """The result of replaying one vector file (`check_file`) or case (`check_case`).
+
+    - `path`: the file (or the `path` given to `check_case`);
+    - `method`: the file's `method` (the `run.method` replayed), "?" when the file could not be read;
+    - `case`: the file's `case` name, "?" when the file could not be read;
+    - `fields`: a `FieldResult` per compared field, variants included;
+    - `error`: why the replay did not run or failed (an unreadable file, a bad schema, an unknown method, an
+      exception), "" when it ran;
+    - `ok` (property): no error, at least one field compared, and every field ok.
+    """
+
     path: str
     method: str
     case: str
     fields: list[FieldResult] = field(default_factory=list)
-    error: str = ""  # the replay itself failed
+    error: str = ""
 
     @property
     def ok(self) -> bool:
+        """No error, at least one field compared, and every field within tolerance."""
         return not self.error and bool(self.fields) and all(f.ok for f in self.fields)
 
 

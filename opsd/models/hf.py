@@ -664,6 +664,7 @@ class HFBackend:
 
         ref: a path (str or Path; `opsd.weights_io.open_weights`), read once
         as a stream. Two formats, told apart by the header's metadata:
+
         - a full state dict (`save_weights` of a fully fine-tuned model):
           every tensor read (finite values, the recorded digest checked by
           `opsd.weights_io.iter_tensors`), then copied in strictly (see

@@ -2,6 +2,7 @@
 
 `opsd.models.hf.HFBackend.branch` (its docstring holds the contract) checks
 the arguments, runs these steps in order and raises for non-finite results:
+
 1. `scored_offsets`: which ids of ``base[start:]`` are scored (score_mask);
 2. `score_base`: one forward over the base, keeping its KV cache, the
    log-probs (and entropies) of the scored ids and each cut's next-token logits;

@@ -336,6 +336,7 @@ def alignopsd_credit(
     on loss tokens when cfg.use_invalid_action_penalty.
 
     Ablations (cfg.alignopsd.ablation, spec §4.4; the released code's A-E):
+
     - "none" (E): the full method above.
     - "no_rectification" (A): alpha_max = 0, the corrected teacher is the
       identity teacher: the gap uses batch.teacher_logprobs_ML
@@ -351,6 +352,7 @@ def alignopsd_credit(
       random.Random seeded by blake2b(ablation_seed, task_id, rollout_id):
       reproducible, and independent of row order and of the other
       trajectories in the batch. The length repair still applies.
+
     reference_ablations=True reproduces the released code instead: B without
     the eta mixing (w_r = h'_r) and D seeded by ablation_seed + the
     trajectory's canonical ordinal.

@@ -75,7 +75,8 @@ function advColor(a, scale) {
 }
 
 // ------------------------------------------------------------------ pages
-const PREFERRED = ["success_rate", "success", "reward_mean", "reward", "gap", "privileged_signal", "span_len", "span_length", "loss"];
+// metrics.jsonl keys the trainer writes (services/trainer/__main__.py _step_record, report.py summarize), plotted first.
+const PREFERRED = ["success_rate", "reward_mean", "teacher_student_gap", "privileged_signal", "mean_span_length", "loss"];
 
 async function runPage() {
   setCrumbs([]);
