@@ -299,9 +299,10 @@ def run(
         console.print(f"outputs: {run_dir}/metrics.jsonl, metrics.png, checkpoint/, logs/{dumps}")
         from opsd.tracking import read_state
 
-        trackers = {k: v for k, v in read_state(run_dir).items() if k in cfg.run.report_to and isinstance(v, dict)}
-        for name, state in trackers.items():  # each tracker run and how to open it (trackers.json)
-            console.print(f"{name}: {state.get('url')}", markup=False, highlight=False)
+        trackers = read_state(run_dir)
+        for name in cfg.run.report_to:  # each tracker run and how to open it (trackers.json)
+            url = trackers.get(name, {}).get("url") if isinstance(trackers.get(name), dict) else None
+            console.print(f"{name}: {url or 'did not start (its error: logs/trainer.log)'}", markup=False, highlight=False)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping services[/yellow]")
     except RuntimeError as e:

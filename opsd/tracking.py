@@ -148,6 +148,17 @@ class StepReport:
 # ---------------------------------------------------------------- the trackers
 
 
+def _free_dir(path: Path) -> Path:
+    """`path`, or `path`-2, -3, ... when it holds event files already (another run of the same tracking.name)."""
+    candidate, n = path, 1
+    while candidate.is_dir() and any(candidate.glob("events.out.tfevents.*")):
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    if candidate != path:
+        log.warning("TensorBoard: %s holds another run's events; writing to %s", path, candidate)
+    return candidate
+
+
 class TrackerOff(Exception):
     """A tracker its own settings turn off (WANDB_MODE=disabled, WANDB_DISABLED=true): not started, not an error."""
 
@@ -237,6 +248,8 @@ class TensorBoardTracker:
         custom = tracking.tensorboard.log_dir
         log_dir = Path(saved["log_dir"]) if purge_step is None and saved.get("log_dir") else (
             _under(run_dir, custom, "") / (tracking.name or run_name) if custom else _under(run_dir, None, "tensorboard"))
+        if custom and not saved.get("log_dir") and purge_step is not None:
+            log_dir = _free_dir(log_dir)  # another run of this name writes there: its steps would be purged
         self.new_run = saved.get("log_dir") != str(log_dir)
         # purge_step None (`opsd eval` adding results): nothing hidden. The trainer passes 0 for a first session (nothing
         # to hide): TensorBoard's Python loader (--load_fast=false, and where its Rust data server does not run) takes
@@ -290,8 +303,9 @@ def _local_store(path: Path) -> Path:
     from mlflow import MlflowClient
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    for left in path.parent.glob(f".{path.name}.*.tmp*"):  # a process killed while it made one (and its journal)
+        left.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
     MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)  # creates and migrates it
     os.replace(tmp, path)
     return path
@@ -348,11 +362,21 @@ class MlflowTracker:
                                          tags={"opsd.run_dir": links["run_dir"], "opsd.inspect": links["inspect"],
                                                "mlflow.note.content": links["inspect"]})
             self.run_id = run.info.run_id
+        experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        self.state = {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": uri,
+                      "url": f"{uri} experiment {experiment_id} run {self.run_id}"}
+        # Sent with the first step or eval, after the caller saved the run id: a process killed in between leaves
+        # no second run behind (the params, a batch per 100, are round trips to a server).
+        self.config_pending = (config, self.new_run)
+
+    def _send_config(self) -> None:
+        if self.config_pending is None:
+            return
+        config, params = self.config_pending
+        if params:
             self._log_params(config)
-        run = self.client.get_run(self.run_id)
         self.client.log_dict(self.run_id, config, "config.json")
-        self.state = {"run_id": self.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": uri,
-                      "url": f"{uri} experiment {run.info.experiment_id} run {self.run_id}"}
+        self.config_pending = None
 
     def _saved_run(self, saved: dict, uri: str) -> str | None:
         """The saved run id, when that run is in the store at `uri`; None (start a new run, with a warning) when the
@@ -392,6 +416,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=batch[lo:lo + 1000])
 
     def log_step(self, report: StepReport) -> None:
+        self._send_config()
         self._metrics(report.scalars, report.step)
         if report.histograms:
             self.client.log_dict(self.run_id, {k: asdict(h) for k, h in report.histograms.items()},
@@ -401,6 +426,7 @@ class MlflowTracker:
                                  f"trajectories/step_{report.step:05d}.json")
 
     def log_eval(self, step: int, values: dict[str, float], table: list[list], columns: list[str]) -> None:
+        self._send_config()
         self._metrics(values, step)
         self.client.log_dict(self.run_id, {"columns": columns, "data": table}, f"eval/step_{step:05d}.json")
 
@@ -408,6 +434,7 @@ class MlflowTracker:
         """finished: the run ended (FINISHED) or stopped before its last step (KILLED); None: the status it had
         when opened (`opsd eval` adding results)."""
         status = {True: "FINISHED", False: "KILLED"}.get(finished, self.status_before or "FINISHED")
+        self._send_config()
         self.client.set_terminated(self.run_id, status)
 
 
@@ -543,13 +570,16 @@ def report_eval(cfg, run_dir: Path, report: dict) -> list[str]:
     are contained as in `Trackers`."""
     state = read_state(run_dir)
     names = [t for t in cfg.run.report_to if importlib.util.find_spec(PACKAGES[t][0]) is not None]
-    config = {"run": {"name": cfg.run.name}}  # the run's config is there already; a new tracker run gets this
-    trackers = Trackers(names, cfg.tracking, run_dir, config, state, "eval")
+    trackers = Trackers(names, cfg.tracking, run_dir, cfg.model_dump(mode="json"), state, "eval")
     values, rows = eval_values(report)
     done = trackers.each("log_eval", int(report["policy_version"]), values, rows, EVAL_COLUMNS)
     if trackers.open:  # a tracker run started here (report_to added after training) is found again next time
+        saved = read_state(run_dir)
+        for t in trackers.open:  # a new tracker run (the store lost the old one): a resume sends it every step
+            if t.new_run:
+                saved.get("sent_through", {}).pop(t.name, None)
         try:
-            write_state(run_dir, {**read_state(run_dir), **trackers.state()})
+            write_state(run_dir, {**saved, **trackers.state()})
         except OSError as e:
             log.warning("could not write %s: %s", Path(run_dir) / STATE_FILE, e)
     trackers.close(None)

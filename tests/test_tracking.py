@@ -8,6 +8,7 @@ import glob
 import json
 import logging
 import math
+import re
 import sys
 import tempfile
 import threading
@@ -366,6 +367,79 @@ def test_a_slow_tracker_holds_neither_the_others_nor_loses_its_steps(tmp_path, m
     check_mlflow(run_dir, state["mlflow"]["run_id"], reports)
 
 
+def test_ids_are_saved_before_a_tracker_run_can_be_left_behind(tmp_path, monkeypatch):
+    """W&B's id is in trackers.json before wandb.init (a kill during it: the restart continues that id); MLflow's
+    params wait for the first step, after its run id is saved; a half-made local store of a killed process is
+    removed."""
+    from opsd import tracking
+
+    run_dir = tmp_path / "run-ids"
+    run_dir.mkdir()
+    for left in (".mlflow.db.999.tmp", ".mlflow.db.999.tmp-journal"):
+        (run_dir / left).write_text("half")
+    real_init = wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **k: (_ for _ in ()).throw(RuntimeError("killed during init")))
+    run_reporter(cfg_of(["wandb"]), run_dir, [report_of(0)], commits=[1])
+    saved = json.loads((run_dir / "trackers.json").read_text())["wandb"]["id"]
+    assert re.fullmatch(r"[a-z0-9]{8}", saved)
+    monkeypatch.setattr(wandb, "init", real_init)
+    run_reporter(cfg_of(["wandb"]), run_dir, [report_of(0)], commits=[1])
+    assert read.wandb_run(run_dir).run_ids == [saved]
+
+    cfg = cfg_of(["mlflow"])
+    m = tracking.MlflowTracker(cfg.tracking, run_dir, "run-ids", cfg.model_dump(mode="json"), {}, links_of(run_dir))
+    assert not list(run_dir.glob(".mlflow.db.*"))
+    assert read.mlflow_run(run_dir, m.run_id).params == {}  # nothing until the caller saved the id
+    m.log_step(report_of(0))
+    assert read.mlflow_run(run_dir, m.run_id).params["trainer.lr"] == str(cfg.trainer.lr)
+    m.close(True)
+
+
+def test_tensorboard_same_name_in_a_shared_log_dir_gets_a_directory_of_its_own(tmp_path, caplog):
+    shared = tmp_path / "shared-named"
+    a, b = [report_of(s) for s in range(2)], [report_of(s, run=1) for s in range(2)]
+    cfg = cfg_of(["tensorboard"], tensorboard={"log_dir": str(shared)}, name="baseline")
+    run_reporter(cfg, tmp_path / "run-a", a, commits=[2])
+    with caplog.at_level(logging.WARNING):
+        run_reporter(cfg, tmp_path / "run-b", b, commits=[2])
+    assert any("holds another run's events" in r.getMessage() for r in caplog.records)
+    check_tensorboard(shared / "baseline", a)
+    check_tensorboard(shared / "baseline-2", b)
+
+
+def test_a_resume_from_an_older_checkpoint_sends_its_steps_again(tmp_path):
+    """The newest checkpoint damaged, the run resumes from step 2's: steps 2 and 3, sent already, are trained and
+    sent again; TensorBoard hides the first copies."""
+    run_dir = tmp_path / "run-older"
+    first = [report_of(s) for s in range(4)]
+    run_reporter(cfg_of(["tensorboard"]), run_dir, first, commits=[4])
+    time.sleep(1.1)  # event file names carry the second they were opened in
+    second = [report_of(s, run=1) for s in range(2, 4)]
+    run_reporter(cfg_of(["tensorboard"]), run_dir, second, commits=[4], resumed_step=2,
+                 records=[record_of(s) for s in range(2)])
+    check_tensorboard(run_dir / "tensorboard", first[:2] + second)
+
+
+def test_an_eval_that_starts_a_new_mlflow_run_leaves_the_resume_to_fill_it(tmp_path):
+    from opsd.tracking import report_eval
+
+    run_dir = tmp_path / "run-eval-new"
+    cfg = cfg_of(["mlflow"])
+    run_reporter(cfg, run_dir, [report_of(s) for s in range(3)], commits=[3])
+    state = json.loads((run_dir / "trackers.json").read_text())
+    state["mlflow"]["run_id"] = "0" * 32  # the store lost it
+    (run_dir / "trackers.json").write_text(json.dumps(state))
+    assert report_eval(cfg, run_dir, eval_report(3)) == ["mlflow"]
+    after = json.loads((run_dir / "trackers.json").read_text())
+    assert "mlflow" not in after["sent_through"] and after["mlflow"]["run_id"] != "0" * 32
+    records = [record_of(s) for s in range(3)]
+    second = [report_of(s, run=1) for s in range(3, 5)]
+    run_reporter(cfg, run_dir, second, commits=[5], resumed_step=3, records=records)
+    m = read.mlflow_run(run_dir, after["mlflow"]["run_id"])
+    assert [s for s, _ in m.metrics["trainer/loss"]] == [0, 1, 2, 3, 4]
+    assert m.params["trainer.lr"] == str(cfg.trainer.lr)  # the run's config, not a stub
+
+
 def test_a_lost_mlflow_run_starts_a_new_one_sent_from_step_0(tmp_path, caplog):
     run_dir = tmp_path / "run-lost"
     first = [report_of(s) for s in range(3)]
@@ -389,7 +463,7 @@ def test_wandb_disabled_is_off_not_failed_and_marks_nothing_sent(tmp_path, monke
     before = errors("wandb")
     run_reporter(cfg_of(["wandb", "tensorboard"]), run_dir, [report_of(s) for s in range(2)], commits=[2])
     state = json.loads((run_dir / "trackers.json").read_text())
-    assert state["sent_through"] == {"tensorboard": 1} and "wandb" not in state
+    assert state["sent_through"] == {"tensorboard": 1} and set(state.get("wandb", {})) <= {"id"}
     assert errors("wandb") == before and not (run_dir / "wandb").exists()
 
 
@@ -422,7 +496,8 @@ def test_unreachable_wandb_leaves_the_others_every_step(tmp_path, monkeypatch, c
     (line,) = warnings_of(caplog)
     assert line.startswith("tracker wandb failed (")  # connection refused until init_timeout_s
     state = json.loads((run_dir / "trackers.json").read_text())
-    assert "wandb" not in state and state["sent_through"] == {"tensorboard": 2, "mlflow": 2}
+    # W&B's id, saved before wandb.init, is all it keeps: a restart tries that run again.
+    assert set(state["wandb"]) == {"id"} and state["sent_through"] == {"tensorboard": 2, "mlflow": 2}
     check_tensorboard(run_dir / "tensorboard", reports)
     check_mlflow(run_dir, state["mlflow"]["run_id"], reports)
 
@@ -563,6 +638,9 @@ def test_missing_trackers_names_the_pip_extra(monkeypatch):
     ({"tracking": {"wandb": {"project": "team/project"}}}, "project"),
     ({"tracking": {"tensorboard": {"log_dir": "   "}}}, "log_dir"),
     ({"tracking": {"wandb": {"dir": " x"}}}, "dir"),
+    ({"tracking": {"name": "../x"}}, "tracking.name"),
+    ({"tracking": {"name": ".."}}, "tracking.name"),
+    ({"tracking": {"name": "eval"}}, "tracking.name"),
     ({"tracking": {"tensorboard": {"logdir": "x"}}}, "logdir"),
 ])
 def test_config_refuses_bad_tracking_settings(data, problem):

@@ -139,6 +139,13 @@ def _mlflow_uri(value: str | None) -> str | None:
     return value
 
 
+def _run_name(value: str | None) -> str | None:
+    # A directory name too (TensorBoard's <log_dir>/<name>): no separator, not "." or "..", not "eval" (opsd eval's).
+    if value is not None and ("/" in value or "\\" in value or value in (".", "..", "eval")):
+        raise ValueError(f"tracking.name {value!r}: a name without / or \\, not '.', '..' or 'eval'")
+    return value
+
+
 class WandbSection(_Section):
     """Weights & Biases (run.report_to: [wandb]). None: the WANDB_* variable (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE,
     WANDB_API_KEY, WANDB_BASE_URL for a server of your own), else W&B's default (project "opsd")."""
@@ -177,7 +184,7 @@ class TrackingSection(_Section):
     Reporting only (not part of the config hash): a resumed run may add or drop a tracker.
     """
 
-    name: str | None = Field(None, min_length=1, max_length=128, pattern=_TRIMMED)
+    name: Annotated[str | None, AfterValidator(_run_name)] = Field(None, min_length=1, max_length=128, pattern=_TRIMMED)
     trajectories_per_step: int = Field(4, ge=0, le=64)
     table_chars: int = Field(500, ge=20, le=10_000)
     histogram_bins: int = Field(64, ge=2, le=1024)

@@ -508,7 +508,7 @@ def _finish(run: _Run, lock, exit_at_done: bool) -> None:
     run.par.stop()  # the other ranks' `follow` returns
     if run.reporter is not None:  # what is checkpointed is sent; W&B and MLflow mark the run finished (or not)
         with finishing():
-            run.reporter.close(finished=step >= cfg.run.steps, timeout_s=120.0 if step >= cfg.run.steps else 20.0)
+            run.reporter.close(finished=step >= cfg.run.steps, timeout_s=120.0 if step >= cfg.run.steps else 5.0)
     if step < cfg.run.steps:
         log.info("stopped before step %d; resume with the same run dir", step)
         lock.close()

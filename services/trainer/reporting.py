@@ -17,6 +17,8 @@ import logging
 import math
 import os
 import queue
+import secrets
+import string
 import threading
 import time
 from pathlib import Path
@@ -118,7 +120,11 @@ class Reporter:
                 f.unlink(missing_ok=True)
         self.records = {r["step"]: r for r in records if isinstance(r.get("step"), int) and r["step"] < resumed_step}
         self.state = read_state(self.run_dir) or (read_state(checkpoint) if checkpoint is not None else {})
-        self.state.setdefault("sent_through", {})
+        # A resume from an older checkpoint (the newest one damaged) trains steps a tracker may hold again: they
+        # are sent again (TensorBoard's purge_step hides the old ones; W&B and MLflow keep both).
+        sent = self.state.setdefault("sent_through", {})
+        for name in sent:
+            sent[name] = min(sent[name], resumed_step - 1)
         self.lock = threading.Lock()  # self.state, trackers.json and the staged files, shared by the lanes
         self.lanes = [_Lane(self, name, resumed_step) for name in cfg.run.report_to]
         for lane in self.lanes:
@@ -212,9 +218,13 @@ class _Lane:
 
     def _open_and_send(self) -> None:
         r = self.reporter
+        name = self.name
+        if name == "wandb" and not r.state.get("wandb", {}).get("id"):
+            # The id saved before wandb.init (seconds): a process killed meanwhile leaves no second W&B run behind.
+            r.held(name, None, {"id": "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))})
         with r.lock:
             state = json.loads(json.dumps(r.state))  # the other lanes write theirs meanwhile
-        saved = state.get(name := self.name)
+        saved = state.get(name)
         sent = state["sent_through"].get(name)
         purge = {"purge_step": sent + 1 if sent is not None else 0} if name == "tensorboard" else {}
         trackers = Trackers([name], r.cfg.tracking, r.run_dir, r.config, state, "trainer", **purge)
