@@ -77,11 +77,14 @@ NO_DATA_REASONS = {
     "redis_errors_total": "Redis lists an error type only once one was replied: none was in this run",
     "opsd_privileged_signal": "set once a step has turns that played the privileged hint's next command (and "
                               "others): the tiny random model played none (metrics.jsonl: hint_match_turns 0 at every step)",
+    "opsd_tracker_errors_total": "labelled (at 0) once the trainer opens an experiment tracker: this run's "
+                                 "run.report_to names none",
 }
 # A reason that can be checked against the run's metrics.jsonl records must hold there.
 REASON_HOLDS = {
     "opsd_privileged_signal": lambda records: bool(records) and all(
         r.get("privileged_signal") is None and not r.get("hint_match_turns") for r in records),
+    "opsd_tracker_errors_total": lambda records: not check_config().get("run", {}).get("report_to"),
 }
 # Memory limits of the containers (compose mem_limit), a bound on a runaway one: the first role converts the
 # packaged SmolLM2 (the tiny model's tokenizer source) once. dockerd's cgroup caps their sum (--memory).
