@@ -234,7 +234,8 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def training_records(run_dir: Path) -> list[dict]:
-    """The run's metrics.jsonl lines, reduced to what the learning report shows."""
+    """The run's metrics.jsonl lines, reduced to what the learning report shows, one per step (a step written
+    twice, redone after a restart, counts once: its last record, the one the run kept)."""
     keys = ("step", "policy_version", "success_rate", "format_valid_rate", "reward_mean", "mixed_groups",
             "teacher_student_gap", "privileged_signal", "hint_match_turns", "hint_other_turns", "teacher",
             "teacher_guard/worse_share", "loss", "step_seconds",
@@ -248,7 +249,8 @@ def training_records(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         out.append({k: rec.get(k) for k in keys})
-    return out
+    last = {r["step"]: i for i, r in enumerate(out)}
+    return [r for i, r in enumerate(out) if last[r["step"]] == i]
 
 
 # ---------------------------------------------------------------------------
@@ -736,6 +738,40 @@ def benchmark_rows(result: dict, steps: int, teacher: bool) -> list[Row]:
     return rows
 
 
+def prepare(args, ap) -> tuple[Plan, dict | None]:
+    """The checked experiment of the command line and, with --resume, the learning.json it continues (None
+    without one). Every method's config is validated as `opsd run` will read it (a bad one fails in seconds, not
+    after the untrained evaluation); nothing is written. Usage errors exit 2, another experiment's learning.json 1."""
+    base = base_config(args, ap.error)
+    steps = int(base.get("run", {}).get("steps", 3))
+    args.seeds = args.seeds if args.seeds is not None else [int(base.get("run", {}).get("seed", 0))]
+    teacher_steps = (args.teacher_steps or 2 * steps) if args.teacher else None
+    if teacher_steps is not None and teacher_steps < steps:
+        ap.error(f"--teacher-steps must be >= run.steps ({steps}): GRPO's curve is read up to run.steps")
+    with tempfile.TemporaryDirectory(prefix="opsd-learning-") as tmp:
+        for method in args.methods:
+            cfg = (teacher_config(base, method, steps, Path(tmp) / "teacher") if args.teacher
+                   else method_config(base, method, steps))
+            validated(cfg, Path(tmp) / f"{method}.yaml")
+        run_cfg = validated(base, Path(tmp) / "config.yaml")
+    args.out = args.out or ROOT / "runs" / "learning" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    before = json.loads((args.out / "learning.json").read_text()) if args.resume and (args.out / "learning.json").is_file() else None
+    if before is not None and (before["config"] != base or before["methods"] != args.methods
+                               or before.get("teacher_steps") != teacher_steps):
+        raise SystemExit(f"--resume: {args.out / 'learning.json'} was written with another config, methods or teacher steps")
+    every = run_cfg.trainer.snapshot_every
+    if every < 1:
+        raise SystemExit("trainer.snapshot_every must be >= 1: the curve is evaluated on the kept snapshots")
+    grpo_points = {"--teacher-steps": teacher_steps} if args.teacher else {}  # GRPO's snapshots read past run.steps
+    if args.compute_matched:
+        grpo_points["--teacher-steps + run.steps"] = teacher_steps + steps
+    for name, n in grpo_points.items():
+        if n % every:
+            raise SystemExit(f"{name} ({n}) must be a multiple of trainer.snapshot_every ({every}): GRPO is evaluated "
+                             "on its snapshot there")
+    return Plan(args, base, run_cfg, steps, teacher_steps), before
+
+
 def main() -> None:
     args, ap = parse_args()
     if args.table:  # from the results files alone: nothing trained, no model loaded
@@ -744,34 +780,8 @@ def main() -> None:
             ap.error(f"--table: no results files in {args.results}")
         print(markdown_tables(aggregate(recs)), end="")
         return
-    base = base_config(args, ap.error)
-    steps = int(base.get("run", {}).get("steps", 3))
-    args.seeds = args.seeds if args.seeds is not None else [int(base.get("run", {}).get("seed", 0))]
-    teacher_steps = (args.teacher_steps or 2 * steps) if args.teacher else None
-    if teacher_steps is not None and teacher_steps < steps:
-        ap.error(f"--teacher-steps must be >= run.steps ({steps}): GRPO's curve is read up to run.steps")
-
-    # Every method's config now, as `opsd run` will read it: a bad one fails in seconds, not after the eval.
-    with tempfile.TemporaryDirectory(prefix="opsd-learning-") as tmp:
-        for method in args.methods:
-            cfg = (teacher_config(base, method, steps, Path(tmp) / "teacher") if args.teacher
-                   else method_config(base, method, steps))
-            validated(cfg, Path(tmp) / f"{method}.yaml")
-    args.out = args.out or ROOT / "runs" / "learning" / datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out
-    before = json.loads((out / "learning.json").read_text()) if args.resume and (out / "learning.json").is_file() else None
-    if before is not None and (before["config"] != base or before["methods"] != args.methods
-                               or before.get("teacher_steps") != teacher_steps):
-        raise SystemExit(f"--resume: {out / 'learning.json'} was written with another config, methods or teacher steps")
-    with tempfile.TemporaryDirectory(prefix="opsd-learning-") as tmp:  # the run config, before anything is written
-        run_cfg = validated(base, Path(tmp) / "config.yaml")
-    if run_cfg.trainer.snapshot_every < 1:
-        raise SystemExit("trainer.snapshot_every must be >= 1: the curve is evaluated on the kept snapshots")
-    for name, n in (("--teacher-steps", teacher_steps), ("--teacher-steps + run.steps", (teacher_steps or 0) + steps)):
-        if teacher_steps is not None and n % run_cfg.trainer.snapshot_every and (name == "--teacher-steps" or args.compute_matched):
-            raise SystemExit(f"{name} ({n}) must be a multiple of trainer.snapshot_every ({run_cfg.trainer.snapshot_every}): "
-                             "GRPO is evaluated on its snapshot there")
-    plan = Plan(args, base, run_cfg, steps, teacher_steps)
+    plan, before = prepare(args, ap)
+    base, run_cfg, steps, teacher_steps, out = plan.base, plan.run_cfg, plan.steps, plan.teacher_steps, plan.out
     load_records(plan)
     out.mkdir(parents=True, exist_ok=True)
     validated(base, out / "config.yaml")
