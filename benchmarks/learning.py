@@ -23,7 +23,8 @@ Writes to DIR (default runs/learning/<timestamp>/): learning.json (every point, 
 summaries, paired comparisons with GRPO and compute columns), learning.png (held-out success vs step, one line
 per method: with one seed its bootstrap band, with several the mean over seeds and a min-max band) and one run
 directory per method and seed, DIR/<method>/seed<S>/<run>/, which keeps the run's final `checkpoint/` (about
-1.6 GB for SmolLM2 in fp32 with the optimizer state: delete it when done). The JSON is rewritten after every
+1.6 GB for SmolLM2 in fp32 with the optimizer state: delete it when done, or pass --drop-checkpoints to delete
+it as soon as the (method, seed)'s results file is complete: a seeded experiment's 12 runs would hold 19 GB). The JSON is rewritten after every
 evaluation, so a run stopped early keeps what it measured; its "config" holds the steps actually run.
 Every method's config is validated as `opsd run` validates it before anything is evaluated.
 
@@ -66,6 +67,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -404,8 +406,8 @@ def markdown_tables(agg: dict) -> str:
     lines = [f"Held-out {m} over training seeds {agg['seeds']} ({agg['games']} held-out games, the same for every "
              f"method and seed; config {agg['config_hash']}). Spread: [min, max] and sample std over seeds. "
              "Paired: method - GRPO at the same step, per (seed, game), mean and 95% hierarchical bootstrap "
-             "interval (seeds, then games; seeds x games). Compute: mean per seed; token passes = generated + "
-             "teacher-forced + trainer (loss tokens x PPO epochs).", "",
+             "interval (seeds, then games; seeds x games). Compute: mean per seed; token passes = generated (sampled "
+             "response tokens) + teacher-forced (whole scored trajectories) + trainer (loss tokens x PPO epochs).", "",
              f"| method | step | seeds | held-out {m}: mean [min, max] | std | paired vs GRPO | episodes | "
              "token passes (gen + teacher + trainer) | with teacher's training: episodes, token passes |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -463,6 +465,7 @@ class Plan:
         self.base, self.run_cfg, self.steps, self.teacher_steps = base, run_cfg, steps, teacher_steps
         self.methods, self.seeds, self.teacher, self.compute_matched = args.methods, args.seeds, args.teacher, args.compute_matched
         self.out, self.results, self.keep_snapshots, self.resume = args.out, args.results, args.keep_snapshots, args.resume
+        self.drop_checkpoints = args.drop_checkpoints
         self.records: dict[tuple[str, int | None], dict] = {}  # (method, seed) -> results record; untrained: seed None
         self.header = {"config": base, "run_steps": steps, "teacher_steps": teacher_steps,
                        "compute_matched": bool(args.compute_matched), "ppo_epochs": run_cfg.trainer.ppo_epochs}
@@ -599,6 +602,8 @@ def run_one(plan: Plan, ev: Evaluator, rec: dict, on_point) -> dict:
     rec["compute"] = compute_block(rec, plan.records.get(("grpo", seed)))
     rec["complete"] = True
     write_results(plan.results, rec)
+    if plan.drop_checkpoints:  # the results file holds what the report needs; a teacher is a copy of its own
+        shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     return rec
 
 
@@ -620,6 +625,8 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
                     help="raw results folder (default benchmarks/results/<experiment>/; module docstring)")
     ap.add_argument("--table", action="store_true", help="print the Markdown tables from --results alone and exit")
     ap.add_argument("--keep-snapshots", action="store_true")
+    ap.add_argument("--drop-checkpoints", action="store_true",
+                    help="delete a (method, seed)'s checkpoint/ (1.6 GB for SmolLM2) once its results file is complete")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the benchmark rows here (benchmarks/run.py)")
     ap.add_argument("--resume", action="store_true", help="continue the stopped benchmark in --out (module docstring)")

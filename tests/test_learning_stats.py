@@ -206,7 +206,8 @@ def test_seeded_configs_differ_only_in_run_seed_and_name(tmp_path):
 
     base = yaml.safe_load((ROOT / "configs" / "learning-teacher.yaml").read_text())
     args = argparse.Namespace(methods=list(learning.TEACHER_METHODS), seeds=[0, 3], teacher=True, compute_matched=True,
-                              out=tmp_path, results=tmp_path / "r", keep_snapshots=False, resume=False)
+                              out=tmp_path, results=tmp_path / "r", keep_snapshots=False, resume=False,
+                              drop_checkpoints=True)
     run_cfg = RunConfig.model_validate(base)
     plan = learning.Plan(args, base, run_cfg, 6, 12)
     g0, g3, opd3 = plan.config_of("grpo", 0), plan.config_of("grpo", 3), plan.config_of("opd", 3)
