@@ -465,8 +465,9 @@ def test_learning_configs_differ_only_in_the_method_and_the_plot_is_written(tmp_
         assert rest == {k: v for k, v in yaml_config.items() if k != "run"}  # same env, seeds, budget
     assert base["run"]["method"] == "grpo" and base["trainer"]["snapshot_every"] >= 1
     assert base["env"]["privileged"] == "remaining"
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "success_rate": 0.25, "privileged_signal": null}\nnot json\n')
-    assert learning.training_records(tmp_path)[0]["success_rate"] == 0.25
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "success_rate": 0.5}\n{"step": 0, "success_rate": 0.25, '
+                                            '"privileged_signal": null}\nnot json\n')
+    assert [r["success_rate"] for r in learning.training_records(tmp_path)] == [0.25]  # a redone step: its last
     result = {"untrained": {"success": 0.1, "lo": 0.05, "hi": 0.2},
               "curves": {"grpo": [{"step": 4, "success": 0.3, "lo": 0.2, "hi": 0.4}], "alignopsd": []}}
     out = learning.plot(result, tmp_path / "learning.png")

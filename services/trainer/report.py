@@ -70,6 +70,9 @@ def summarize(
         out["teacher_student_gap"] = gap / max(n, 1.0)
         out["corrected_gap"] = corr / max(n, 1.0)
         out["teacher_seconds"] = float(sum(sg.teacher_seconds for sg in scored))
+        # Teacher-forced tokens (compute counted, issue 41): every scored trajectory's tokens, the teacher's own
+        # `scored_tokens` count (its privileged prefixes and per-turn views' re-scored prefixes not included).
+        out["teacher_scored_tokens"] = int(sum(t.token_ids_S.shape[0] for sg in scored for t in sg.rollout.trajectories))
         # Which teacher scored the step's groups, and the policy versions it held (self: the groups' own).
         out["teacher"] = sorted({sg.teacher or "self:live" for sg in scored})
         out["teacher_version_min"] = min(sg.teacher_version for sg in scored)

@@ -1,0 +1,222 @@
+"""benchmarks/stats.py and the learning benchmark's results files, report and table (issue 41), on values
+worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import learning, stats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows(games: dict[str, list[int]]) -> list[dict]:
+    """Episode rows of {task_id: [won, won, ...]} (reward = won)."""
+    return [{"task_id": g, "category": "coin", "episode": i, "reward": float(w), "won": bool(w), "turns": 2}
+            for g, ws in games.items() for i, w in enumerate(ws)]
+
+
+def test_percentile_bootstrap_is_reproducible_and_brackets_the_mean():
+    assert stats.percentile_interval([0.0, 1.0, 2.0, 3.0, 4.0], 0.5) == (1.0, 3.0)
+    with pytest.raises(ValueError):
+        stats.percentile_interval([])
+    values = [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]  # mean 0.625
+    lo, hi = stats.bootstrap_mean(values, samples=2000, seed=3)
+    assert 0.0 <= lo < 0.625 < hi <= 1.0
+    assert stats.bootstrap_mean(values, samples=2000, seed=3) == (lo, hi)  # same seed, same bounds
+    assert stats.bootstrap_mean([0.5, 0.5, 0.5]) == (0.5, 0.5)  # no spread: a point
+    with pytest.raises(ValueError):
+        stats.bootstrap_mean([])
+
+
+def test_seed_summary_mean_and_spread():
+    s = stats.seed_summary({0: 0.25, 1: 0.5, 2: 0.75})
+    assert s == {"seeds": 3, "mean": 0.5, "min": 0.25, "max": 0.75, "std": pytest.approx(0.25)}
+    assert stats.seed_summary({7: 0.4}) == {"seeds": 1, "mean": 0.4, "min": 0.4, "max": 0.4, "std": None}
+    with pytest.raises(ValueError):
+        stats.seed_summary({})
+
+
+def test_game_values_average_a_games_episodes_first():
+    assert stats.game_values(rows({"a": [1, 1, 0, 0], "b": [1]})) == {"a": 0.5, "b": 1.0}
+    graded = [{"task_id": "a", "reward": 0.4, "won": False}, {"task_id": "a", "reward": 0.8, "won": True}]
+    assert stats.game_values(graded, "f1") == {"a": pytest.approx(0.6)} and stats.game_values(graded) == {"a": 0.5}
+
+
+def test_identical_methods_differ_by_zero():
+    runs = {0: rows({"a": [1, 0], "b": [0, 0], "c": [1, 1]}), 1: rows({"a": [0, 0], "b": [1, 0], "c": [1, 1]})}
+    p = stats.paired_comparison(runs, runs, samples=500)
+    assert (p["diff"], p["lo"], p["hi"]) == (0.0, 0.0, 0.0) and p["seeds"] == 2 and p["games"] == 6
+
+
+def test_a_method_winning_every_game_grpo_loses_differs_by_one():
+    method = {s: rows({g: [1, 1] for g in "abcd"}) for s in (0, 1, 2)}
+    grpo = {s: rows({g: [0, 0] for g in "abcd"}) for s in (0, 1, 2)}
+    p = stats.paired_comparison(method, grpo, samples=500)
+    assert (p["diff"], p["lo"], p["hi"]) == (1.0, 1.0, 1.0) and p["per_seed"] == {0: 1.0, 1: 1.0, 2: 1.0}
+    assert stats.paired_comparison(grpo, method, samples=500)["diff"] == -1.0
+
+
+def test_paired_comparison_by_hand():
+    # seed 0: a 1 - 0 = +1, b 0.5 - 1 = -0.5 -> +0.25; seed 1: a 1 - 1 = 0, b 1 - 0 = +1 -> +0.5; mean +0.375.
+    method = {0: rows({"a": [1, 1], "b": [1, 0]}), 1: rows({"a": [1], "b": [1]})}
+    grpo = {0: rows({"a": [0, 0], "b": [1, 1]}), 1: rows({"a": [1], "b": [0]}), 2: rows({"a": [1]})}
+    assert stats.paired_differences(method, grpo) == {0: {"a": 1.0, "b": -0.5}, 1: {"a": 0.0, "b": 1.0}}
+    p = stats.paired_comparison(method, grpo, samples=4000, seed=1)
+    assert p["diff"] == 0.375 and p["per_seed"] == {0: 0.25, 1: 0.5} and (p["seeds"], p["games"]) == (2, 4)
+    assert -0.5 <= p["lo"] < 0.375 < p["hi"] <= 1.0  # within the smallest and largest difference
+    assert stats.paired_comparison(method, grpo, samples=4000, seed=1) == p  # deterministic under the seed
+    # One resample by hand: seeds [1, 0] drawn, games within each drawn again.
+    diffs = [stats.np.array([1.0, -0.5]), stats.np.array([0.0, 1.0])]
+    rng = stats.np.random.default_rng(5)
+    picked = rng.integers(0, 2, 2)
+    want = stats.np.mean([diffs[i][rng.integers(0, 2, 2)].mean() for i in picked])
+    assert stats.hierarchical_mean(diffs, stats.np.random.default_rng(5)) == want
+    # Games or seeds only one side has are left out; nothing in common: None.
+    assert stats.paired_differences({0: rows({"a": [1], "z": [1]})}, {0: rows({"a": [0]})}) == {0: {"a": 1.0}}
+    assert stats.paired_comparison({3: rows({"a": [1]})}, {0: rows({"a": [1]})}) is None
+
+
+def test_training_compute_counts_episodes_and_token_passes():
+    records = [{"step": 0, "policy_version": 1, "episodes": 16, "generated_tokens": 100, "teacher_scored_tokens": 400,
+                "loss_tokens": 100},
+               {"step": 1, "policy_version": 2, "episodes": 16, "generated_tokens": 50, "teacher_scored_tokens": 300,
+                "loss_tokens": 50},
+               {"step": 2, "episodes": 16, "generated_tokens": 10, "loss_tokens": 10}]  # no teacher count, no version
+    c = stats.training_compute(records, ppo_epochs=2, upto=2)
+    assert c == {"steps": 2, "episodes": 32, "generated_tokens": 150, "teacher_tokens": 700, "trainer_tokens": 300,
+                 "token_passes": 1150}
+    everything = stats.training_compute(records, ppo_epochs=1)
+    assert everything["steps"] == 3 and everything["teacher_tokens"] == 700 and everything["trainer_tokens"] == 160
+    assert stats.add_compute(c, c)["episodes"] == 64
+
+
+def test_episode_rows_keep_every_episode_and_failed_tasks():
+    report = {"tasks": [
+        {"task_id": "g1", "category": "coin", "error": None, "episodes": [
+            {"rollout_id": "x", "reward": 1.0, "won": True, "ending": "won", "turns": 3, "valid_turns": 3},
+            {"rollout_id": "y", "reward": 0.0, "won": False, "ending": "max_turns", "turns": 6, "valid_turns": 5}]},
+        {"task_id": "g2", "category": "coin", "error": "RuntimeError: boom", "episodes": []}]}
+    got, errors = learning.episode_rows(report)
+    assert got == [{"task_id": "g1", "category": "coin", "episode": 0, "reward": 1.0, "won": True, "turns": 3},
+                   {"task_id": "g1", "category": "coin", "episode": 1, "reward": 0.0, "won": False, "turns": 6}]
+    assert errors == [{"task_id": "g2", "error": "RuntimeError: boom"}]
+
+
+def record(header: dict, method: str, seed: int, wins: dict[int, dict[str, list[int]]], teacher: int | None = None) -> dict:
+    """A complete results record with evaluations {step: {game: [won, ...]}} and one training record a step."""
+    rec = learning.new_record(header, method, seed)
+    for step, games in wins.items():
+        eps = rows(games)
+        value = sum(e["won"] for e in eps) / len(eps)
+        rec["steps"][str(step)] = {"value": value, "lo": 0.0, "hi": 1.0, "n": len(eps), "episodes": eps, "errors": []}
+    last = max(wins)
+    rec["training"] = [{"step": k, "policy_version": k + 1, "episodes": 16, "generated_tokens": 100,
+                        "teacher_scored_tokens": 0 if method == "grpo" else 400, "loss_tokens": 100} for k in range(last)]
+    if teacher is not None:
+        rec["teacher"] = {"method": "grpo", "seed": seed, "step": teacher}
+    rec.update(metric="success", complete=True)
+    return rec
+
+
+def test_results_files_report_and_table(tmp_path):
+    """A two-seed teacher experiment written as results files: aggregate's summaries, paired and compute-matched
+    comparisons and compute are what the records say; --table prints them from the folder alone."""
+    header = {"config": {"run": {"steps": 2}}, "run_steps": 2, "teacher_steps": 4, "compute_matched": True, "ppo_epochs": 1}
+    lose, win = {"a": [0], "b": [0]}, {"a": [1], "b": [1]}
+    recs = [record(header, "grpo", s, {2: lose, 4: {"a": [1], "b": [0]}, 6: {"a": [1], "b": [s]}}) for s in (0, 1)]
+    recs += [record(header, "opd", s, {2: win}, teacher=4) for s in (0, 1)]
+    untrained = learning.new_record(header, "untrained", None)
+    untrained.update(steps={"0": {"value": 0.5, "lo": 0.0, "hi": 1.0, "n": 2, "episodes": rows({"a": [1], "b": [0]}),
+                                  "errors": []}}, metric="success", complete=True)
+    results = tmp_path / "results"
+    for rec in [untrained, *recs]:
+        path = learning.write_results(results, rec)
+        assert path.stat().st_size < 200_000
+    assert sorted(p.name for p in results.iterdir()) == ["grpo-seed0.json", "grpo-seed1.json", "opd-seed0.json",
+                                                         "opd-seed1.json", "untrained.json"]
+    agg = learning.aggregate(learning.read_results(results))
+    assert agg["seeds"] == [0, 1] and agg["games"] == 2 and agg["untrained"]["value"] == 0.5
+    assert list(agg["methods"]) == ["grpo", "opd"] and list(agg["methods"]["grpo"]) == [2, 4, 6]
+    assert agg["methods"]["grpo"][6]["summary"] == {"seeds": 2, "mean": 0.75, "min": 0.5, "max": 1.0,
+                                                    "std": pytest.approx(0.3535534)}
+    opd = agg["methods"]["opd"][2]
+    assert (opd["paired"]["diff"], opd["paired"]["lo"], opd["paired"]["hi"]) == (1.0, 1.0, 1.0)
+    # Against GRPO at 4 + 2 = 6: seed 0 +0.5 (b), seed 1 0 -> +0.25.
+    assert agg["compute_matched_paired"]["opd"]["diff"] == 0.25
+    # Compute: opd's 2 steps, plus its teacher's 4 GRPO steps; GRPO at 6 counts its own 6 steps.
+    assert opd["compute"]["own"]["episodes"] == 32 and opd["compute"]["own"]["token_passes"] == 2 * (100 + 400 + 100)
+    assert opd["compute"]["with_teacher"]["episodes"] == 32 + 64
+    assert agg["methods"]["grpo"][6]["compute"]["own"]["episodes"] == 96
+    table = learning.markdown_tables(agg)
+    assert "| opd | 2 | 2 | 1.000 [1.000, 1.000] | 0.000 | +1.000 [+1.000, +1.000] (2x2) | 32 |" in table
+    assert "| grpo (teacher) | 4 |" in table and "| grpo (compute-matched) | 6 |" in table
+    assert "| opd | 1.000 | 0.750 | +0.250 [" in table
+    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--table", "--results", str(results)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout == table, proc.stderr[-2000:]
+    curves = learning.curves(agg)  # learning.png: up to run.steps, mean and min-max over seeds
+    assert [p["step"] for p in curves["grpo"]] == [2] and curves["opd"][0] == {
+        "step": 2, "metric": "success", "value": 1.0, "lo": 1.0, "hi": 1.0, "seeds": 2}
+    json.dumps(agg)  # learning.json holds it
+    other = learning.new_record({**header, "run_steps": 3}, "opd", 5)
+    learning.write_results(results, {**other, "steps": {}})
+    with pytest.raises(SystemExit, match="mix experiments"):
+        learning.aggregate(learning.read_results(results))
+
+
+def test_results_are_never_overwritten_without_resume_nor_mixed(tmp_path):
+    """A results file of a (method, seed) about to run is refused without --resume, and under --resume when it
+    was written by another experiment: before any model is loaded or anything written to --out."""
+    results = tmp_path / "r"
+    learning.write_results(results, {**learning.new_record({"config": {}}, "grpo", 0), "config_hash": "0" * 16})
+
+    def run(*flags):
+        return subprocess.run([sys.executable, "benchmarks/learning.py", "--quick", "--seeds", "0", "--results",
+                               str(results), "--out", str(tmp_path / "out"), *flags], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    proc = run()
+    assert proc.returncode == 1 and "grpo-seed0.json exists: --resume continues" in proc.stderr, proc.stderr[-2000:]
+    proc = run("--resume")
+    assert proc.returncode == 1 and "was written with another config" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--seeds", "1", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--seeds: each seed once" in proc.stderr
+    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--compute-matched"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--compute-matched needs --teacher" in proc.stderr
+
+
+def test_seeded_configs_differ_only_in_run_seed_and_name(tmp_path):
+    """--seeds: each (method, seed) trains with run.seed = S; eval games and eval.seed are the config's for all.
+    --teacher --compute-matched: GRPO trains teacher_steps + run.steps and is evaluated at both."""
+    import argparse
+
+    import yaml
+
+    from opsd.config import RunConfig
+
+    base = yaml.safe_load((ROOT / "configs" / "learning-teacher.yaml").read_text())
+    args = argparse.Namespace(methods=list(learning.TEACHER_METHODS), seeds=[0, 3], teacher=True, compute_matched=True,
+                              out=tmp_path, results=tmp_path / "r", keep_snapshots=False, resume=False,
+                              drop_checkpoints=True)
+    run_cfg = RunConfig.model_validate(base)
+    plan = learning.Plan(args, base, run_cfg, 6, 12)
+    g0, g3, opd3 = plan.config_of("grpo", 0), plan.config_of("grpo", 3), plan.config_of("opd", 3)
+    assert g0["run"]["seed"] == 0 and g3["run"]["seed"] == 3 and g3["run"]["steps"] == 18 and opd3["run"]["steps"] == 6
+    assert g3["run"]["name"] == "learning-grpo-seed3" and g3["eval"] == g0["eval"] == base["eval"]
+    assert {k: v for k, v in g3.items() if k != "run"} == {k: v for k, v in g0.items() if k != "run"}
+    assert opd3["teacher"]["model"]["name"] == str(tmp_path / "teacher-seed3")
+    assert plan.wanted("grpo") == {3, 6, 12, 18} and plan.wanted("opd") == {3, 6}
+    for cfg in (g3, opd3):
+        RunConfig.model_validate(cfg)
+    assert learning.experiment_name(Path("configs/learning-teacher.yaml"), True, False) == "learning-teacher"
+    assert learning.experiment_name(Path("configs/learning.yaml"), True, True) == "learning-teacher-quick"
