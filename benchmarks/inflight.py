@@ -22,13 +22,22 @@ three ways, in one process, one after another:
       `model.generate` in batches of N rows of equal response length; vLLM:
       one offline `LLM.generate` call on an engine with max_num_seqs N), for
       each N in `--limit-batches` (8 and 64: what batching alone buys the
-      engine on this machine; the largest N is the (c) of the ratios).
+      engine on this machine); these prefill every request in full. And the
+      turn-ordered replay: the same requests grouped by their turn within
+      their episode, every first turn, then every second turn, ..., on ONE
+      engine with prefix caching, so later turns reuse earlier turns' KV as
+      (b)'s do (transformers: a new HFEngine, the engine (b) uses, each turn's
+      requests submitted at once with their episode key and seed, no stop ids;
+      vLLM: one offline `LLM.generate` call per turn on an engine with prefix
+      caching and the backend's max_num_seqs). The fastest (c) mode (fewest
+      seconds) is the (c) of the ratios: the engine's limit as measured.
 
 Rollout rows: generated tokens/s and episodes/s of each, and the ratios
-(b)/(a) and (b)/(c) at the best K ((c) in episodes/s: the workload's
-episodes over the time (c) takes for the workload's tokens). Targets: on vLLM
-(b)/(c) >= 0.8 and (b)/(a) >= 3x; on transformers the ratios are reported
-without a target.
+(b)/(a) and (b)/(c) at the best K ((c): the fastest (c) mode, named in the
+row's note; in episodes/s: the workload's episodes over the time (c) takes
+for the workload's tokens), and (b)/(c) against the turn-ordered replay.
+Targets: on vLLM (b)/(c) >= 0.8 and (b)/(a) >= 3x; on transformers the
+ratios are reported without a target.
 
 Teacher rows, on the groups (b) produced (method opd: identity scoring, the
 views of every trajectory): (a) `score_group` per group one after another,
@@ -60,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from benchmarks.common import REPO, Row, command_line, machine, print_rows, write_json  # noqa: E402
 
 ROLLOUT_TARGETS = {"vllm": (">= 3 x", ">= 0.8 x")}  # (b)/(a), (b)/(c) at the best K
+REPLAY = "(c) engine alone, turn-ordered replay"
 
 
 def make_config(args: argparse.Namespace):
@@ -84,21 +94,30 @@ def make_tasks(cfg, n: int, ctx) -> list:
 
 
 class Recording:
-    """Wraps an engine: records (prompt ids, response length) of every request it serves."""
+    """Wraps an engine: records (prompt ids, response length) of every request it serves (`requests`), and the
+    same with the request's episode (cache key), its turn within that episode and its seed (`records`)."""
 
     def __init__(self, engine):
-        self.engine, self.requests, self._lock = engine, [], threading.Lock()
+        self.engine, self.requests, self.records, self._lock = engine, [], [], threading.Lock()
+        self._turns: dict = {}  # cache key -> turns submitted (an episode's turns are submitted one after another)
         self.policy_version = engine.policy_version
 
     def submit(self, request):
         out: Future = Future()  # resolved only once recorded: a caller that goes on finds its request listed
+        with self._lock:
+            key = request.cache_key if request.cache_key is not None else f"request-{id(out)}"
+            turn = self._turns.get(key, 0)
+            self._turns[key] = turn + 1
 
         def record(f):
             if f.exception() is not None:
                 out.set_exception(f.exception())
                 return
+            n = len(f.result().token_ids)
             with self._lock:
-                self.requests.append((list(request.prompt_ids), len(f.result().token_ids)))
+                self.requests.append((list(request.prompt_ids), n))
+                self.records.append({"prompt_ids": list(request.prompt_ids), "n": n, "turn": turn, "key": key,
+                                     "seed": request.seed})
             out.set_result(f.result())
 
         self.engine.submit(request).add_done_callback(record)
@@ -179,6 +198,96 @@ def engine_limit_vllm(backend, requests: list, batch: int) -> tuple[float, int]:
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def turn_waves(records: list[dict]) -> list[list[dict]]:
+    """The recorded requests grouped by turn index: every first turn, then every second turn, ... (each wave in
+    the order the requests were served)."""
+    waves: dict[int, list[dict]] = {}
+    for r in records:
+        waves.setdefault(r["turn"], []).append(r)
+    return [waves[t] for t in sorted(waves)]
+
+
+class _NoStops:
+    """An HFBackend seen through the replay's engine with no stop ids: every row samples exactly its
+    max_new_tokens (EOS ignored, as the other (c) modes). Everything else is the backend's."""
+
+    stop_token_ids: tuple = ()
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def engine_replay_hf(backend, records: list[dict], max_batch: int, kv_cache_bytes: int) -> tuple[float, int, float]:
+    """transformers alone, turn by turn: the recorded requests replayed on ONE new HFEngine (the engine (b) uses,
+    waves of at most `max_batch` rows, episodes' KV kept in `kv_cache_bytes`), every first turn submitted at
+    once and awaited, then every second turn, ...; each request with its prompt ids, episode key and seed, and
+    max_new_tokens = its recorded response length with no stop ids (EOS ignored). A second turn resumes from its
+    episode's kept KV when the replayed first turn sampled the ids (b) did (same seed: it does, up to float
+    rounding), and siblings of equal response length share their first prompt's prefill; the engine groups a
+    wave's rows by response length, as `engine_limit_hf` batches them. No environment, no opsd episode code.
+    Returns (seconds, tokens generated, prefix-cache hit rate)."""
+    from opsd.models.engine import SampleRequest
+    from opsd.models.hf_engine import HFEngine
+
+    engine = HFEngine(_NoStops(backend), max_batch=max_batch, kv_cache_bytes=kv_cache_bytes)
+    try:
+        waves = turn_waves(records)
+        t0, tokens = time.perf_counter(), 0
+        for wave in waves:
+            futures = [engine.submit(SampleRequest(r["prompt_ids"], r["n"], 1.0, 1.0, r["seed"], cache_key=r["key"]))
+                       for r in wave]
+            tokens += sum(len(f.result().token_ids) for f in futures)
+        seconds = time.perf_counter() - t0
+        s = engine.stats()
+    finally:
+        engine.close()
+    return seconds, tokens, s.prefix_hit_rate
+
+
+def replay_waves_vllm(llm, records: list[dict], sampling_params=None, tokens_prompt=None) -> tuple[float, int]:
+    """Generate the recorded requests on `llm` (a vLLM `LLM` with prefix caching) one turn wave at a time: one
+    `generate` call with every first turn, then one with every second turn, ... (EOS ignored, each its recorded
+    response length and seed). Warms up on two requests and resets the prefix cache first. sampling_params /
+    tokens_prompt: vLLM's SamplingParams and TokensPrompt (default; a test passes stand-ins).
+    Returns (seconds, tokens generated)."""
+    if sampling_params is None or tokens_prompt is None:
+        from vllm import SamplingParams as sampling_params
+        from vllm.inputs import TokensPrompt as tokens_prompt
+    SamplingParams, TokensPrompt = sampling_params, tokens_prompt  # noqa: N806 - vLLM's names
+
+    def call(rs):
+        return llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rs],
+                            [SamplingParams(temperature=1.0, max_tokens=r["n"], min_tokens=r["n"], ignore_eos=True,
+                                            detokenize=False, seed=r["seed"]) for r in rs], use_tqdm=False)
+
+    call(records[:2])  # warm-up
+    llm.reset_prefix_cache()
+    t0, tokens = time.perf_counter(), 0
+    for wave in turn_waves(records):
+        tokens += sum(len(o.outputs[0].token_ids) for o in call(wave))
+    return time.perf_counter() - t0, tokens
+
+
+def engine_replay_vllm(backend, records: list[dict], batch: int) -> tuple[float, int]:
+    """vLLM alone, turn by turn: `replay_waves_vllm` on one new offline engine with prefix caching and
+    max_num_seqs `batch` (built as `engine_limit_vllm` builds its own; the backend's engine is shut down first).
+    Returns (seconds, tokens generated)."""
+    from vllm import LLM
+
+    c = backend.cfg
+    llm = LLM(model=str(backend.path), dtype=c.dtype, max_model_len=backend.max_positions, enable_prefix_caching=True,
+              trust_remote_code=c.trust_remote_code, load_format="safetensors", max_num_seqs=batch,
+              enforce_eager=c.vllm.enforce_eager,
+              gpu_memory_utilization=c.vllm.gpu_memory_utilization, seed=0)
+    try:
+        return replay_waves_vllm(llm, records)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def teacher_modes(groups: list, backend, chat, cfg, ks: list[int]) -> list[dict]:
     """Teacher scoring of `groups`: one after another, K at once, and one score call over the same views."""
     from services.teacher import scoring
@@ -223,7 +332,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64, help="rows per transformers wave (HFEngine max_batch)")
     ap.add_argument("--limit-batches", type=int, nargs="+", default=None,
                     help="(c)'s batch sizes: rows per model.generate / LLM max_num_seqs (default 8 64; --quick 2 4);"
-                         " the largest is the (c) of the ratios")
+                         " the fastest (c) mode, these or the turn-ordered replay, is the (c) of the ratios")
     ap.add_argument("--kv-cache-mb", type=int, default=4096, help="HFEngine's store for the episodes' KV")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     ap.add_argument("--no-teacher", action="store_true", help="rollout rows only")
@@ -271,7 +380,7 @@ def main() -> int:
 
     record("(a) lockstep", 1, *rollout_lockstep(tasks, backend, chat, cfg, ctx))
     engine = load_engine(backend, cfg.rollout.batch_size, cfg.rollout.kv_cache_mb << 20)
-    best, best_requests, best_groups = None, [], []
+    best, best_requests, best_records, best_groups = None, [], [], []
     for k in args.ks:
         rec = Recording(engine)
         hits0 = engine.stats()
@@ -280,7 +389,7 @@ def main() -> int:
         q, h = s.prefix_queries - hits0.prefix_queries, s.prefix_hits - hits0.prefix_hits
         results[-1]["prefix_hit_rate"] = h / q if q else 0.0
         if best is None or results[-1]["tokens_per_s"] > best["tokens_per_s"]:
-            best, best_requests, best_groups = results[-1], rec.requests, groups
+            best, best_requests, best_records, best_groups = results[-1], rec.requests, rec.records, groups
     teacher_rows = [] if args.no_teacher else teacher_modes(best_groups, backend, chat, cfg, args.ks)
     if engine is not backend:
         engine.close()
@@ -294,6 +403,17 @@ def main() -> int:
         results.append({"mode": f"(c) engine alone, batch {n}", "k": 0, "batch": n, "seconds": seconds,
                         "tokens": tokens, "tokens_per_s": tokens / seconds, "requests": len(best_requests)})
         print(f"(c) engine alone, batch {n}: {seconds:.1f} s, {tokens / seconds:.1f} tokens/s", file=sys.stderr)
+    replay = {"mode": REPLAY, "k": 0, "requests": len(best_records), "waves": len(turn_waves(best_records))}
+    if args.backend == "hf":
+        seconds, tokens, replay["prefix_hit_rate"] = engine_replay_hf(backend, best_records, args.batch,
+                                                                      args.kv_cache_mb << 20)
+        replay["batch"] = args.batch
+    else:
+        replay["batch"] = backend.cfg.vllm.max_num_seqs
+        seconds, tokens = engine_replay_vllm(backend, best_records, replay["batch"])
+    replay.update(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds)
+    results.append(replay)
+    print(f"{REPLAY}: {seconds:.1f} s, {tokens / seconds:.1f} tokens/s", file=sys.stderr)
 
     rows = table_rows(args, results, teacher_rows)
     print_rows(rows, width=64)
@@ -306,36 +426,49 @@ def main() -> int:
 
 
 def table_rows(args, results: list[dict], teacher: list[dict]) -> list[Row]:
-    """The benchmark rows: each rollout mode's tokens/s and episodes/s, the ratios at the best K, the teacher's."""
+    """The benchmark rows: each rollout mode's tokens/s and episodes/s, the ratios at the best K (against the
+    fastest (c) mode, named in the row's note, and against the turn-ordered replay), the teacher's."""
     b = args.backend
     rows = []
     a = next(r for r in results if r["mode"].startswith("(a)"))
-    limits = [r for r in results if r["mode"].startswith("(c)")]
-    c = max(limits, key=lambda r: r["batch"])
+    engine_alone = [r for r in results if r["mode"].startswith("(c)")]
+    limits = [r for r in engine_alone if r["mode"] != REPLAY]  # the batch modes
+    replay = next((r for r in engine_alone if r["mode"] == REPLAY), None)
+    c = min(engine_alone, key=lambda r: r["seconds"])  # the fastest (c): the engine's limit as measured here
     inflight = [r for r in results if r["mode"].startswith("(b)")]
     best = max(inflight, key=lambda r: r["tokens_per_s"])
     for r in results:
         note = f"{r['seconds']:.1f} s"
         if "prefix_hit_rate" in r:
             note += f"; prefix-cache hit rate {100 * r['prefix_hit_rate']:.0f}%"
-        if r in limits:
+        if r in engine_alone:
             note += f"; the {r['requests']} requests of (b) at K={best['k']}, EOS ignored"
+        if r is replay:
+            note += f"; {r['waves']} turn waves in order on one engine with prefix caching (batch {r['batch']})"
         rows.append(Row(f"{b} rollout {r['mode']}: generated tokens/s", r["tokens_per_s"], "tokens/s", note=note))
         if "episodes_per_s" in r:
             rows.append(Row(f"{b} rollout {r['mode']}: episodes/s", r["episodes_per_s"], "episodes/s"))
-    # (c) in episodes/s: the workload's episodes over the time the engine alone needs for the workload's tokens.
-    c_episodes_per_s = best["episodes"] / (best["tokens"] / c["tokens_per_s"])
+
+    def episodes_per_s(cr: dict) -> float:
+        # (c) in episodes/s: the workload's episodes over the time the engine alone needs for the workload's tokens.
+        return best["episodes"] / (best["tokens"] / cr["tokens_per_s"])
+
     targets = ROLLOUT_TARGETS.get(b) if not args.quick else None
     rows.append(Row(f"{b} rollout (b)/(a) at the best K ({best['k']}): episodes/s", best["episodes_per_s"] /
                     a["episodes_per_s"], "x", target=targets[0] if targets else None,
                     note=f"tokens/s ratio {best['tokens_per_s'] / a['tokens_per_s']:.2f}"))
-    rows.append(Row(f"{b} rollout (b)/(c) at the best K ({best['k']}): tokens/s", best["tokens_per_s"] /
-                    c["tokens_per_s"], "x", target=targets[1] if targets else None,
-                    note=f"episodes/s ratio {best['episodes_per_s'] / c_episodes_per_s:.2f}"))
+    rows.append(Row(f"{b} rollout (b)/(c) at the best K ({best['k']}), (c) the fastest: tokens/s",
+                    best["tokens_per_s"] / c["tokens_per_s"], "x", target=targets[1] if targets else None,
+                    note=f"fastest (c): {c['mode']} ({c['seconds']:.1f} s); episodes/s ratio "
+                         f"{best['episodes_per_s'] / episodes_per_s(c):.2f}"))
+    if replay is not None:
+        rows.append(Row(f"{b} rollout (b)/(c) at the best K ({best['k']}), (c) the turn-ordered replay: tokens/s",
+                        best["tokens_per_s"] / replay["tokens_per_s"], "x",
+                        note=f"episodes/s ratio {best['episodes_per_s'] / episodes_per_s(replay):.2f}"))
     if len(limits) > 1:  # what batching alone buys this engine on this machine
-        lo = min(limits, key=lambda r: r["batch"])
-        rows.append(Row(f"{b} engine alone: batch {c['batch']} / batch {lo['batch']} tokens/s",
-                        c["tokens_per_s"] / lo["tokens_per_s"], "x"))
+        lo, hi = min(limits, key=lambda r: r["batch"]), max(limits, key=lambda r: r["batch"])
+        rows.append(Row(f"{b} engine alone: batch {hi['batch']} / batch {lo['batch']} tokens/s",
+                        hi["tokens_per_s"] / lo["tokens_per_s"], "x"))
     for r in teacher:
         rows.append(Row(f"{b} teacher {r['mode']}: scored tokens/s", r["tokens"] / r["seconds"], "tokens/s",
                         note=f"{r['seconds']:.1f} s for {r['tokens']} scored tokens"))

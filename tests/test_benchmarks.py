@@ -380,26 +380,81 @@ def test_print_rows_shows_a_missing_value_as_na(capsys):
 
 def test_inflight_quick_plays_every_mode_and_reports_the_ratios(tmp_path):
     out = tmp_path / "raw.json"
-    rows = check_report(run_benchmark("inflight.py", tmp_path / "i.json", "--quick", "--groups", "2", "--turns", "1",
+    rows = check_report(run_benchmark("inflight.py", tmp_path / "i.json", "--quick", "--groups", "2", "--turns", "2",
                                       "--new", "4", "--threads", "1", "--out", str(out)), "in flight (hf)")
     raw = json.loads(out.read_text())
     modes = [r["mode"] for r in raw["rollout"]]
     assert modes == ["(a) lockstep", "(b) 1 in flight", "(b) 2 in flight", "(c) engine alone, batch 2",
-                     "(c) engine alone, batch 4"]
-    a, b1, b2, c2, c = raw["rollout"]
+                     "(c) engine alone, batch 4", "(c) engine alone, turn-ordered replay"]
+    a, b1, b2, c2, c4, replay = raw["rollout"]
     assert a["episodes"] == b1["episodes"] == b2["episodes"] == 4  # 2 groups x 2 episodes, each way
     best = max((b1, b2), key=lambda r: r["tokens_per_s"])
     ratio = rows[f"hf rollout (b)/(a) at the best K ({best['k']}): episodes/s"]
     assert ratio["value"] == pytest.approx(best["episodes_per_s"] / a["episodes_per_s"], rel=1e-6)
     assert ratio["target"] is None  # --quick, and transformers: reported without a target
-    vs_engine = rows[f"hf rollout (b)/(c) at the best K ({best['k']}): tokens/s"]
-    assert vs_engine["value"] == pytest.approx(best["tokens_per_s"] / c["tokens_per_s"], rel=1e-6)
-    # The engine-alone pass generated exactly the response lengths (b) recorded: EOS ignored.
-    assert c["tokens"] == c2["tokens"] == best["tokens"] and c["requests"] >= 4
+    # (b)/(c) against the fastest (c) mode, which the row names; the replay has its own row.
+    fastest = min((c2, c4, replay), key=lambda r: r["seconds"])
+    vs_engine = rows[f"hf rollout (b)/(c) at the best K ({best['k']}), (c) the fastest: tokens/s"]
+    assert vs_engine["value"] == pytest.approx(best["tokens_per_s"] / fastest["tokens_per_s"], rel=1e-6)
+    assert f"fastest (c): {fastest['mode']} (" in vs_engine["note"]
+    vs_replay = rows[f"hf rollout (b)/(c) at the best K ({best['k']}), (c) the turn-ordered replay: tokens/s"]
+    assert vs_replay["value"] == pytest.approx(best["tokens_per_s"] / replay["tokens_per_s"], rel=1e-6)
+    # Every engine-alone pass generated exactly the response lengths (b) recorded: EOS ignored.
+    assert c4["tokens"] == c2["tokens"] == replay["tokens"] == best["tokens"] and c4["requests"] >= 4
+    # The replay played (b)'s requests turn by turn on one engine, its later turns resuming earlier turns' KV.
+    assert replay["requests"] == c4["requests"] and replay["waves"] >= 1
+    if replay["waves"] > 1:
+        assert replay["prefix_hit_rate"] > 0
     assert rows["hf engine alone: batch 4 / batch 2 tokens/s"]["value"] == pytest.approx(
-        c["tokens_per_s"] / c2["tokens_per_s"], rel=1e-6)
+        c4["tokens_per_s"] / c2["tokens_per_s"], rel=1e-6)
     assert [r["mode"] for r in raw["teacher"]] == ["(a) one group at a time", "(b) 2 in flight", "(c) one score call"]
     assert len({r["tokens"] for r in raw["teacher"]}) == 1 and raw["teacher"][0]["tokens"] > 0
+
+
+def test_inflight_recording_numbers_each_episodes_turns_and_the_replay_plays_them_wave_by_wave():
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from benchmarks import inflight
+    from opsd.models.engine import SampleRequest
+
+    class Engine:  # answers every request at once with 3 ids
+        policy_version = 0
+
+        def submit(self, request):
+            f = Future()
+            f.set_result(SimpleNamespace(token_ids=[1, 2, 3]))
+            return f
+
+    rec = inflight.Recording(Engine())
+    for turn in range(2):
+        for ep in ("g/0", "g/1"):
+            rec.submit(SampleRequest([5, turn, len(ep)], 4, 1.0, seed=turn, cache_key=ep)).result()
+    assert [(r["key"], r["turn"], r["n"], r["seed"]) for r in rec.records] == [
+        ("g/0", 0, 3, 0), ("g/1", 0, 3, 0), ("g/0", 1, 3, 1), ("g/1", 1, 3, 1)]
+    assert rec.requests == [(r["prompt_ids"], r["n"]) for r in rec.records]
+    waves = inflight.turn_waves(list(reversed(rec.records)))
+    assert [[(r["key"], r["turn"]) for r in w] for w in waves] == [[("g/1", 0), ("g/0", 0)], [("g/1", 1), ("g/0", 1)]]
+
+    class LLM:  # vLLM's offline LLM, as the replay calls it
+        def __init__(self):
+            self.calls, self.resets = [], 0
+
+        def generate(self, prompts, params, use_tqdm):
+            self.calls.append([(p["prompt_token_ids"], sp["max_tokens"], sp["ignore_eos"], sp["seed"])
+                               for p, sp in zip(prompts, params)])
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * sp["max_tokens"])]) for sp in params]
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+
+    llm = LLM()
+    seconds, tokens = inflight.replay_waves_vllm(llm, rec.records, sampling_params=dict,
+                                                 tokens_prompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
+    assert tokens == 12 and seconds >= 0 and llm.resets == 1
+    warm, first, second = llm.calls  # a warm-up, then one call per turn: every first turn, then every second
+    assert len(warm) == 2 and [c[0][1] for c in first] == [0, 0] and [c[0][1] for c in second] == [1, 1]
+    assert all(n == 3 and ignore and seed == prompt[1] for prompt, n, ignore, seed in first + second)
 
 
 # ---------------------------------------------------------------- embedder and credit
