@@ -172,18 +172,25 @@ def engine_limit_hf(backend, requests: list, batch: int) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
+def offline_llm(backend, batch: int):
+    """A new offline vLLM engine on `backend`'s model and settings, prefix caching on, at most `batch` sequences
+    scheduled together (the backend's own engine must be shut down first)."""
+    from vllm import LLM
+
+    c = backend.cfg
+    return LLM(model=str(backend.path), dtype=c.dtype, max_model_len=backend.max_positions, enable_prefix_caching=True,
+               trust_remote_code=c.trust_remote_code, load_format="safetensors", max_num_seqs=batch,
+               enforce_eager=c.vllm.enforce_eager, gpu_memory_utilization=c.vllm.gpu_memory_utilization, seed=0)
+
+
 def engine_limit_vllm(backend, requests: list, batch: int) -> tuple[float, int]:
     """vLLM alone: one offline `LLM.generate` over the requests (EOS ignored, each its response length) on a new
     engine scheduling at most `batch` sequences together (the backend's own engine must be shut down first).
     Returns (seconds, tokens generated)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    c = backend.cfg
-    llm = LLM(model=str(backend.path), dtype=c.dtype, max_model_len=backend.max_positions, enable_prefix_caching=True,
-              trust_remote_code=c.trust_remote_code, load_format="safetensors", max_num_seqs=batch,
-              enforce_eager=c.vllm.enforce_eager,
-              gpu_memory_utilization=c.vllm.gpu_memory_utilization, seed=0)
+    llm = offline_llm(backend, batch)
     try:
         prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
         params = [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
@@ -275,13 +282,7 @@ def engine_replay_vllm(backend, records: list[dict], batch: int) -> tuple[float,
     """vLLM alone, turn by turn: `replay_waves_vllm` on one new offline engine with prefix caching and
     max_num_seqs `batch` (built as `engine_limit_vllm` builds its own; the backend's engine is shut down first).
     Returns (seconds, tokens generated)."""
-    from vllm import LLM
-
-    c = backend.cfg
-    llm = LLM(model=str(backend.path), dtype=c.dtype, max_model_len=backend.max_positions, enable_prefix_caching=True,
-              trust_remote_code=c.trust_remote_code, load_format="safetensors", max_num_seqs=batch,
-              enforce_eager=c.vllm.enforce_eager,
-              gpu_memory_utilization=c.vllm.gpu_memory_utilization, seed=0)
+    llm = offline_llm(backend, batch)
     try:
         return replay_waves_vllm(llm, records)
     finally:
