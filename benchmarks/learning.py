@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning.py [--config configs/learning.yaml]
         [--methods grpo agentopsd alignopsd] [--seeds S [S ...]] [--steps N] [--out DIR] [--results DIR]
-        [--quick] [--json OUT] [--resume] [--table]
+        [--init MODEL_DIR] [--quick] [--json OUT] [--resume] [--table]
 
 Each method trains with the real pipeline (`opsd run`: Redis, rollout, teacher, embedder, trainer
 processes) from the same SmolLM2 start with the same config, seeds and budget (run.steps x
@@ -53,6 +53,12 @@ run.steps; the teacher's own held-out success is reported, and for each method t
 success reaches GRPO's at run.steps ("steps_to_grpo_final"). `--compute-matched`: GRPO trains on to
 teacher_steps + run.steps and is evaluated there too, the episodes a student and its teacher used together;
 each student's final point is compared with it. With --quick: grpo 2 steps, opd 1.
+
+`--init MODEL_DIR` (issue 41: every method from one mid-competence checkpoint): every method of every seed starts
+from the HF model directory MODEL_DIR (model.name = its absolute path) instead of the config's model, and step 0 is
+that policy's held-out point, RDIR/start.json (method "start"). The results files identify the start by the sha256
+of its *.safetensors files (header "init"), not by its path, so a fresh checkout continues them from a copy.
+configs/learning-mid.yaml is the experiment this is for (BENCHMARKS.md says how its start was made).
 
 `--resume --out DIR` (same other arguments) continues a benchmark that was stopped (a killed shell, the
 machine's session ending): a (method, seed) whose results file says complete is skipped even when DIR's
@@ -275,8 +281,25 @@ def config_hash(header: dict) -> str:
 
 
 def results_path(results: Path, method: str, seed: int | None) -> Path:
-    """RDIR/<method>-seed<S>.json; the untrained policy's (seed None): RDIR/untrained.json."""
-    return results / ("untrained.json" if seed is None else f"{method}-seed{seed}.json")
+    """RDIR/<method>-seed<S>.json; the step-0 policy's (seed None, method "untrained" or "start" with --init):
+    RDIR/<method>.json."""
+    return results / (f"{method}.json" if seed is None else f"{method}-seed{seed}.json")
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 (hex) over the *.safetensors files of an HF model directory, by name: the identity of an --init
+    start that does not depend on where it lies. SystemExit when there are none."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"--init {model_dir}: no *.safetensors files (give an HF model directory, such as a "
+                         "--teacher experiment's out/teacher-seed<S>/)")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 def read_results(results: Path) -> list[dict]:
@@ -349,7 +372,7 @@ def compute_at(runs: dict[int, dict], grpo: dict[int, dict], step: int) -> dict:
 
 def aggregate(recs: list[dict]) -> dict:
     """The report of an experiment's results records: {"metric", "run_steps", "teacher_steps", "compute_matched",
-    "seeds", "games" (held-out games), "untrained" (its point), "methods": {method: {step: {"summary":
+    "seeds", "games" (held-out games), "untrained" (the step-0 point), "init" (--init's identity or None), "methods": {method: {step: {"summary":
     `stats.seed_summary`, "paired": `stats.paired_comparison` with GRPO at the same step (None for grpo),
     "compute": `compute_at`, "ci95": {seed: its eval's bootstrap [lo, hi]}}}}, "compute_matched_paired": {method: its final step against GRPO at
     teacher_steps + run_steps}}. Steps are ints; GRPO's past run_steps are its teacher and compute-matched points.
@@ -379,7 +402,8 @@ def aggregate(recs: list[dict]) -> dict:
     return {"metric": metric, "run_steps": ref["run_steps"], "teacher_steps": ref.get("teacher_steps"),
             "compute_matched": bool(ref.get("compute_matched")), "config_hash": ref["config_hash"],
             "seeds": sorted({r["seed"] for r in recs if r["seed"] is not None}), "games": len(games),
-            "untrained": untrained["steps"].get("0") if untrained else None, "methods": methods,
+            "untrained": untrained["steps"].get("0") if untrained else None, "init": ref.get("init"),
+            "methods": methods,
             "compute_matched_paired": matched}
 
 
@@ -407,13 +431,15 @@ def markdown_tables(agg: dict) -> str:
              f"method and seed; config {agg['config_hash']}). Spread: [min, max] and sample std over seeds. "
              "Paired: method - GRPO at the same step, per (seed, game), mean and 95% hierarchical bootstrap "
              "interval (seeds, then games; seeds x games). Compute: mean per seed; token passes = generated (sampled "
-             "response tokens) + teacher-forced (whole scored trajectories) + trainer (loss tokens x PPO epochs).", "",
+             "response tokens) + teacher-forced (whole scored trajectories) + trainer (loss tokens x PPO epochs)."
+             + (" Every method started from the --init policy; its own training is not counted." if agg.get("init") else ""), "",
              f"| method | step | seeds | held-out {m}: mean [min, max] | std | paired vs GRPO | episodes | "
              "token passes (gen + teacher + trainer) | with teacher's training: episodes, token passes |",
              "|---|---|---|---|---|---|---|---|---|"]
     if agg["untrained"]:
         u = agg["untrained"]
-        lines.append(f"| untrained | 0 | | {u['value']:.3f} (95% CI [{u['lo']:.3f}, {u['hi']:.3f}]) | | | 0 | 0 | |")
+        name = f"start (--init sha256 {agg['init']['sha256'][:12]})" if agg.get("init") else "untrained"
+        lines.append(f"| {name} | 0 | | {u['value']:.3f} (95% CI [{u['lo']:.3f}, {u['hi']:.3f}]) | | | 0 | 0 | |")
     for method, rows in agg["methods"].items():
         for step, row in rows.items():
             s, own, full = row["summary"], row["compute"]["own"], row["compute"]["with_teacher"]
@@ -466,9 +492,16 @@ class Plan:
         self.methods, self.seeds, self.teacher, self.compute_matched = args.methods, args.seeds, args.teacher, args.compute_matched
         self.out, self.results, self.keep_snapshots, self.resume = args.out, args.results, args.keep_snapshots, args.resume
         self.drop_checkpoints = args.drop_checkpoints
-        self.records: dict[tuple[str, int | None], dict] = {}  # (method, seed) -> results record; untrained: seed None
+        self.records: dict[tuple[str, int | None], dict] = {}  # (method, seed) -> results record; step 0: seed None
         self.header = {"config": base, "run_steps": steps, "teacher_steps": teacher_steps,
                        "compute_matched": bool(args.compute_matched), "ppo_epochs": run_cfg.trainer.ppo_epochs}
+        self.start = "untrained"  # the step-0 record's method
+        if args.init is not None:  # the start's identity is its weights, not the path it lies at on this machine
+            sha = weights_sha256(args.init)
+            self.start = "start"
+            self.header["config"] = json.loads(json.dumps(base))
+            self.header["config"]["model"]["name"] = f"--init sha256:{sha[:16]}"
+            self.header["init"] = {"sha256": sha, "name": args.init.name}
 
     def grpo_steps(self) -> int:
         """GRPO's training steps: run.steps; with --teacher teacher_steps (+ run.steps with --compute-matched)."""
@@ -627,6 +660,8 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     ap.add_argument("--keep-snapshots", action="store_true")
     ap.add_argument("--drop-checkpoints", action="store_true",
                     help="delete a (method, seed)'s checkpoint/ (1.6 GB for SmolLM2) once its results file is complete")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start every method from this HF model directory (module docstring)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the benchmark rows here (benchmarks/run.py)")
     ap.add_argument("--resume", action="store_true", help="continue the stopped benchmark in --out (module docstring)")
@@ -643,6 +678,10 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         ap.error(f"--methods with --teacher must start with grpo (it trains the teacher), got {' '.join(args.methods)}")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds: each seed once (got {' '.join(map(str, args.seeds))})")
+    if args.init is not None and args.teacher:
+        ap.error("--init with --teacher: the teacher experiment starts every method from the config's model")
+    if args.init is not None and not (args.init / "config.json").is_file():
+        ap.error(f"--init {args.init}: not an HF model directory (no config.json)")
     if args.config is None:
         args.config = ROOT / "configs" / ("learning-teacher.yaml" if args.teacher else "learning.yaml")
     args.methods = args.methods or list(TEACHER_METHODS if args.teacher else DEFAULT_METHODS)
@@ -677,6 +716,8 @@ def base_config(args, error) -> dict:
         base.setdefault("trainer", {}).update(snapshot_every=1)
     if args.steps is not None:  # into the shared config: learning.json and config.yaml record the steps run
         base.setdefault("run", {})["steps"] = args.steps
+    if args.init is not None:
+        base.setdefault("model", {})["name"] = str(args.init.resolve())
     return base
 
 
@@ -687,7 +728,7 @@ def load_records(plan: Plan) -> None:
     want = config_hash(plan.header)
     for rec in read_results(plan.results):
         key = (rec["method"], rec["seed"])
-        if key != ("untrained", None) and not (rec["method"] in plan.methods and rec["seed"] in plan.seeds):
+        if key != (plan.start, None) and not (rec["method"] in plan.methods and rec["seed"] in plan.seeds):
             continue
         path = results_path(plan.results, *key)
         if not plan.resume:
@@ -819,16 +860,16 @@ def main() -> None:
 
     t_all = time.perf_counter()
     ev = Evaluator(run_cfg, out)
-    untrained = plan.records.get(("untrained", None)) or new_record(plan.header, "untrained", None)
+    untrained = plan.records.get((plan.start, None)) or new_record(plan.header, plan.start, None)
     if not untrained["complete"]:
-        point, raw = ev.play("untrained", "untrained")
+        point, raw = ev.play(plan.start, plan.start)
         untrained.update(steps={"0": raw}, metric=point["metric"], complete=True)
         untrained["seconds"]["eval"] = point["seconds"]
         write_results(args.results, untrained)
-    plan.records[("untrained", None)] = untrained
+    plan.records[(plan.start, None)] = untrained
     u = untrained["steps"]["0"]
     result["untrained"] = {"metric": untrained["metric"], **{k: v for k, v in u.items() if k != "episodes"}}
-    print(f"untrained: held-out {untrained['metric']} {u['value']:.3f} [{u['lo']:.3f}, {u['hi']:.3f}]", flush=True)
+    print(f"{plan.start}: held-out {untrained['metric']} {u['value']:.3f} [{u['lo']:.3f}, {u['hi']:.3f}]", flush=True)
     save()
 
     def on_point(rec: dict, version: int, p: dict) -> None:

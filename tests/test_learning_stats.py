@@ -207,7 +207,7 @@ def test_seeded_configs_differ_only_in_run_seed_and_name(tmp_path):
     base = yaml.safe_load((ROOT / "configs" / "learning-teacher.yaml").read_text())
     args = argparse.Namespace(methods=list(learning.TEACHER_METHODS), seeds=[0, 3], teacher=True, compute_matched=True,
                               out=tmp_path, results=tmp_path / "r", keep_snapshots=False, resume=False,
-                              drop_checkpoints=True)
+                              drop_checkpoints=True, init=None)
     run_cfg = RunConfig.model_validate(base)
     plan = learning.Plan(args, base, run_cfg, 6, 12)
     g0, g3, opd3 = plan.config_of("grpo", 0), plan.config_of("grpo", 3), plan.config_of("opd", 3)
@@ -220,3 +220,70 @@ def test_seeded_configs_differ_only_in_run_seed_and_name(tmp_path):
         RunConfig.model_validate(cfg)
     assert learning.experiment_name(Path("configs/learning-teacher.yaml"), True, False) == "learning-teacher"
     assert learning.experiment_name(Path("configs/learning.yaml"), True, True) == "learning-teacher-quick"
+
+
+def fake_model(path: Path, value: float) -> Path:
+    """An HF-shaped directory (config.json and one safetensors file holding `value`): what --init reads."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    save_file({"w": torch.full((4,), value)}, str(path / "model.safetensors"))
+    return path
+
+
+def test_init_start_is_identified_by_its_weights_not_its_path(tmp_path):
+    """--init: every method starts from one checkpoint; its results are keyed by the sha256 of its weights, so a
+    copy elsewhere continues the same experiment and other weights do not; the step-0 record is "start"."""
+    import argparse
+
+    import yaml
+
+    from opsd.config import RunConfig
+
+    a, b, c = fake_model(tmp_path / "a", 1.0), fake_model(tmp_path / "elsewhere" / "a", 1.0), fake_model(tmp_path / "c", 2.0)
+    assert learning.weights_sha256(a) == learning.weights_sha256(b) != learning.weights_sha256(c)
+    with pytest.raises(SystemExit, match="no \\*.safetensors"):
+        learning.weights_sha256(tmp_path)
+    base = yaml.safe_load((ROOT / "configs" / "learning-mid.yaml").read_text())
+    run_cfg = RunConfig.model_validate(base)
+
+    def plan(init):
+        args = argparse.Namespace(methods=["grpo", "alignopsd"], seeds=[0], teacher=False, compute_matched=False,
+                                  out=tmp_path, results=tmp_path / "r", keep_snapshots=False, resume=False,
+                                  drop_checkpoints=False, init=init)
+        cfg = json.loads(json.dumps(base))
+        if init is not None:
+            cfg["model"]["name"] = str(init.resolve())  # as base_config sets it for the runs
+        return learning.Plan(args, cfg, run_cfg, 4, None)
+
+    pa, pb, pc, none = plan(a), plan(b), plan(c), plan(None)
+    assert pa.config_of("alignopsd", 0)["model"]["name"] == str(a.resolve())  # the runs load the start
+    assert pa.header["config"]["model"]["name"].startswith("--init sha256:") and str(tmp_path) not in json.dumps(pa.header)
+    h = learning.config_hash
+    assert h(pa.header) == h(pb.header) != h(pc.header) and h(pa.header) != h(none.header)
+    assert "init" not in none.header and none.start == "untrained"  # experiments without --init keep their hashes
+    assert pa.start == "start" and learning.results_path(tmp_path, pa.start, None).name == "start.json"
+    header = {**pa.header, "run_steps": 4}
+    start = learning.new_record(header, "start", None)
+    start.update(steps={"0": {"value": 0.5, "lo": 0.0, "hi": 1.0, "n": 2, "episodes": rows({"x": [1], "y": [0]}),
+                              "errors": []}}, metric="success", complete=True)
+    results = tmp_path / "results"
+    for rec in (start, record(header, "grpo", 0, {4: {"x": [1], "y": [1]}}),
+                record(header, "alignopsd", 0, {4: {"x": [1], "y": [0]}})):
+        learning.write_results(results, rec)
+    agg = learning.aggregate(learning.read_results(results))
+    assert agg["untrained"]["value"] == 0.5 and agg["init"]["sha256"] == learning.weights_sha256(a)
+    table = learning.markdown_tables(agg)
+    assert f"| start (--init sha256 {agg['init']['sha256'][:12]}) | 0 | | 0.500" in table
+    assert "| alignopsd | 4 | 1 | 0.500 [0.500, 0.500] |  | -0.500 [" in table and "its own training is not counted" in table
+
+    def cli(*flags):
+        return subprocess.run([sys.executable, "benchmarks/learning.py", *flags], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    proc = cli("--init", str(a), "--teacher")
+    assert proc.returncode == 2 and "--init with --teacher" in proc.stderr
+    proc = cli("--init", str(tmp_path / "nothing"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "not an HF model directory" in proc.stderr and not (tmp_path / "out").exists()
