@@ -241,6 +241,15 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
+# Per-step credit metrics that say whether a method's advantages differed from GRPO's (opsd/credit/*: their
+# docstrings): AlignOPSD's turn weights (1 everywhere = GRPO's advantage unchanged), AgentOPSD's multiplier,
+# GC-OPD's identifiable groups and sign flips, and the invalid turns the z-scored penalty gives advantages.
+CREDIT_DIAGNOSTICS = ("advantage_abs_mean", "grpo/invalid_turns", "alignopsd/turn_weight_min",
+                      "alignopsd/turn_weight_max", "alignopsd/mean_span_turns", "alignopsd/projection_active_trajectories",
+                      "agentopsd/multiplier_mean", "gc_opd/group_identifiable_ratio", "gc_opd/final_sign_flip_ratio",
+                      "gc_opd/residual_abs_mean")
+
+
 def training_records(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl lines, reduced to what the learning report shows, one per step (a step written
     twice, redone after a restart, counts once: its last record, the one the run kept)."""
@@ -248,7 +257,9 @@ def training_records(run_dir: Path) -> list[dict]:
             "teacher_student_gap", "privileged_signal", "hint_match_turns", "hint_other_turns", "teacher",
             "teacher_guard/worse_share", "loss", "step_seconds",
             # compute counted (benchmarks/stats.py training_compute)
-            "episodes", "turns", "generated_tokens", "teacher_scored_tokens", "loss_tokens")
+            "episodes", "turns", "generated_tokens", "teacher_scored_tokens", "loss_tokens",
+            # whether a method's credit differed from GRPO's (`training_table`)
+            *CREDIT_DIAGNOSTICS)
     out = []
     path = run_dir / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -461,6 +472,47 @@ def markdown_tables(agg: dict) -> str:
             mine = agg["methods"][method].get(agg["run_steps"])
             lines.append(f"| {method} | {mine['summary']['mean']:.3f} | "
                          f"{grpo_far['summary']['mean'] if grpo_far else float('nan'):.3f} | {_interval(p)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _steps_cell(values: list) -> str:
+    """A per-step list for a table cell: "0.25 0.50 -" (None: no value that step)."""
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values)
+
+
+def training_table(recs: list[dict]) -> str:
+    """The training side of an experiment (Markdown): per method and step, training success (mean over seeds),
+    groups with mixed outcomes (summed over seeds) and the credit diagnostics that show whether its advantages
+    differed from GRPO's (`CREDIT_DIAGNOSTICS`: AlignOPSD's turn-weight range over seeds, AgentOPSD's mean
+    multiplier, GC-OPD's identifiable-group and sign-flip ratios). GRPO's steps past run.steps are left out."""
+    ref = next(r for r in recs if r["seed"] is not None)
+    steps, groups = ref["run_steps"], ref["config"].get("env", {}).get("num_games", "?")
+    lines = [f"Training, steps 0-{steps - 1} (each step {groups} groups; mixed = groups with both outcomes, summed over "
+             "seeds; turn weights: AlignOPSD's per-turn redistribution of the trajectory's GRPO advantage, 1 = GRPO's).", "",
+             "| method | seeds | training success per step (mean) | mixed groups per step (sum) | credit diagnostics per step |",
+             "|---|---|---|---|---|"]
+
+    def per_step(runs: dict, key: str, how) -> list:
+        out = []
+        for step in range(steps):
+            vals = [t[key] for rec in runs.values() for t in rec["training"] if t["step"] == step and t.get(key) is not None]
+            out.append(how(vals) if vals else None)
+        return out
+
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    for method, runs in by_method(recs).items():
+        diag = ""
+        if method == "alignopsd":
+            lo, hi = per_step(runs, "alignopsd/turn_weight_min", min), per_step(runs, "alignopsd/turn_weight_max", max)
+            diag = "turn weights " + " ".join("-" if a is None else f"{a:.2f}-{b:.2f}" for a, b in zip(lo, hi))
+        elif method == "agentopsd":
+            diag = "multiplier " + _steps_cell(per_step(runs, "agentopsd/multiplier_mean", mean))
+        elif method == "gc_opd":
+            diag = ("identifiable " + _steps_cell(per_step(runs, "gc_opd/group_identifiable_ratio", mean))
+                    + "; sign flips " + _steps_cell(per_step(runs, "gc_opd/final_sign_flip_ratio", mean)))
+        mixed = per_step(runs, "mixed_groups", sum)
+        lines.append(f"| {method} | {len(runs)} | {_steps_cell(per_step(runs, 'success_rate', mean))} | "
+                     f"{' '.join('-' if m is None else str(int(m)) for m in mixed)} | {diag} |")
     return "\n".join(lines) + "\n"
 
 
@@ -826,7 +878,7 @@ def main() -> None:
         recs = read_results(args.results)
         if not recs:
             ap.error(f"--table: no results files in {args.results}")
-        print(markdown_tables(aggregate(recs)), end="")
+        print(markdown_tables(aggregate(recs)) + "\n" + training_table(recs), end="")
         return
     plan, before = prepare(args, ap)
     base, run_cfg, steps, teacher_steps, out = plan.base, plan.run_cfg, plan.steps, plan.teacher_steps, plan.out

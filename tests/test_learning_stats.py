@@ -160,7 +160,7 @@ def test_results_files_report_and_table(tmp_path):
     assert "| opd | 1.000 | 0.750 | +0.250 [" in table
     proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--table", "--results", str(results)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0 and proc.stdout == table, proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout == table + "\n" + learning.training_table(recs + [untrained]), proc.stderr[-2000:]
     curves = learning.curves(agg)  # learning.png: up to run.steps, mean and min-max over seeds
     assert [p["step"] for p in curves["grpo"]] == [2] and curves["opd"][0] == {
         "step": 2, "metric": "success", "value": 1.0, "lo": 1.0, "hi": 1.0, "seeds": 2}
@@ -270,9 +270,16 @@ def test_init_start_is_identified_by_its_weights_not_its_path(tmp_path):
     start.update(steps={"0": {"value": 0.5, "lo": 0.0, "hi": 1.0, "n": 2, "episodes": rows({"x": [1], "y": [0]}),
                               "errors": []}}, metric="success", complete=True)
     results = tmp_path / "results"
-    for rec in (start, record(header, "grpo", 0, {4: {"x": [1], "y": [1]}}),
-                record(header, "alignopsd", 0, {4: {"x": [1], "y": [0]}})):
+    grpo, align = record(header, "grpo", 0, {4: {"x": [1], "y": [1]}}), record(header, "alignopsd", 0, {4: {"x": [1], "y": [0]}})
+    for k, t in enumerate(align["training"]):  # steps 0-3: success, mixed groups and AlignOPSD's turn weights
+        t.update({"success_rate": k / 4, "mixed_groups": k % 3, "alignopsd/turn_weight_min": 1 - k / 10,
+                  "alignopsd/turn_weight_max": 1 + k / 10})
+    del align["training"][2]["alignopsd/turn_weight_min"]  # a step without the metric shows "-", not a made-up value
+    for rec in (start, grpo, align):
         learning.write_results(results, rec)
+    train = learning.training_table(learning.read_results(results))
+    assert "| alignopsd | 1 | 0.00 0.25 0.50 0.75 | 0 1 2 0 | turn weights 1.00-1.00 0.90-1.10 - 0.70-1.30 |" in train
+    assert "| grpo | 1 | - - - - | - - - - |  |" in train and "each step 2 groups" in train
     agg = learning.aggregate(learning.read_results(results))
     assert agg["untrained"]["value"] == 0.5 and agg["init"]["sha256"] == learning.weights_sha256(a)
     table = learning.markdown_tables(agg)
