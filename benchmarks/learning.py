@@ -64,7 +64,8 @@ configs/learning-mid.yaml is the experiment this is for (BENCHMARKS.md says how 
 machine's session ending): a (method, seed) whose results file says complete is skipped even when DIR's
 run directory is gone (a later session in a fresh checkout), a run that finished is evaluated, a run that
 stopped continues with `opsd run --resume` (from its last checkpoint, every trainer.checkpoint_every steps),
-and only snapshots not yet evaluated are played. learning.json's "resumed" lists when and what.
+and only snapshots not yet evaluated are played. --methods may differ between sittings (a method added or left
+out); the config and teacher steps may not. learning.json's "resumed" lists when and what.
 """
 
 from __future__ import annotations
@@ -856,9 +857,9 @@ def prepare(args, ap) -> tuple[Plan, dict | None]:
         run_cfg = validated(base, Path(tmp) / "config.yaml")
     args.out = args.out or ROOT / "runs" / "learning" / datetime.now().strftime("%Y%m%d-%H%M%S")
     before = json.loads((args.out / "learning.json").read_text()) if args.resume and (args.out / "learning.json").is_file() else None
-    if before is not None and (before["config"] != base or before["methods"] != args.methods
-                               or before.get("teacher_steps") != teacher_steps):
-        raise SystemExit(f"--resume: {args.out / 'learning.json'} was written with another config, methods or teacher steps")
+    # The methods may change between sittings (each (method, seed) has its own results file); the config may not.
+    if before is not None and (before["config"] != base or before.get("teacher_steps") != teacher_steps):
+        raise SystemExit(f"--resume: {args.out / 'learning.json'} was written with another config or teacher steps")
     every = run_cfg.trainer.snapshot_every
     if every < 1:
         raise SystemExit("trainer.snapshot_every must be >= 1: the curve is evaluated on the kept snapshots")
@@ -897,7 +898,7 @@ def main() -> None:
     if args.teacher:
         result.update(teacher_steps=teacher_steps, compute_matched=args.compute_matched, teacher=None, steps_to_grpo_final={})
     if before is not None:  # --resume: keep what was measured (the same experiment, checked above)
-        result = {**result, **{k: v for k, v in before.items() if k not in ("command", "machine", "seeds")}}
+        result = {**result, **{k: v for k, v in before.items() if k not in ("command", "machine", "seeds", "methods")}}
         result.setdefault("resumed", []).append({"at": datetime.now().isoformat(timespec="seconds"), "command": command})
     elif args.resume:
         result["resumed"] = [{"at": datetime.now().isoformat(timespec="seconds"), "command": command,
