@@ -16,7 +16,7 @@ Training seeds (issue 41): `--seeds S [S ...]` (default the config's run.seed al
 per seed with run.seed = S (the rollout's sampling, the training games drawn each step, the trainer's init);
 the held-out games and eval.seed are the same for every method and seed, so a method and GRPO are compared
 game by game (benchmarks/stats.py: per-step mean and spread over seeds, the paired per-(seed, game) difference
-with a hierarchical bootstrap over seeds and games). Seeds run one after another, every method of a seed
+with a two-way bootstrap over seeds and games). Seeds run one after another, every method of a seed
 before the next seed.
 
 Writes to DIR (default runs/learning/<timestamp>/): learning.json (every point, per seed; per-step seed
@@ -71,6 +71,7 @@ out); the config and teacher steps may not. learning.json's "resumed" lists when
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -221,6 +222,7 @@ def plot(result: dict, path: Path) -> Path:
     """learning.png: held-out success vs step per method (95% bootstrap band), step 0 shared."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     base = result.get("untrained")
+    base = base if base and headline(base) is not None else None  # a step 0 whose tasks all failed: no point
     for i, (method, points) in enumerate(result["curves"].items()):
         pts = ([{"step": 0, **base}] if base else []) + points
         if not pts:
@@ -258,7 +260,7 @@ def training_records(run_dir: Path) -> list[dict]:
             "teacher_student_gap", "privileged_signal", "hint_match_turns", "hint_other_turns", "teacher",
             "teacher_guard/worse_share", "loss", "step_seconds",
             # compute counted (benchmarks/stats.py training_compute)
-            "episodes", "turns", "generated_tokens", "teacher_scored_tokens", "loss_tokens",
+            "episodes", "turns", "generated_tokens", "sequence_tokens", "teacher_forward_tokens", "loss_tokens",
             # whether a method's credit differed from GRPO's (`training_table`)
             *CREDIT_DIAGNOSTICS)
     out = []
@@ -298,13 +300,22 @@ def results_path(results: Path, method: str, seed: int | None) -> Path:
     return results / (f"{method}.json" if seed is None else f"{method}-seed{seed}.json")
 
 
+# What makes a start policy behave as it does, besides its weights: how its text becomes ids and back. (config.json
+# is left out: transformers writes the directory it was loaded from into it; the weights fix the architecture.)
+POLICY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                "chat_template.jinja", "generation_config.json")
+
+
+@functools.lru_cache(maxsize=4)
 def weights_sha256(model_dir: Path) -> str:
-    """sha256 (hex) over the *.safetensors files of an HF model directory, by name: the identity of an --init
-    start that does not depend on where it lies. SystemExit when there are none."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    """sha256 (hex) over the *.safetensors files of an HF model directory and its tokenizer and chat-template files
+    (`POLICY_FILES`), by name: the identity of an --init start that does not depend on where it lies.
+    SystemExit when there are no weights."""
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
         raise SystemExit(f"--init {model_dir}: no *.safetensors files (give an HF model directory, such as a "
                          "--teacher experiment's out/teacher-seed<S>/)")
+    files = weights + [model_dir / n for n in POLICY_FILES if (model_dir / n).is_file()]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
@@ -366,20 +377,36 @@ def at_step(runs: dict[int, dict], step: int, key: str = "episodes") -> dict:
     return {seed: rec["steps"][str(step)][key] for seed, rec in runs.items() if str(step) in rec["steps"]}
 
 
+def seed_values(runs: dict[int, dict], step: int, metric: str) -> dict[int, float]:
+    """{seed: held-out value at `step`} as the paired comparison counts it: the mean over games of each game's
+    mean episode value (`stats.game_values`); a seed whose evaluation played no episode (every task failed) is
+    left out."""
+    out = {}
+    for seed, rows in at_step(runs, step).items():
+        games = stats.game_values(rows, metric)
+        if games:
+            out[seed] = sum(games.values()) / len(games)
+    return out
+
+
 def compute_at(runs: dict[int, dict], grpo: dict[int, dict], step: int) -> dict:
-    """The mean over seeds of a method's training compute up to `step` ("own", `stats.training_compute`) and
-    with its external teacher's training ("with_teacher": GRPO seed S's up to its record's teacher step, a
-    student of seed S; a method without one: its own). Counts are means over seeds (floats)."""
+    """The mean over the seeds evaluated at `step` (those the row's summary has) of a method's training compute
+    up to `step` ("own", `stats.training_compute`) and with its external teacher's training ("with_teacher": GRPO
+    seed S's up to its record's teacher step, a student of seed S; a method without one: its own; None when a
+    student's teacher record is missing, rather than a count without it). Counts are means over seeds (floats)."""
     own, total = [], []
     for seed, rec in runs.items():
+        if str(step) not in rec["steps"]:
+            continue
         mine = stats.training_compute(rec["training"], rec["ppo_epochs"], step)
         own.append(mine)
         teacher = rec.get("teacher")
-        if teacher and seed in grpo:
-            mine = stats.add_compute(mine, stats.training_compute(grpo[seed]["training"], rec["ppo_epochs"], teacher["step"]))
+        if teacher:
+            mine = (stats.add_compute(mine, stats.training_compute(grpo[seed]["training"], rec["ppo_epochs"], teacher["step"]))
+                    if seed in grpo else None)
         total.append(mine)
     mean = lambda ds: {k: sum(d[k] for d in ds) / len(ds) for k in ds[0]}  # noqa: E731
-    return {"own": mean(own), "with_teacher": mean(total)}
+    return {"own": mean(own), "with_teacher": None if None in total else mean(total)}
 
 
 def aggregate(recs: list[dict]) -> dict:
@@ -402,14 +429,17 @@ def aggregate(recs: list[dict]) -> dict:
         for step in sorted({int(k) for rec in mruns.values() for k in rec["steps"]}):
             paired = None if method == "grpo" else stats.paired_comparison(at_step(mruns, step), at_step(grpo, step), metric)
             lo, hi = at_step(mruns, step, "lo"), at_step(mruns, step, "hi")
-            rows[step] = {"summary": stats.seed_summary(at_step(mruns, step, "value")), "paired": paired,
+            values = seed_values(mruns, step, metric)
+            if not values:  # every evaluation at this step failed: no point, its errors are in the records
+                continue
+            rows[step] = {"summary": stats.seed_summary(values), "paired": paired,
                           "compute": compute_at(mruns, grpo, step), "ci95": {s: [lo[s], hi[s]] for s in lo}}
         methods[method] = rows
     matched = {}
     if ref.get("compute_matched"):
         far = ref["teacher_steps"] + ref["run_steps"]
         matched = {m: stats.paired_comparison(at_step(r, ref["run_steps"]), at_step(grpo, far), metric)
-                   for m, r in runs.items() if m != "grpo"}
+                   for m, r in runs.items() if m != "grpo" and ref["run_steps"] in methods.get(m, {})}
     games = {e["task_id"] for r in recs for ev in r["steps"].values() for e in ev["episodes"]}
     return {"metric": metric, "run_steps": ref["run_steps"], "teacher_steps": ref.get("teacher_steps"),
             "compute_matched": bool(ref.get("compute_matched")), "config_hash": ref["config_hash"],
@@ -419,6 +449,11 @@ def aggregate(recs: list[dict]) -> dict:
             "compute_matched_paired": matched}
 
 
+def _num(x: float | None) -> str:
+    """A value for a table cell or a progress line: "0.250", or "n/a" for an evaluation whose tasks all failed."""
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _count(n: float) -> str:
     """A count for a table cell: 1234 -> "1234", 123456 -> "123k", 12345678 -> "12.3M"."""
     return f"{n:.0f}" if n < 1e4 else f"{n / 1e3:.0f}k" if n < 1e7 else f"{n / 1e6:.1f}M"
@@ -426,7 +461,7 @@ def _count(n: float) -> str:
 
 def _interval(p: dict | None) -> str:
     """A paired comparison's cell: "+0.125 [+0.031, +0.219]" (signed: method - GRPO), "" without one."""
-    return "" if p is None else f"{p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] ({p['seeds']}x{p['games'] // max(p['seeds'], 1)})"
+    return "" if p is None else f"{p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] ({p['seeds']}x{p['games']})"
 
 
 def _label(agg: dict, method: str, step: int) -> str:
@@ -441,24 +476,26 @@ def markdown_tables(agg: dict) -> str:
     m = agg["metric"]
     lines = [f"Held-out {m} over training seeds {agg['seeds']} ({agg['games']} held-out games, the same for every "
              f"method and seed; config {agg['config_hash']}). Spread: [min, max] and sample std over seeds. "
-             "Paired: method - GRPO at the same step, per (seed, game), mean and 95% hierarchical bootstrap "
-             "interval (seeds, then games; seeds x games). Compute: mean per seed; token passes = generated (sampled "
-             "response tokens) + teacher-forced (whole scored trajectories) + trainer (loss tokens x PPO epochs)."
+             "Paired: method - GRPO at the same step, per (seed, game), mean and 95% two-way bootstrap "
+             "interval (seeds and games drawn, the same games for every drawn seed; seeds x games). Compute: mean per "
+             "seed, in forward-token equivalents = rollout (every trajectory token) + teacher (every token it ran) + "
+             "3 x trainer (trajectory tokens x PPO epochs, forward and backward); FLOPs = about 2 x parameters x that."
              + (" Every method started from the --init policy; its own training is not counted." if agg.get("init") else ""), "",
              f"| method | step | seeds | held-out {m}: mean [min, max] | std | paired vs GRPO | episodes | "
-             "token passes (gen + teacher + trainer) | with teacher's training: episodes, token passes |",
+             "forward tokens (rollout + teacher + 3 x trainer) | with teacher's training: episodes, forward tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
     if agg["untrained"]:
         u = agg["untrained"]
         name = f"start (--init sha256 {agg['init']['sha256'][:12]})" if agg.get("init") else "untrained"
-        lines.append(f"| {name} | 0 | | {u['value']:.3f} (95% CI [{u['lo']:.3f}, {u['hi']:.3f}]) | | | 0 | 0 | |")
+        lines.append(f"| {name} | 0 | | {_num(u['value'])} (95% CI [{_num(u['lo'])}, {_num(u['hi'])}]) | | | 0 | 0 | |")
     for method, rows in agg["methods"].items():
         for step, row in rows.items():
             s, own, full = row["summary"], row["compute"]["own"], row["compute"]["with_teacher"]
             std = "" if s["std"] is None else f"{s['std']:.3f}"
-            passes = (f"{_count(own['token_passes'])} ({_count(own['generated_tokens'])} + "
-                      f"{_count(own['teacher_tokens'])} + {_count(own['trainer_tokens'])})")
-            teacher = "" if full == own else f"{_count(full['episodes'])}, {_count(full['token_passes'])}"
+            passes = (f"{_count(own['forward_tokens'])} ({_count(own['rollout_tokens'])} + "
+                      f"{_count(own['teacher_tokens'])} + 3 x {_count(own['trainer_tokens'])})")
+            teacher = ("its teacher's GRPO record is missing" if full is None else "" if full == own
+                       else f"{_count(full['episodes'])}, {_count(full['forward_tokens'])}")
             lines.append(f"| {_label(agg, method, step)} | {step} | {s['seeds']} | {s['mean']:.3f} [{s['min']:.3f}, "
                          f"{s['max']:.3f}] | {std} | {_interval(row['paired'])} | {_count(own['episodes'])} | "
                          f"{passes} | {teacher} |")
@@ -472,7 +509,7 @@ def markdown_tables(agg: dict) -> str:
         for method, p in agg["compute_matched_paired"].items():
             mine = agg["methods"][method].get(agg["run_steps"])
             lines.append(f"| {method} | {mine['summary']['mean']:.3f} | "
-                         f"{grpo_far['summary']['mean'] if grpo_far else float('nan'):.3f} | {_interval(p)} |")
+                         f"{_num(grpo_far['summary']['mean'] if grpo_far else None)} | {_interval(p)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -486,7 +523,9 @@ def training_table(recs: list[dict]) -> str:
     groups with mixed outcomes (summed over seeds) and the credit diagnostics that show whether its advantages
     differed from GRPO's (`CREDIT_DIAGNOSTICS`: AlignOPSD's turn-weight range over seeds, AgentOPSD's mean
     multiplier, GC-OPD's identifiable-group and sign-flip ratios). GRPO's steps past run.steps are left out."""
-    ref = next(r for r in recs if r["seed"] is not None)
+    ref = next((r for r in recs if r["seed"] is not None), None)
+    if ref is None:
+        return ""
     steps, groups = ref["run_steps"], ref["config"].get("env", {}).get("num_games", "?")
     lines = [f"Training, steps 0-{steps - 1} (each step {groups} groups; mixed = groups with both outcomes, summed over "
              "seeds; turn weights: AlignOPSD's per-turn redistribution of the trajectory's GRPO advantage, 1 = GRPO's).", "",
@@ -546,15 +585,22 @@ class Plan:
         self.out, self.results, self.keep_snapshots, self.resume = args.out, args.results, args.keep_snapshots, args.resume
         self.drop_checkpoints = args.drop_checkpoints
         self.records: dict[tuple[str, int | None], dict] = {}  # (method, seed) -> results record; step 0: seed None
-        self.header = {"config": base, "run_steps": steps, "teacher_steps": teacher_steps,
-                       "compute_matched": bool(args.compute_matched), "ppo_epochs": run_cfg.trainer.ppo_epochs}
-        self.start = "untrained"  # the step-0 record's method
-        if args.init is not None:  # the start's identity is its weights, not the path it lies at on this machine
+        self.header = self.header_of(args, base, run_cfg, steps, teacher_steps)
+        self.start = "start" if args.init is not None else "untrained"  # the step-0 record's method
+
+    @staticmethod
+    def header_of(args, base: dict, run_cfg, steps: int, teacher_steps: int | None) -> dict:
+        """The experiment's identity (`config_hash`'s input, copied into every results file): the base config,
+        steps, teacher steps, compute-matched, PPO epochs; with --init the start's sha256 in place of its path
+        (the same start copied elsewhere continues the same experiment)."""
+        header = {"config": base, "run_steps": steps, "teacher_steps": teacher_steps,
+                  "compute_matched": bool(args.compute_matched), "ppo_epochs": run_cfg.trainer.ppo_epochs}
+        if args.init is not None:
             sha = weights_sha256(args.init)
-            self.start = "start"
-            self.header["config"] = json.loads(json.dumps(base))
-            self.header["config"]["model"]["name"] = f"--init sha256:{sha[:16]}"
-            self.header["init"] = {"sha256": sha, "name": args.init.name}
+            header["config"] = json.loads(json.dumps(base))
+            header["config"]["model"]["name"] = f"--init sha256:{sha[:16]}"
+            header["init"] = {"sha256": sha, "name": args.init.name}
+        return header
 
     def grpo_steps(self) -> int:
         """GRPO's training steps: run.steps; with --teacher teacher_steps (+ run.steps with --compute-matched)."""
@@ -655,6 +701,26 @@ def evaluate_snapshots(plan: Plan, ev: Evaluator, rec: dict, run_dir: Path, on_p
                          f"({run_dir / 'snapshots'})")
 
 
+def forget_lost_run(plan: Plan, rec: dict) -> None:
+    """--resume of an incomplete (method, seed) whose training run directory (`rec["run"]`) is gone (a later sitting
+    in a fresh checkout): a new run starts from step 0, so the lost run's evaluations and training records are
+    dropped rather than mixed with the new run's. A GRPO run that was a teacher (--teacher): its saved teacher
+    belongs to the lost run and is removed (the new run's snapshot takes its place), unless a student of the seed
+    has started from it: SystemExit then, naming the results files to move aside."""
+    method, seed = rec["method"], rec["seed"]
+    if not rec.get("run") or (run_root(plan.out, method, seed) / rec["run"]).is_dir():
+        return
+    print(f"{method} seed {seed}: its run {rec['run']} is gone; its evaluations are dropped and it trains again", flush=True)
+    if plan.teacher and method == "grpo":
+        students = [results_path(plan.results, m, seed) for m in plan.methods if m != "grpo"
+                    if (s := plan.records.get((m, seed))) and (s["steps"] or s["training"])]
+        if students:
+            raise SystemExit(f"GRPO seed {seed}'s run {rec['run']} is gone, and its teacher taught "
+                             f"{', '.join(map(str, students))}: move those aside too, to train the seed again")
+        shutil.rmtree(plan.teacher_dir(seed), ignore_errors=True)
+    rec.update(steps={}, training=[], run=None, seconds={"train": 0.0, "eval": 0.0})
+
+
 def compute_block(rec: dict, grpo: dict | None) -> dict:
     """A results file's "compute": {"own": its whole training (`stats.training_compute`), and for a student of an
     external teacher "teacher" (GRPO seed S's training up to teacher_steps, from `grpo`, its record) and
@@ -671,9 +737,11 @@ def run_one(plan: Plan, ev: Evaluator, rec: dict, on_point) -> dict:
     GRPO of the same seed, is in plan.records); its results file
     is rewritten after every evaluation and marked complete at the end. Returns `rec`."""
     method, seed = rec["method"], rec["seed"]
+    forget_lost_run(plan, rec)
     t0 = time.perf_counter()
     run_dir = trained_run(plan, method, seed)
     rec["seconds"]["train"] += time.perf_counter() - t0
+    rec["run"] = run_dir.name  # which training run the evaluations below belong to
     rec["training"] = training_records(run_dir)
     if plan.teacher and method != "grpo":
         rec["teacher"] = {"method": "grpo", "seed": seed, "step": plan.teacher_steps}
@@ -825,7 +893,7 @@ def benchmark_rows(result: dict, steps: int, teacher: bool) -> list[Row]:
         band = "95% CI" if last.get("seeds", 1) == 1 else f"min-max over {last['seeds']} seeds"
         rows.append(Row(f"{method}: held-out {last.get('metric', 'success')} at step {last['step']}", headline(last), "rate",
                         note=f"{band} [{last['lo']:.3f}, {last['hi']:.3f}]"))
-        if method == "grpo":  # the proof the RL loop is right: the whole interval above the start
+        if method == "grpo" and u is not None:  # the proof the RL loop is right: the whole interval above the start
             rows.append(Row("grpo: lower bound - untrained", last["lo"] - u, "rate", "> 0 rate",
                             note="held-out success rose measurably"))
         if teacher:
@@ -858,18 +926,20 @@ def prepare(args, ap) -> tuple[Plan, dict | None]:
     args.out = args.out or ROOT / "runs" / "learning" / datetime.now().strftime("%Y%m%d-%H%M%S")
     before = json.loads((args.out / "learning.json").read_text()) if args.resume and (args.out / "learning.json").is_file() else None
     # The methods may change between sittings (each (method, seed) has its own results file); the config may not.
-    if before is not None and (before["config"] != base or before.get("teacher_steps") != teacher_steps):
+    if before is not None and (before.get("config_hash") != config_hash(Plan.header_of(args, base, run_cfg, steps, teacher_steps))):
         raise SystemExit(f"--resume: {args.out / 'learning.json'} was written with another config or teacher steps")
     every = run_cfg.trainer.snapshot_every
     if every < 1:
         raise SystemExit("trainer.snapshot_every must be >= 1: the curve is evaluated on the kept snapshots")
-    grpo_points = {"--teacher-steps": teacher_steps} if args.teacher else {}  # GRPO's snapshots read past run.steps
+    grpo_points = {"run.steps": steps}  # every method's final policy is evaluated on its snapshot
+    if args.teacher:  # GRPO's snapshots read past run.steps
+        grpo_points["--teacher-steps"] = teacher_steps
     if args.compute_matched:
         grpo_points["--teacher-steps + run.steps"] = teacher_steps + steps
     for name, n in grpo_points.items():
         if n % every:
-            raise SystemExit(f"{name} ({n}) must be a multiple of trainer.snapshot_every ({every}): GRPO is evaluated "
-                             "on its snapshot there")
+            raise SystemExit(f"{name} ({n}) must be a multiple of trainer.snapshot_every ({every}): the policy there "
+                             "is evaluated on its snapshot")
     return Plan(args, base, run_cfg, steps, teacher_steps), before
 
 
@@ -922,12 +992,12 @@ def main() -> None:
     plan.records[(plan.start, None)] = untrained
     u = untrained["steps"]["0"]
     result["untrained"] = {"metric": untrained["metric"], **{k: v for k, v in u.items() if k != "episodes"}}
-    print(f"{plan.start}: held-out {untrained['metric']} {u['value']:.3f} [{u['lo']:.3f}, {u['hi']:.3f}]", flush=True)
+    print(f"{plan.start}: held-out {untrained['metric']} {_num(u['value'])} [{_num(u['lo'])}, {_num(u['hi'])}]", flush=True)
     save()
 
     def on_point(rec: dict, version: int, p: dict) -> None:
-        print(f"{rec['method']} seed {rec['seed']} step {version}: held-out {p['metric']} {headline(p):.3f} "
-              f"[{p['lo']:.3f}, {p['hi']:.3f}]", flush=True)
+        print(f"{rec['method']} seed {rec['seed']} step {version}: held-out {p['metric']} {_num(headline(p))} "
+              f"[{_num(p['lo'])}, {_num(p['hi'])}]", flush=True)
         save()
 
     for seed in args.seeds:  # every method of a seed before the next seed: a stopped benchmark has whole seeds

@@ -8,8 +8,10 @@ episodes' headline values (`episode_value`); a seed's value is the mean over its
 - `bootstrap_mean`: the interval of a flat list's mean (resampling its values).
 - `seed_summary`: mean and spread (min, max, sample std) of one step's held-out value over training seeds.
 - `paired_differences` / `paired_comparison`: a method against GRPO on the same eval games, per (seed, game)
-  difference, its mean and a hierarchical bootstrap interval (seeds with replacement, then games within).
-- `training_compute`: episodes and model-token passes of a run's training records up to a step.
+  difference, its mean and a two-way bootstrap interval: seeds and games are crossed (every seed plays the same
+  held-out games), so each resample draws seeds and one set of games, used for every drawn seed (Owen 2007, "The
+  pigeonhole bootstrap", Ann. Appl. Stat. 1(2); McCullagh 2000, "Resampling and exchangeable arrays").
+- `training_compute`: episodes and tokens through the model of a run's training records up to a step.
 """
 
 from __future__ import annotations
@@ -93,30 +95,48 @@ def paired_differences(method: Mapping[int, Sequence[Mapping]], base: Mapping[in
     return out
 
 
-def hierarchical_mean(diffs: Sequence[np.ndarray], rng: np.random.Generator | None = None) -> float:
-    """The mean over seeds of each seed's mean game difference (`diffs`: one array of game differences per
-    seed). With `rng`, one hierarchical resample: seeds drawn with replacement, then games within each drawn
-    seed."""
+def difference_matrix(pairs: Mapping[int, Mapping[str, float]]) -> np.ndarray:
+    """`paired_differences`' {seed: {game: difference}} as a float64 [seeds, games] matrix D_SG, seeds in the
+    mapping's order and games sorted over all seeds; NaN where a seed lacks a game (a task that failed)."""
+    games = sorted({g for d in pairs.values() for g in d})
+    col = {g: j for j, g in enumerate(games)}
+    D_SG = np.full((len(pairs), len(games)), np.nan)
+    for i, d in enumerate(pairs.values()):
+        for g, v in d.items():
+            D_SG[i, col[g]] = v
+    return D_SG
+
+
+def crossed_mean(D_SG: np.ndarray, rng: np.random.Generator | None = None) -> float:
+    """The mean over seeds of each seed's mean game difference (D_SG: `difference_matrix`, NaN = no pair). With
+    `rng`, one two-way resample: S seeds and G games drawn with replacement, the same drawn games for every drawn
+    seed (the games are shared by the seeds, not nested in them); a drawn seed none of whose drawn games it has
+    is left out of that resample."""
     if rng is None:
-        return float(np.mean([d.mean() for d in diffs]))
-    picked = rng.integers(0, len(diffs), len(diffs))
-    return float(np.mean([diffs[i][rng.integers(0, diffs[i].size, diffs[i].size)].mean() for i in picked]))
+        return float(np.mean(np.nanmean(D_SG, axis=1)))
+    S, G = D_SG.shape
+    sub = D_SG[np.ix_(rng.integers(0, S, S), rng.integers(0, G, G))]
+    have = ~np.isnan(sub).all(axis=1)
+    return float(np.mean(np.nanmean(sub[have], axis=1))) if have.any() else float("nan")
 
 
 def paired_comparison(method: Mapping[int, Sequence[Mapping]], base: Mapping[int, Sequence[Mapping]],
                       metric: str = "success", samples: int = SAMPLES, seed: int = RNG_SEED,
                       level: float = LEVEL) -> dict | None:
     """`method` against `base` (GRPO) on the same eval games: {"diff": mean over seeds of the mean per-game
-    difference (method - base, in units of the metric), "lo", "hi": its `level` hierarchical percentile
-    bootstrap interval (seeds, then games within; `samples` resamples, Generator seed `seed`), "seeds", "games"
-    (pairs in all), "per_seed": {seed: mean difference}}; None when no (seed, game) pair exists."""
+    difference (method - base, in units of the metric), "lo", "hi": its `level` percentile interval from the
+    two-way bootstrap `crossed_mean` (`samples` resamples, Generator seed `seed`; resamples that drew no pair are
+    dropped), "seeds", "games" (distinct games), "pairs" ((seed, game) pairs in all), "per_seed": {seed: mean
+    difference}}; None when no (seed, game) pair exists."""
     pairs = paired_differences(method, base, metric)
     if not pairs:
         return None
-    diffs = [np.asarray(list(d.values()), dtype=np.float64) for d in pairs.values()]
-    lo, hi = percentile_bootstrap(lambda rng: hierarchical_mean(diffs, rng), samples, seed, level)
-    return {"diff": hierarchical_mean(diffs), "lo": lo, "hi": hi, "seeds": len(diffs),
-            "games": int(sum(d.size for d in diffs)), "per_seed": {s: float(d.mean()) for s, d in zip(pairs, diffs)}}
+    D_SG = difference_matrix(pairs)
+    rng = np.random.default_rng(seed)
+    draws = np.asarray([crossed_mean(D_SG, rng) for _ in range(samples)])
+    lo, hi = percentile_interval(draws[~np.isnan(draws)], level)
+    return {"diff": crossed_mean(D_SG), "lo": lo, "hi": hi, "seeds": len(pairs), "games": int(D_SG.shape[1]),
+            "pairs": int((~np.isnan(D_SG)).sum()), "per_seed": {s: float(np.mean(list(d.values()))) for s, d in pairs.items()}}
 
 
 def trained_to(record: Mapping) -> int:
@@ -127,16 +147,21 @@ def trained_to(record: Mapping) -> int:
 
 def training_compute(records: Sequence[Mapping], ppo_epochs: int, upto: int | None = None) -> dict:
     """Compute of a run's training steps up to policy version `upto` (all with None), from its metrics.jsonl
-    records: {"steps", "episodes" (played in training), "generated_tokens" (sampled by the rollout),
-    "teacher_tokens" (teacher-forced: the trainer's `teacher_scored_tokens`), "trainer_tokens" (loss tokens x
-    `ppo_epochs`: forward + backward passes), "token_passes" (their sum)}. Records without a count add 0 to it
-    (runs from before the count existed)."""
+    records, in tokens run through the model: {"steps", "episodes" (played in training), "generated_tokens"
+    (sampled by the rollout, for reference), "rollout_tokens" (every trajectory's tokens, `sequence_tokens`:
+    prompts and observations prefilled, responses generated, each once; an engine that re-reads the history each
+    turn runs more), "teacher_tokens" (what the teacher ran: `teacher_forward_tokens`, privileged prefixes, every
+    view, matched continuations, its own generations), "trainer_tokens" (`sequence_tokens` x `ppo_epochs`, each a
+    forward and a backward pass), "forward_tokens": rollout + teacher + 3 x trainer, forward-token equivalents
+    (a forward pass costs about 2N FLOPs a token for N parameters, forward + backward about 6N: Kaplan et al.
+    2020, "Scaling laws for neural language models", section 2.1), so compute is about 2N x forward_tokens}.
+    Records without a count add 0 to it (runs from before the count existed)."""
     kept = [r for r in records if upto is None or trained_to(r) <= upto]
-    out = {"steps": len(kept), "episodes": int(sum(r.get("episodes") or 0 for r in kept)),
-           "generated_tokens": int(sum(r.get("generated_tokens") or 0 for r in kept)),
-           "teacher_tokens": int(sum(r.get("teacher_scored_tokens") or 0 for r in kept)),
-           "trainer_tokens": int(sum((r.get("loss_tokens") or 0) * ppo_epochs for r in kept))}
-    out["token_passes"] = out["generated_tokens"] + out["teacher_tokens"] + out["trainer_tokens"]
+    total = lambda key, scale=1: int(sum((r.get(key) or 0) * scale for r in kept))  # noqa: E731
+    out = {"steps": len(kept), "episodes": total("episodes"), "generated_tokens": total("generated_tokens"),
+           "rollout_tokens": total("sequence_tokens"), "teacher_tokens": total("teacher_forward_tokens"),
+           "trainer_tokens": total("sequence_tokens", ppo_epochs)}
+    out["forward_tokens"] = out["rollout_tokens"] + out["teacher_tokens"] + 3 * out["trainer_tokens"]
     return out
 
 

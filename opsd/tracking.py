@@ -45,7 +45,7 @@ STATE_FILE = "trackers.json"
 # (or its prefix before "/"); any other key to "learning".
 GROUPS = {
     "throughput": ("episodes", "turns", "generated_tokens", "rollout_seconds", "teacher_seconds", "loss_tokens",
-                   "teacher_scored_tokens"),
+                   "sequence_tokens", "teacher_forward_tokens"),
     "policy": ("policy_version", "staleness_max", "groups_dropped_stale", "groups_dropped_duplicate",
                "groups_dropped_future", "teacher_version_min", "teacher_version_max"),
     "trainer": ("loss", "clip_frac", "entropy", "grad_norm", "ratio_dev_max", "sampler_logprob_mismatch", "mismatch_kl",

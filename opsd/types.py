@@ -307,6 +307,9 @@ class ScoredGroup:
     alpha_M: np.ndarray
     identity_fallback: bool = False  # correspondences unavailable: identity views only
     teacher_seconds: float = 0.0
+    # Tokens the teacher ran through its model for this group (compute counted): every privileged view's
+    # prefix and ids, matched-view continuations and its own generated tokens; 0 from a teacher that did not count.
+    teacher_forward_tokens: int = 0
     schema_version: int = SCHEMA_VERSION
     teacher_entropy_S: list[np.ndarray] | None = None
     teacher_response_M: list[str] | None = None

@@ -147,6 +147,7 @@ def make_scored_group(G: int = 4, turns: int = 3, seed: int = 0) -> ScoredGroup:
         alpha_M=(0.8 * rho).astype(np.float32),
         identity_fallback=False,
         teacher_seconds=2.25,
+        teacher_forward_tokens=int(sum(t.token_ids_S.shape[0] for t in rollout.trajectories)) + 7,
         teacher_entropy_S=[np.where(t.loss_mask_S == 1, 0.1 - 0.4 * lp, 0).astype(np.float32) for t, lp in zip(rollout.trajectories, teacher)],
     )
 

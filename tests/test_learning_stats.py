@@ -52,7 +52,7 @@ def test_game_values_average_a_games_episodes_first():
 def test_identical_methods_differ_by_zero():
     runs = {0: rows({"a": [1, 0], "b": [0, 0], "c": [1, 1]}), 1: rows({"a": [0, 0], "b": [1, 0], "c": [1, 1]})}
     p = stats.paired_comparison(runs, runs, samples=500)
-    assert (p["diff"], p["lo"], p["hi"]) == (0.0, 0.0, 0.0) and p["seeds"] == 2 and p["games"] == 6
+    assert (p["diff"], p["lo"], p["hi"]) == (0.0, 0.0, 0.0) and (p["seeds"], p["games"], p["pairs"]) == (2, 3, 6)
 
 
 def test_a_method_winning_every_game_grpo_loses_differs_by_one():
@@ -69,31 +69,48 @@ def test_paired_comparison_by_hand():
     grpo = {0: rows({"a": [0, 0], "b": [1, 1]}), 1: rows({"a": [1], "b": [0]}), 2: rows({"a": [1]})}
     assert stats.paired_differences(method, grpo) == {0: {"a": 1.0, "b": -0.5}, 1: {"a": 0.0, "b": 1.0}}
     p = stats.paired_comparison(method, grpo, samples=4000, seed=1)
-    assert p["diff"] == 0.375 and p["per_seed"] == {0: 0.25, 1: 0.5} and (p["seeds"], p["games"]) == (2, 4)
+    assert p["diff"] == 0.375 and p["per_seed"] == {0: 0.25, 1: 0.5} and (p["seeds"], p["games"], p["pairs"]) == (2, 2, 4)
     assert -0.5 <= p["lo"] < 0.375 < p["hi"] <= 1.0  # within the smallest and largest difference
     assert stats.paired_comparison(method, grpo, samples=4000, seed=1) == p  # deterministic under the seed
-    # One resample by hand: seeds [1, 0] drawn, games within each drawn again.
-    diffs = [stats.np.array([1.0, -0.5]), stats.np.array([0.0, 1.0])]
+    # One two-way resample by hand: seeds drawn, then one set of games used for every drawn seed.
+    D = stats.difference_matrix(stats.paired_differences(method, grpo))
+    assert D.tolist() == [[1.0, -0.5], [0.0, 1.0]]
     rng = stats.np.random.default_rng(5)
-    picked = rng.integers(0, 2, 2)
-    want = stats.np.mean([diffs[i][rng.integers(0, 2, 2)].mean() for i in picked])
-    assert stats.hierarchical_mean(diffs, stats.np.random.default_rng(5)) == want
+    seeds, games = rng.integers(0, 2, 2), rng.integers(0, 2, 2)
+    want = stats.np.mean([D[i, games].mean() for i in seeds])
+    assert stats.crossed_mean(D, stats.np.random.default_rng(5)) == want
     # Games or seeds only one side has are left out; nothing in common: None.
     assert stats.paired_differences({0: rows({"a": [1], "z": [1]})}, {0: rows({"a": [0]})}) == {0: {"a": 1.0}}
     assert stats.paired_comparison({3: rows({"a": [1]})}, {0: rows({"a": [1]})}) is None
 
 
-def test_training_compute_counts_episodes_and_token_passes():
-    records = [{"step": 0, "policy_version": 1, "episodes": 16, "generated_tokens": 100, "teacher_scored_tokens": 400,
-                "loss_tokens": 100},
-               {"step": 1, "policy_version": 2, "episodes": 16, "generated_tokens": 50, "teacher_scored_tokens": 300,
-                "loss_tokens": 50},
-               {"step": 2, "episodes": 16, "generated_tokens": 10, "loss_tokens": 10}]  # no teacher count, no version
+def test_games_are_shared_by_the_seeds_not_nested_in_them():
+    """Every seed plays the same held-out games, so the bootstrap draws one set of games for all drawn seeds: three
+    identical seeds hold no more information than one, and their interval is as wide as one seed's (drawing games
+    anew within each seed would narrow it by about sqrt(3)). A game a seed lacks is left out of that seed's mean."""
+    games = {f"g{j}": [int(j % 3 == 0)] for j in range(32)}  # the method wins a third of the games GRPO loses
+    grpo = {f"g{j}": [0] for j in range(32)}
+    one = stats.paired_comparison({0: rows(games)}, {0: rows(grpo)}, samples=4000)
+    three = stats.paired_comparison({s: rows(games) for s in range(3)}, {s: rows(grpo) for s in range(3)}, samples=4000)
+    assert one["diff"] == three["diff"] == pytest.approx(11 / 32)
+    width1, width3 = one["hi"] - one["lo"], three["hi"] - three["lo"]
+    assert abs(width3 - width1) < 0.1 * width1 and width3 > 0.2
+    gap = stats.paired_comparison({0: rows(games), 1: rows({"g0": [1]})}, {0: rows(grpo), 1: rows(grpo)}, samples=500)
+    assert gap["per_seed"] == {0: pytest.approx(11 / 32), 1: 1.0} and gap["pairs"] == 33 and gap["games"] == 32
+
+
+def test_training_compute_counts_episodes_and_forward_tokens():
+    records = [{"step": 0, "policy_version": 1, "episodes": 16, "generated_tokens": 100, "sequence_tokens": 1000,
+                "teacher_forward_tokens": 4000},
+               {"step": 1, "policy_version": 2, "episodes": 16, "generated_tokens": 50, "sequence_tokens": 500,
+                "teacher_forward_tokens": 3000},
+               {"step": 2, "episodes": 16, "generated_tokens": 10, "sequence_tokens": 100}]  # no teacher, no version
     c = stats.training_compute(records, ppo_epochs=2, upto=2)
-    assert c == {"steps": 2, "episodes": 32, "generated_tokens": 150, "teacher_tokens": 700, "trainer_tokens": 300,
-                 "token_passes": 1150}
+    # forward-token equivalents: rollout 1500 + teacher 7000 + 3 x trainer (1500 x 2 epochs).
+    assert c == {"steps": 2, "episodes": 32, "generated_tokens": 150, "rollout_tokens": 1500, "teacher_tokens": 7000,
+                 "trainer_tokens": 3000, "forward_tokens": 1500 + 7000 + 9000}
     everything = stats.training_compute(records, ppo_epochs=1)
-    assert everything["steps"] == 3 and everything["teacher_tokens"] == 700 and everything["trainer_tokens"] == 160
+    assert everything["steps"] == 3 and everything["teacher_tokens"] == 7000 and everything["trainer_tokens"] == 1600
     assert stats.add_compute(c, c)["episodes"] == 64
 
 
@@ -118,7 +135,8 @@ def record(header: dict, method: str, seed: int, wins: dict[int, dict[str, list[
         rec["steps"][str(step)] = {"value": value, "lo": 0.0, "hi": 1.0, "n": len(eps), "episodes": eps, "errors": []}
     last = max(wins)
     rec["training"] = [{"step": k, "policy_version": k + 1, "episodes": 16, "generated_tokens": 100,
-                        "teacher_scored_tokens": 0 if method == "grpo" else 400, "loss_tokens": 100} for k in range(last)]
+                        "sequence_tokens": 100, "teacher_forward_tokens": 0 if method == "grpo" else 400}
+                       for k in range(last)]
     if teacher is not None:
         rec["teacher"] = {"method": "grpo", "seed": seed, "step": teacher}
     rec.update(metric="success", complete=True)
@@ -151,7 +169,7 @@ def test_results_files_report_and_table(tmp_path):
     # Against GRPO at 4 + 2 = 6: seed 0 +0.5 (b), seed 1 0 -> +0.25.
     assert agg["compute_matched_paired"]["opd"]["diff"] == 0.25
     # Compute: opd's 2 steps, plus its teacher's 4 GRPO steps; GRPO at 6 counts its own 6 steps.
-    assert opd["compute"]["own"]["episodes"] == 32 and opd["compute"]["own"]["token_passes"] == 2 * (100 + 400 + 100)
+    assert opd["compute"]["own"]["episodes"] == 32 and opd["compute"]["own"]["forward_tokens"] == 2 * (100 + 400 + 3 * 100)
     assert opd["compute"]["with_teacher"]["episodes"] == 32 + 64
     assert agg["methods"]["grpo"][6]["compute"]["own"]["episodes"] == 96
     table = learning.markdown_tables(agg)
@@ -294,3 +312,59 @@ def test_init_start_is_identified_by_its_weights_not_its_path(tmp_path):
     assert proc.returncode == 2 and "--init with --teacher" in proc.stderr
     proc = cli("--init", str(tmp_path / "nothing"), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "not an HF model directory" in proc.stderr and not (tmp_path / "out").exists()
+    # The final policy is evaluated on its snapshot: run.steps must be a multiple of trainer.snapshot_every (4).
+    proc = cli("--init", str(a), "--config", "configs/learning-mid.yaml", "--steps", "6", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 1 and "run.steps (6) must be a multiple of trainer.snapshot_every (4)" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_benchmark_in_progress_and_failed_evaluations_still_make_a_table(tmp_path):
+    """--table on a folder being written: a student without its final point yet, a seed evaluated at one step only,
+    a student whose teacher record is missing, an evaluation whose tasks all failed: each row says what it has."""
+    header = {"config": {"env": {"num_games": 2}}, "run_steps": 2, "teacher_steps": 4, "compute_matched": True, "ppo_epochs": 1}
+    g0 = record(header, "grpo", 0, {2: {"a": [0], "b": [0]}, 4: {"a": [1], "b": [1]}, 6: {"a": [1], "b": [1]}})
+    g1 = record(header, "grpo", 1, {2: {"a": [1], "b": [0]}})  # stopped after its step-2 point
+    g1["training"] = g1["training"][:1]
+    opd0 = record(header, "opd", 0, {2: {"a": [1], "b": [1]}}, teacher=4)
+    opd3 = record(header, "opd", 3, {2: {"a": [1], "b": [0]}}, teacher=4)  # no GRPO seed 3 record
+    failed = record(header, "alignopsd", 0, {2: {"a": [1]}}, teacher=4)
+    failed["steps"]["2"] = {"value": None, "lo": None, "hi": None, "n": 0, "episodes": [], "errors": [{"task_id": "a", "error": "E"}]}
+    started = {**learning.new_record(header, "gc_opd", 0), "teacher": {"method": "grpo", "seed": 0, "step": 4}}
+    recs = [g0, g1, opd0, opd3, failed, started]
+    agg = learning.aggregate(recs)
+    # GRPO at step 2: seeds 0 (16 episodes) and 1 (16); at step 6 only seed 0, with its 6 steps' compute.
+    assert agg["methods"]["grpo"][2]["summary"]["seeds"] == 2 and agg["methods"]["grpo"][6]["compute"]["own"]["episodes"] == 96
+    assert agg["methods"]["opd"][2]["compute"]["with_teacher"] is None  # seed 3's teacher record is missing
+    assert "alignopsd" not in agg["methods"] or 2 not in agg["methods"]["alignopsd"]  # no episodes: no point
+    assert set(agg["compute_matched_paired"]) == {"opd"}
+    table = learning.markdown_tables(agg)
+    assert "its teacher's GRPO record is missing" in table and "nan" not in table
+    assert learning.training_table([learning.new_record(header, "untrained", None)]) == ""
+    assert learning._num(None) == "n/a"
+
+
+def test_a_lost_run_is_not_mixed_with_its_successor(tmp_path):
+    """--resume of an incomplete (method, seed) whose run directory is gone: its evaluations are dropped (a new
+    run starts from step 0); a lost GRPO teacher whose student has started refuses, naming the student's file."""
+    import argparse
+
+    args = argparse.Namespace(methods=["grpo", "opd"], seeds=[0], teacher=True, compute_matched=False, out=tmp_path,
+                              results=tmp_path / "r", keep_snapshots=False, resume=True, drop_checkpoints=False, init=None)
+    run_cfg = argparse.Namespace(trainer=argparse.Namespace(ppo_epochs=1))
+    plan = learning.Plan(args, {"env": {}}, run_cfg, 2, 4)
+    header = plan.header
+    rec = {**record(header, "opd", 0, {2: {"a": [1]}}, teacher=4), "complete": False, "run": "learning-opd-seed0-1"}
+    (learning.run_root(tmp_path, "opd", 0) / "learning-opd-seed0-1").mkdir(parents=True)
+    learning.forget_lost_run(plan, rec)
+    assert rec["steps"]  # its run is there: kept
+    rec["run"] = "learning-opd-seed0-0"
+    learning.forget_lost_run(plan, rec)
+    assert rec["steps"] == {} and rec["training"] == [] and rec["run"] is None
+    grpo = {**record(header, "grpo", 0, {2: {"a": [0]}, 4: {"a": [1]}}), "complete": False, "run": "gone"}
+    plan.records[("opd", 0)] = record(header, "opd", 0, {2: {"a": [1]}}, teacher=4)
+    plan.teacher_dir(0).mkdir()
+    with pytest.raises(SystemExit, match="opd-seed0.json"):
+        learning.forget_lost_run(plan, grpo)
+    del plan.records[("opd", 0)]
+    learning.forget_lost_run(plan, grpo)
+    assert grpo["steps"] == {} and not plan.teacher_dir(0).exists()  # the lost run's teacher goes with it

@@ -117,6 +117,19 @@ def test_identity_and_matched_views(backend, cfg, group):
     sent = emb.payload["turns"]
     assert [t["student_action"] for t in sent] == [group.trajectories[i].turns[k].action for i, k in turns]
     assert stats.generated_tokens > 0 and not scored.identity_fallback
+    # Compute counted (issue 41): every view (prefix + ids), the teacher's own tokens, and per matched source
+    # trajectory its history up to its last matched turn plus every target response scored after it.
+    by_source: dict[int, tuple[int, int]] = {}
+    for t, (ti, tk) in enumerate(turns):
+        for s in scored.selected_sources_M[t]:
+            si, sk = turns[s]
+            cut, n = by_source.get(si, (0, 0))
+            resp = group.trajectories[ti].turns[tk]
+            by_source[si] = (max(cut, len(prefix) + group.trajectories[si].turns[sk].response_start),
+                             n + resp.response_end - resp.response_start)
+    want = (sum(len(prefix) + t.token_ids_S.shape[0] for t in group.trajectories) + stats.generated_tokens
+            + sum(c + n for c, n in by_source.values()))
+    assert by_source and scored.teacher_forward_tokens == stats.forward_tokens == want
     # The dump texts are what the embedder was sent; the teacher's responses start with the prefill.
     assert scored.student_thinking_M == [t["student_text"] for t in sent]
     assert scored.teacher_thinking_M == [t["teacher_text"] for t in sent]

@@ -100,8 +100,9 @@ def test_step_record_and_prometheus_series():
     assert record["teacher_verifier/>=1k/groups"] == 0.0  # the factory's prompts are 8-16 tokens
     assert record["teacher_verifier/all/top1_mismatch"] == pytest.approx(np.mean([d.top1_mismatch for d in diags]))
     assert record["teacher_verifier/all/preference_gap"] == pytest.approx(np.mean([d.preference_gap for d in diags]))
-    # Compute counted (issue 41): teacher-forced tokens are every scored trajectory's tokens.
-    assert record["teacher_scored_tokens"] == sum(t.token_ids_S.shape[0] for sg in groups for t in sg.rollout.trajectories) > 0
+    # Compute counted (issue 41): the teachers' own counts, and every trajectory's tokens.
+    assert record["teacher_forward_tokens"] == sum(sg.teacher_forward_tokens for sg in groups)
+    assert record["sequence_tokens"] == sum(t.token_ids_S.shape[0] for sg in groups for t in sg.rollout.trajectories) > 0
     # Without a teacher: no diagnostics.
     assert not [k for k in summarize([sg.rollout for sg in groups], None) if k.startswith("teacher_verifier/")]
 

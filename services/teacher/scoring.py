@@ -44,6 +44,7 @@ log = logging.getLogger("teacher")
 class TeacherStats:
     scored_tokens: int = 0
     generated_tokens: int = 0
+    forward_tokens: int = 0  # tokens run through the model: every view's prefix and ids, continuations, generations
     gap_sum: float = 0.0
     gap_tokens: int = 0
     embedder_fallback: bool = False
@@ -195,7 +196,7 @@ def score_group(
     corr = _no_correspondence(len(turns))
     if embedder is not None and turns:
         _correspond(group, turns, student, texts, embedder, cfg, corr, stats)
-    cross = _matched_pass(group, turns, corr.sources, layout, cfg.teacher_model.max_model_len, backend, guard)
+    cross = _matched_pass(group, turns, corr.sources, layout, cfg.teacher_model.max_model_len, backend, guard, stats)
     stats.sources = len(cross)
     corrected_S, cross_M = _rectify(group, turns, teacher_S, cross, corr, cfg.credit.alignopsd.aggregation_mode, stats)
     _count_tokens(group, teacher_S, stats)
@@ -214,6 +215,7 @@ def score_group(
         alpha_M=corr.alpha_M,
         identity_fallback=stats.embedder_fallback,
         teacher_seconds=time.perf_counter() - t0,
+        teacher_forward_tokens=stats.forward_tokens,
         teacher_entropy_S=entropy_S,
         teacher_response_M=[own.get(tk, "") for tk in turns],
         student_thinking_M=student_thinking,
@@ -278,10 +280,12 @@ def _identity_pass(group: RolloutGroup, backend, chat: ChatFormat, cfg: RunConfi
                                      top_p=cfg.rollout.top_p, seed=seed + i + 104729 * v, return_entropy=True,
                                      **_loss_tokens_only(backend, t, ks, end, skip))
             ent_S = _keep_view_turns(t, ks, skip, res, lp_S, ent_S)
+            stats.forward_tokens += len(layout.bases[i][v])
             for k, g in zip(ks if budget else [], res.generations):
                 if g is not None:
                     own[(i, k)] = chat.prefill_text + decode(backend.tokenizer, g.token_ids)
                     stats.generated_tokens += len(g.token_ids)
+                    stats.forward_tokens += len(g.token_ids)
         teacher_S.append(np.where(t.loss_mask_S == 1, lp_S, 0.0).astype(np.float32))
         if ent_S is None:
             entropy_S = None
@@ -412,7 +416,8 @@ def _fall_back(group: RolloutGroup, err: Exception, stats: TeacherStats) -> None
 
 
 def _matched_pass(group: RolloutGroup, turns: list[tuple[int, int]], sources: list[list[int]], layout: _ViewLayout,
-                  max_len: int, backend, guard: Callable[[], ContextManager[Any]]) -> dict[tuple[int, int], np.ndarray]:
+                  max_len: int, backend, guard: Callable[[], ContextManager[Any]],
+                  stats: TeacherStats) -> dict[tuple[int, int], np.ndarray]:
     """Pass 2: each target's response under each matched source turn's privileged history, one cached forward
     per source view. Returns (target row, source row) -> log-probs [response]; a pair whose view does not fit
     `max_len` is left out."""
@@ -433,6 +438,7 @@ def _matched_pass(group: RolloutGroup, turns: list[tuple[int, int]], sources: li
         base = layout.bases[si][v]
         with guard():
             res = backend.branch(base, len(base), [layout.turn_cuts[si][k] for k in ks], continuations=conts)
+        stats.forward_tokens += max(layout.turn_cuts[si][k] for k in ks) + sum(len(c) for cs in conts for c in cs)
         for k, lps in zip(ks, res.continuation_logprobs):
             for t, lp in zip(by_turn[k], lps):
                 cross[(t, row_of[(si, k)])] = lp

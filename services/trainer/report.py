@@ -52,6 +52,9 @@ def summarize(
         "mixed_groups": sum(len({t.reward for t in g.trajectories}) > 1 for g in groups),
         "rollout_seconds": float(sum(g.rollout_seconds for g in groups)),
         "generated_tokens": int(sum(t.loss_mask_S.sum() for t in trajs)),
+        # Every trajectory's tokens (prompts, observations, responses): the rollout runs each through the model
+        # at least once, the trainer once per PPO epoch (compute counted, issue 41).
+        "sequence_tokens": int(sum(t.token_ids_S.shape[0] for t in trajs)),
     }
     # Per task category (ALFWorld task type, Search data source, ...): "success/<category>".
     by_category: dict[str, list[bool]] = {}
@@ -70,9 +73,9 @@ def summarize(
         out["teacher_student_gap"] = gap / max(n, 1.0)
         out["corrected_gap"] = corr / max(n, 1.0)
         out["teacher_seconds"] = float(sum(sg.teacher_seconds for sg in scored))
-        # Teacher-forced tokens (compute counted, issue 41): every scored trajectory's tokens, the teacher's own
-        # `scored_tokens` count (its privileged prefixes and per-turn views' re-scored prefixes not included).
-        out["teacher_scored_tokens"] = int(sum(t.token_ids_S.shape[0] for sg in scored for t in sg.rollout.trajectories))
+        # Tokens the teacher ran through its model (compute counted, issue 41): privileged prefixes, every view,
+        # matched continuations and its own generations (`ScoredGroup.teacher_forward_tokens`).
+        out["teacher_forward_tokens"] = int(sum(sg.teacher_forward_tokens for sg in scored))
         # Which teacher scored the step's groups, and the policy versions it held (self: the groups' own).
         out["teacher"] = sorted({sg.teacher or "self:live" for sg in scored})
         out["teacher_version_min"] = min(sg.teacher_version for sg in scored)
