@@ -176,11 +176,17 @@ def offline_llm(backend, batch: int):
     """A new offline vLLM engine on `backend`'s model and settings, prefix caching on, at most `batch` sequences
     scheduled together (the backend's own engine must be shut down first)."""
     from vllm import LLM
+    from vllm.platforms import current_platform
 
     c = backend.cfg
+    on_cpu = current_platform.is_cpu()  # as the backend's engine: whole prompts per step on CPU, where vLLM 0.32
+    # rewinds a seeded request's generator after a chunked prefill and CPU generators have no offset (the replay's
+    # requests carry (b)'s seeds: it died at its first turn wave)
     return LLM(model=str(backend.path), dtype=c.dtype, max_model_len=backend.max_positions, enable_prefix_caching=True,
                trust_remote_code=c.trust_remote_code, load_format="safetensors", max_num_seqs=batch,
-               enforce_eager=c.vllm.enforce_eager, gpu_memory_utilization=c.vllm.gpu_memory_utilization, seed=0)
+               enforce_eager=c.vllm.enforce_eager, gpu_memory_utilization=c.vllm.gpu_memory_utilization, seed=0,
+               enable_chunked_prefill=not on_cpu,
+               max_num_batched_tokens=max(backend.max_positions, 2048) if on_cpu else None)
 
 
 def engine_limit_vllm(backend, requests: list, batch: int) -> tuple[float, int]:
