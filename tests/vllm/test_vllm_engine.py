@@ -195,3 +195,20 @@ def test_seeded_requests_whose_prompts_overflow_one_step_all_finish(vllm_backend
     assert all(1 <= len(g.token_ids) <= 4 for g in gens)
     (alone,) = vllm_backend.generate([prompts[5]], 4, 1.0, seed=55)  # the same draw as in the crowd
     assert alone.token_ids == gens[5].token_ids
+
+
+def test_inflight_replay_engine_finishes_seeded_prompts_that_overflow_one_step(vllm_backend):
+    # benchmarks/inflight.py's turn-ordered replay builds its own offline engine and replays (b)'s requests with
+    # their seeds: built without the backend's CPU scheduling it died as the backend once did (a 600-token prompt
+    # split across steps rewinds its seeded generator, which CPU generators lack). Same case as above.
+    from benchmarks import inflight
+
+    rng = np.random.default_rng(14)
+    records = [{"key": f"e{i}", "turn": 0, "seed": 60 + i, "prompt_ids": rng.integers(100, 40000, size=600).tolist(),
+                "n": 3} for i in range(6)]
+    llm = inflight.offline_llm(vllm_backend, 8)
+    try:
+        seconds, tokens = inflight.replay_waves_vllm(llm, records)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert tokens == 18 and seconds > 0
