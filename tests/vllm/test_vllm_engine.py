@@ -199,16 +199,16 @@ def test_seeded_requests_whose_prompts_overflow_one_step_all_finish(vllm_backend
 
 def test_inflight_replay_engine_finishes_seeded_prompts_that_overflow_one_step(vllm_backend):
     # benchmarks/inflight.py's turn-ordered replay builds its own offline engine and replays (b)'s requests with
-    # their seeds: built without the backend's CPU scheduling it died as the backend once did (a 600-token prompt
-    # split across steps rewinds its seeded generator, which CPU generators lack). Same case as above.
+    # their seeds: built without the backend's CPU scheduling it died as the backend once did (16 prompts of 600 tokens
+    # overflow its step budget; one split across steps rewinds its seeded generator, which CPU generators lack).
     from benchmarks import inflight
 
     rng = np.random.default_rng(14)
     records = [{"key": f"e{i}", "turn": 0, "seed": 60 + i, "prompt_ids": rng.integers(100, 40000, size=600).tolist(),
-                "n": 3} for i in range(6)]
-    llm = inflight.offline_llm(vllm_backend, 8)
+                "n": 3} for i in range(16)]
+    llm = inflight.offline_llm(vllm_backend, 16)
     try:
         seconds, tokens = inflight.replay_waves_vllm(llm, records)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert tokens == 18 and seconds > 0
+    assert tokens == 48 and seconds > 0
