@@ -413,8 +413,9 @@ def aggregate(recs: list[dict]) -> dict:
     """The report of an experiment's results records: {"metric", "run_steps", "teacher_steps", "compute_matched",
     "seeds", "games" (held-out games), "untrained" (the step-0 point), "init" (--init's identity or None), "methods": {method: {step: {"summary":
     `stats.seed_summary`, "paired": `stats.paired_comparison` with GRPO at the same step (None for grpo),
-    "compute": `compute_at`, "ci95": {seed: its eval's bootstrap [lo, hi]}}}}, "compute_matched_paired": {method: its final step against GRPO at
-    teacher_steps + run_steps}}. Steps are ints; GRPO's past run_steps are its teacher and compute-matched points.
+    "compute": `compute_at`, "ci95": {seed: its eval's bootstrap [lo, hi]}}}}, "compute_matched_paired": {method: its
+    final step against GRPO at teacher_steps + run_steps}, "wall_seconds": {"train", "eval"} summed over the records,
+    "runs": (method, seed) records}. Steps are ints; GRPO's past run_steps are its teacher and compute-matched points.
     SystemExit when the records come from different experiments (config hashes)."""
     hashes = {r["config_hash"] for r in recs}
     if len(hashes) > 1:
@@ -446,7 +447,9 @@ def aggregate(recs: list[dict]) -> dict:
             "seeds": sorted({r["seed"] for r in recs if r["seed"] is not None}), "games": len(games),
             "untrained": untrained["steps"].get("0") if untrained else None, "init": ref.get("init"),
             "methods": methods,
-            "compute_matched_paired": matched}
+            "compute_matched_paired": matched,
+            "wall_seconds": {k: sum(r["seconds"][k] for r in recs) for k in ("train", "eval")},
+            "runs": sum(r["seed"] is not None for r in recs)}
 
 
 def _num(x: float | None) -> str:
@@ -499,6 +502,10 @@ def markdown_tables(agg: dict) -> str:
             lines.append(f"| {_label(agg, method, step)} | {step} | {s['seeds']} | {s['mean']:.3f} [{s['min']:.3f}, "
                          f"{s['max']:.3f}] | {std} | {_interval(row['paired'])} | {_count(own['episodes'])} | "
                          f"{passes} | {teacher} |")
+    wall = agg["wall_seconds"]
+    lines += ["", f"Wall time on this machine (the results files' seconds): training {wall['train'] / 3600:.1f} h, "
+              f"held-out evaluations {wall['eval'] / 3600:.1f} h, {(wall['train'] + wall['eval']) / 3600:.1f} h for "
+              f"{agg['runs']} (method, seed) runs and the step-0 evaluation."]
     if agg["compute_matched_paired"]:
         far = agg["teacher_steps"] + agg["run_steps"]
         lines += ["", f"Compute-matched: each student at step {agg['run_steps']} against GRPO continued to step {far} "
