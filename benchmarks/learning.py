@@ -34,7 +34,7 @@ meant to be committed: {"method", "seed" (null: untrained), "config_hash", "conf
 "run_steps", "teacher_steps", "compute_matched", "ppo_epochs", "metric", "teacher" (a student's: {"method":
 "grpo", "seed", "step"}), "steps": {policy version: {"value", "lo", "hi", "n", "episodes": [{task_id, category,
 episode, reward, won, turns}], "errors"}}, "training": per-step records (success, mixed groups, episodes,
-generated / teacher-scored / loss tokens, ...), "compute" ({"own"}: `stats.training_compute`; a student's
+generated, sequence and teacher-forward tokens, credit diagnostics, ...), "compute" ({"own"}: `stats.training_compute`; a student's
 "teacher" and "with_teacher" add GRPO seed S's training up to teacher_steps), "seconds" ({"train", "eval"}),
 "missing_steps", "complete"}. Every number of the report is recomputed from these files alone: `--table` prints
 BENCHMARKS.md's Markdown tables from RDIR without running anything. A results file of a (method, seed) about
@@ -57,7 +57,7 @@ each student's final point is compared with it. With --quick: grpo 2 steps, opd 
 `--init MODEL_DIR` (issue 41: every method from one mid-competence checkpoint): every method of every seed starts
 from the HF model directory MODEL_DIR (model.name = its absolute path) instead of the config's model, and step 0 is
 that policy's held-out point, RDIR/start.json (method "start"). The results files identify the start by the sha256
-of its *.safetensors files (header "init"), not by its path, so a fresh checkout continues them from a copy.
+of its *.safetensors and tokenizer files (header "init"), not by its path, so a fresh checkout continues them from a copy.
 configs/learning-mid.yaml is the experiment this is for (BENCHMARKS.md says how its start was made).
 
 `--resume --out DIR` (same other arguments) continues a benchmark that was stopped (a killed shell, the
