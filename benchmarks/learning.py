@@ -30,15 +30,10 @@ Every method's config is validated as `opsd run` validates it before anything is
 
 Raw results (`--results RDIR`, default benchmarks/results/<experiment>/, <experiment> the config's name plus
 -teacher / -quick): one small JSON per (method, seed), RDIR/<method>-seed<S>.json, and RDIR/untrained.json,
-meant to be committed: {"method", "seed" (null: untrained), "config_hash", "config" (the shared base config),
-"run_steps", "teacher_steps", "compute_matched", "ppo_epochs", "metric", "teacher" (a student's: {"method":
-"grpo", "seed", "step"}), "steps": {policy version: {"value", "lo", "hi", "n", "episodes": [{task_id, category,
-episode, reward, won, turns}], "errors"}}, "training": per-step records (success, mixed groups, episodes,
-generated, sequence and teacher-forward tokens, credit diagnostics, ...), "compute" ({"own"}: `stats.training_compute`; a student's
-"teacher" and "with_teacher" add GRPO seed S's training up to teacher_steps), "seconds" ({"train", "eval"}),
-"missing_steps", "complete"}. Every number of the report is recomputed from these files alone: `--table` prints
-BENCHMARKS.md's Markdown tables from RDIR without running anything. A results file of a (method, seed) about
-to run is never overwritten without --resume.
+meant to be committed; their fields and the checks made on reading them: `benchmarks/learning_results.py`.
+Every number of the report is recomputed from these files alone: `--table` prints BENCHMARKS.md's Markdown
+tables from RDIR without running anything. A results file of a (method, seed) about to run is never
+overwritten without --resume.
 
 `--quick`: GRPO only, 1 step of env.num_games groups x 4 episodes (2 x 4 with configs/learning.yaml)
 of at most 2 turns, held-out on 2 games x 1 episode (a smoke test of the whole path).
@@ -97,8 +92,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import stats  # noqa: E402
 from benchmarks.common import Row, command_line, machine, write_json  # noqa: E402
+from benchmarks.learning_results import (METHODS, config_hash, incomplete, new_record, read_results,  # noqa: E402
+                                         results_path, write_results)
 
-METHODS = ("grpo", "agentopsd", "alignopsd", "opd", "gc_opd")
 DEFAULT_METHODS = ("grpo", "agentopsd", "alignopsd")
 TEACHER_METHODS = ("grpo", "opd", "gc_opd", "alignopsd")  # --teacher: grpo first, it becomes the teacher
 COLORS = {"grpo": "tab:blue", "agentopsd": "tab:orange", "alignopsd": "tab:green", "opd": "tab:red",
@@ -288,18 +284,6 @@ def experiment_name(config: Path, teacher: bool, quick: bool) -> str:
     return name + ("-quick" if quick else "")
 
 
-def config_hash(header: dict) -> str:
-    """16 hex digits of sha256 over the experiment's identity (`header`: base config, run steps, teacher steps,
-    compute-matched): results files with the same hash come from the same experiment and can be compared."""
-    return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def results_path(results: Path, method: str, seed: int | None) -> Path:
-    """RDIR/<method>-seed<S>.json; the step-0 policy's (seed None, method "untrained" or "start" with --init):
-    RDIR/<method>.json."""
-    return results / (f"{method}.json" if seed is None else f"{method}-seed{seed}.json")
-
-
 # What makes a start policy behave as it does, besides its weights: how its text becomes ids and back. (config.json
 # is left out: transformers writes the directory it was loaded from into it; the weights fix the architecture.)
 POLICY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -323,37 +307,6 @@ def weights_sha256(model_dir: Path) -> str:
             for block in iter(lambda: fh.read(1 << 24), b""):
                 h.update(block)
     return h.hexdigest()
-
-
-def read_results(results: Path) -> list[dict]:
-    """Every results file in `results` (by name; none when the folder does not exist). SystemExit naming a file
-    that is not a results file (a hand edit, a partial copy)."""
-    out = []
-    for path in sorted(results.glob("*.json")) if results.is_dir() else []:
-        try:
-            rec = json.loads(path.read_text())
-            assert isinstance(rec, dict) and {"method", "seed", "config_hash", "steps", "complete"} <= set(rec)
-        except (OSError, ValueError, AssertionError):
-            raise SystemExit(f"{path}: not a learning results file (method, seed, config_hash, steps, complete)") from None
-        out.append(rec)
-    return out
-
-
-def write_results(results: Path, rec: dict) -> Path:
-    """Write `rec` to its `results_path` atomically, compact (a file stays well under 200 KB: no weights, one
-    short row per held-out episode)."""
-    path = results_path(results, rec["method"], rec["seed"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(rec, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def new_record(header: dict, method: str, seed: int | None) -> dict:
-    """An empty results record of (method, seed) in the experiment `header` (see the module docstring)."""
-    return {"method": method, "seed": seed, "config_hash": config_hash(header), **header, "teacher": None,
-            "steps": {}, "training": [], "compute": None, "seconds": {"train": 0.0, "eval": 0.0}, "complete": False}
 
 
 # ---------------------------------------------------------------------------
@@ -391,9 +344,9 @@ def seed_values(runs: dict[int, dict], step: int, metric: str) -> dict[int, floa
 
 def compute_at(runs: dict[int, dict], grpo: dict[int, dict], step: int) -> dict:
     """The mean over the seeds evaluated at `step` (those the row's summary has) of a method's training compute
-    up to `step` ("own", `stats.training_compute`) and with its external teacher's training ("with_teacher": GRPO
-    seed S's up to its record's teacher step, a student of seed S; a method without one: its own; None when a
-    student's teacher record is missing, rather than a count without it). Counts are means over seeds (floats)."""
+    up to `step` ("own", `stats.training_compute`) and with its external teacher's training ("with_teacher": plus the
+    GRPO run its record's "teacher" names, up to that step: seed S's up to teacher_steps for a student of seed S;
+    a method without one: its own; None when a student's teacher record is missing, rather than a count without it). Counts are means over seeds (floats)."""
     own, total = [], []
     for seed, rec in runs.items():
         if str(step) not in rec["steps"]:
@@ -402,8 +355,9 @@ def compute_at(runs: dict[int, dict], grpo: dict[int, dict], step: int) -> dict:
         own.append(mine)
         teacher = rec.get("teacher")
         if teacher:
-            mine = (stats.add_compute(mine, stats.training_compute(grpo[seed]["training"], rec["ppo_epochs"], teacher["step"]))
-                    if seed in grpo else None)
+            t = grpo.get(teacher["seed"])
+            mine = (stats.add_compute(mine, stats.training_compute(t["training"], rec["ppo_epochs"], teacher["step"]))
+                    if t else None)
         total.append(mine)
     mean = lambda ds: {k: sum(d[k] for d in ds) / len(ds) for k in ds[0]}  # noqa: E731
     return {"own": mean(own), "with_teacher": None if None in total else mean(total)}
@@ -415,11 +369,14 @@ def aggregate(recs: list[dict]) -> dict:
     `stats.seed_summary`, "paired": `stats.paired_comparison` with GRPO at the same step (None for grpo),
     "compute": `compute_at`, "ci95": {seed: its eval's bootstrap [lo, hi]}}}}, "compute_matched_paired": {method: its
     final step against GRPO at teacher_steps + run_steps}, "wall_seconds": {"train", "eval"} summed over the records,
-    "runs": (method, seed) records}. Steps are ints; GRPO's past run_steps are its teacher and compute-matched points.
+    "runs": (method, seed) records, "incomplete": `learning_results.incomplete`}. Steps are ints; GRPO's past run_steps are its teacher and compute-matched points.
     SystemExit when the records come from different experiments (config hashes)."""
-    hashes = {r["config_hash"] for r in recs}
+    hashes: dict[str, list[str]] = {}
+    for r in recs:
+        hashes.setdefault(r["config_hash"], []).append(results_path(Path(), r["method"], r["seed"]).name)
     if len(hashes) > 1:
-        raise SystemExit(f"the results mix experiments (config hashes {sorted(hashes)}): one folder per experiment")
+        which = "; ".join(f"{h}: {', '.join(names)}" for h, names in sorted(hashes.items()))
+        raise SystemExit(f"the results mix experiments (config hashes {which}): one folder per experiment")
     ref = recs[0]
     metric = next((r.get("metric") for r in recs if r.get("metric")), "success")
     runs, untrained = by_method(recs), next((r for r in recs if r["seed"] is None), None)
@@ -449,7 +406,7 @@ def aggregate(recs: list[dict]) -> dict:
             "methods": methods,
             "compute_matched_paired": matched,
             "wall_seconds": {k: sum(r["seconds"][k] for r in recs) for k in ("train", "eval")},
-            "runs": sum(r["seed"] is not None for r in recs)}
+            "runs": sum(r["seed"] is not None for r in recs), "incomplete": incomplete(recs)}
 
 
 def _num(x: float | None) -> str:
@@ -506,6 +463,9 @@ def markdown_tables(agg: dict) -> str:
     lines += ["", f"Wall time on this machine (the results files' seconds): training {wall['train'] / 3600:.1f} h, "
               f"held-out evaluations {wall['eval'] / 3600:.1f} h, {(wall['train'] + wall['eval']) / 3600:.1f} h for "
               f"{agg['runs']} (method, seed) runs and the step-0 evaluation."]
+    if agg.get("incomplete"):
+        lines += ["", f"Not complete yet (stopped or still running; their rows hold the steps evaluated so far): "
+                  f"{', '.join(agg['incomplete'])}."]
     if agg["compute_matched_paired"]:
         far = agg["teacher_steps"] + agg["run_steps"]
         lines += ["", f"Compute-matched: each student at step {agg['run_steps']} against GRPO continued to step {far} "
@@ -806,9 +766,13 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         ap.error(f"--methods with --teacher must start with grpo (it trains the teacher), got {' '.join(args.methods)}")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds: each seed once (got {' '.join(map(str, args.seeds))})")
+    if args.seeds is not None and not all(0 <= s < 2**32 for s in args.seeds):
+        ap.error(f"--seeds: each seed in [0, 2**32) (numpy's seed range; got {' '.join(map(str, args.seeds))})")
+    if args.methods is not None and len(set(args.methods)) != len(args.methods):
+        ap.error(f"--methods: each method once (got {' '.join(args.methods)})")
     if args.init is not None and args.teacher:
         ap.error("--init with --teacher: the teacher experiment starts every method from the config's model")
-    if args.init is not None and not (args.init / "config.json").is_file():
+    if args.init is not None and not args.table and not (args.init / "config.json").is_file():
         ap.error(f"--init {args.init}: not an HF model directory (no config.json)")
     if args.config is None:
         args.config = ROOT / "configs" / ("learning-teacher.yaml" if args.teacher else "learning.yaml")

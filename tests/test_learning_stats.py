@@ -194,7 +194,8 @@ def test_results_are_never_overwritten_without_resume_nor_mixed(tmp_path):
     """A results file of a (method, seed) about to run is refused without --resume, and under --resume when it
     was written by another experiment: before any model is loaded or anything written to --out."""
     results = tmp_path / "r"
-    learning.write_results(results, {**learning.new_record({"config": {}}, "grpo", 0), "config_hash": "0" * 16})
+    other = {"config": {}, "run_steps": 1, "teacher_steps": None, "compute_matched": False, "ppo_epochs": 1}
+    learning.write_results(results, learning.new_record(other, "grpo", 0))  # valid, of another experiment
 
     def run(*flags):
         return subprocess.run([sys.executable, "benchmarks/learning.py", "--quick", "--seeds", "0", "--results",
@@ -340,6 +341,7 @@ def test_a_benchmark_in_progress_and_failed_evaluations_still_make_a_table(tmp_p
     assert set(agg["compute_matched_paired"]) == {"opd"}
     table = learning.markdown_tables(agg)
     assert "its teacher's GRPO record is missing" in table and "nan" not in table
+    assert "Not complete yet (stopped or still running; their rows hold the steps evaluated so far): gc_opd seed 0." in table
     assert learning.training_table([learning.new_record(header, "untrained", None)]) == ""
     assert learning._num(None) == "n/a"
 
@@ -369,3 +371,44 @@ def test_a_lost_run_is_not_mixed_with_its_successor(tmp_path):
     del plan.records[("opd", 0)]
     learning.forget_lost_run(plan, grpo)
     assert grpo["steps"] == {} and not plan.teacher_dir(0).exists()  # the lost run's teacher goes with it
+
+
+def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
+    """A hand edit or a partial copy stops --table naming the file and the field, never a silently wrong table:
+    a NaN or string `won`, a reward outside [0, 1], a negative seed, a file whose name is not its (method, seed),
+    a header edited after the run (its hash), two step-0 records. Dot-files (a write in progress) are skipped."""
+    header = {"config": {}, "run_steps": 2, "teacher_steps": None, "compute_matched": False, "ppo_epochs": 1}
+    good = record(header, "grpo", 0, {2: {"a": [1], "b": [0]}})
+
+    def refused(name: str, rec: dict, *more: tuple[str, dict]) -> str:
+        folder = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        for n, r in ((name, rec), *more):
+            (folder / n).write_text(json.dumps(r))
+        with pytest.raises(SystemExit) as e:
+            learning.read_results(folder)
+        return str(e.value)
+
+    def edited(path: tuple, value) -> dict:
+        rec = json.loads(json.dumps(good))
+        node = rec
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        return rec
+
+    msg = refused("grpo-seed0.json", edited(("steps", "2", "episodes", 0, "won"), "false"))
+    assert "grpo-seed0.json: not a valid learning results file: steps.2.episodes.0.won" in msg
+    bad_reward = json.loads(json.dumps(good).replace('"reward": 1.0', '"reward": NaN'))
+    assert "steps.2.episodes.0.reward" in refused("grpo-seed0.json", bad_reward)
+    assert "steps.2.episodes.1.reward" in refused("grpo-seed0.json", edited(("steps", "2", "episodes", 1, "reward"), 1e308))
+    assert "seed" in refused("grpo-seed0.json", edited(("seed",), -1))
+    assert "holds method 'grpo' seed 0, whose file is grpo-seed0.json" in refused("grpo-seed1.json", good)
+    assert "not the hash of its header" in refused("grpo-seed0.json", edited(("run_steps",), 3))
+    start = learning.new_record(header, "untrained", None)
+    assert "two step-0 records" in refused("untrained.json", start, ("start.json", {**start, "method": "start"}))
+    assert "not a learning results file" in refused("grpo-seed0.json", good, ("opd-seed0.json", "[1, 2"))
+    folder = tmp_path / "ok"
+    learning.write_results(folder, good)
+    (folder / ".grpo-seed1.json.tmp.json").write_text("{")  # an interrupted write: skipped
+    assert learning.read_results(folder) == [good]

@@ -1,0 +1,178 @@
+"""The raw results files of `benchmarks/learning.py` (issue 41): one small JSON file per (method, training seed),
+RDIR/<method>-seed<S>.json, and one for the step-0 policy, RDIR/untrained.json (RDIR/start.json with --init),
+meant to be committed so that `--table` recomputes every number of the report from them alone.
+
+A file (`ResultsFile`): {"method", "seed" (null: the step-0 policy), "config_hash", the experiment's header
+("config" (the shared base config), "run_steps", "teacher_steps", "compute_matched", "ppo_epochs", with --init
+"init"), "metric", "teacher" (a student's: {"method": "grpo", "seed", "step"}), "steps": {policy version:
+{"value", "lo", "hi", "n", "episodes": [{task_id, category, episode, reward, won, turns}], "errors"}},
+"training": per-step records (success, mixed groups, episodes, generated, sequence and teacher-forward tokens,
+credit diagnostics, ...), "compute" ({"own"}: `stats.training_compute`; a student's "teacher" and "with_teacher"
+add GRPO seed S's training up to teacher_steps), "seconds" ({"train", "eval"}), "missing_steps", "complete"}.
+
+`read_results` validates every file (types, ranges, the name against its method and seed, the config hash
+against the header it was computed from) and stops naming the file and the field: a hand edit or a partial copy
+never turns into a silently wrong table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+METHODS = ("grpo", "agentopsd", "alignopsd", "opd", "gc_opd")
+START_METHODS = ("untrained", "start")  # the step-0 policy's record: the config's model, or --init's checkpoint
+HEADER_KEYS = ("config", "run_steps", "teacher_steps", "compute_matched", "ppo_epochs", "init")
+
+# Rewards and held-out values are fractions (every env's reward lies in [0, 1]; WebShop's score is scaled).
+Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False, strict=True)]
+Count = Annotated[float, Field(ge=0.0, le=1e18, allow_inf_nan=False, strict=True)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # later fields (a new diagnostic) do not invalidate older files
+
+
+class Episode(_Open):
+    """One held-out episode: its game, its index within the game, its reward and outcome."""
+    task_id: str = Field(min_length=1)
+    episode: NonNegInt
+    reward: Unit
+    won: StrictBool
+    turns: NonNegInt
+
+
+class Evaluation(_Open):
+    """One evaluated policy version: the value and its 95% interval (None when every task failed), episodes."""
+    value: Unit | None
+    lo: Unit | None
+    hi: Unit | None
+    n: NonNegInt
+    episodes: list[Episode]
+    errors: list[dict]
+
+
+class TrainingStep(_Open):
+    """One training step's record: the fields the report reads (counts >= 0, rates in [0, 1]; None: not measured)."""
+    step: NonNegInt
+    episodes: Count | None = None
+    generated_tokens: Count | None = None
+    sequence_tokens: Count | None = None
+    teacher_forward_tokens: Count | None = None
+    success_rate: Unit | None = None
+    mixed_groups: Count | None = None
+
+
+class TeacherRef(_Open):
+    method: Literal["grpo"]
+    seed: NonNegInt
+    step: Annotated[StrictInt, Field(ge=1)]
+
+
+class Seconds(_Open):
+    train: Count
+    eval: Count
+
+
+class ResultsFile(_Open):
+    """A results file's schema (the module docstring lists its fields)."""
+    method: Literal[METHODS + START_METHODS]
+    seed: NonNegInt | None
+    config_hash: str = Field(pattern=r"^[0-9a-f]{16}$")
+    config: dict
+    run_steps: Annotated[StrictInt, Field(ge=1)]
+    teacher_steps: Annotated[StrictInt, Field(ge=1)] | None
+    compute_matched: StrictBool
+    ppo_epochs: Annotated[StrictInt, Field(ge=1)]
+    metric: str | None = None
+    teacher: TeacherRef | None
+    steps: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")], Evaluation]
+    training: list[TrainingStep]
+    seconds: Seconds
+    complete: StrictBool
+
+
+def config_hash(header: dict) -> str:
+    """16 hex digits of sha256 over the experiment's identity (`header`: base config, run steps, teacher steps,
+    compute-matched, PPO epochs, --init's identity): results files with the same hash come from the same
+    experiment and can be compared."""
+    return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def results_path(results: Path, method: str, seed: int | None) -> Path:
+    """RDIR/<method>-seed<S>.json; the step-0 policy's (seed None, method "untrained" or "start" with --init):
+    RDIR/<method>.json."""
+    return results / (f"{method}.json" if seed is None else f"{method}-seed{seed}.json")
+
+
+def _problem(path: Path, rec: dict) -> str | None:
+    """What is wrong with a parsed results file beyond its schema, or None."""
+    if (rec["seed"] is None) != (rec["method"] in START_METHODS):
+        return f"method {rec['method']!r} with seed {rec['seed']!r} (only untrained/start have no seed)"
+    if path.name != results_path(path.parent, rec["method"], rec["seed"]).name:
+        return (f"holds method {rec['method']!r} seed {rec['seed']!r}, whose file is "
+                f"{results_path(path.parent, rec['method'], rec['seed']).name}")
+    header = {k: rec[k] for k in HEADER_KEYS if k in rec}
+    if config_hash(header) != rec["config_hash"]:
+        return (f"config_hash {rec['config_hash']} is not the hash of its header ({config_hash(header)}): "
+                "the config, steps or start were edited after the run")
+    return None
+
+
+def read_results(results: Path) -> list[dict]:
+    """Every results file in `results` (*.json but dot-files; none when the folder does not exist), validated
+    (`ResultsFile`, the name, the config hash, one file per (method, seed) and one step-0 record). Returns the
+    parsed dicts. SystemExit naming the file and the problem: not JSON, a field of the wrong type or range
+    (a NaN reward, a string `won`, a negative seed), a name that does not match, an edited header."""
+    out = []
+    for path in sorted(p for p in results.glob("*.json") if not p.name.startswith(".")) if results.is_dir() else []:
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: not a learning results file ({type(e).__name__}: {e})") from None
+        if not isinstance(rec, dict):
+            raise SystemExit(f"{path}: not a learning results file (a JSON object expected)")
+        try:
+            ResultsFile.model_validate(rec)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise SystemExit(f"{path}: not a valid learning results file: {where}: {first['msg']}"
+                             + (f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else "")) from None
+        problem = _problem(path, rec)
+        if problem:
+            raise SystemExit(f"{path}: {problem}")
+        out.append(rec)
+    starts = [results_path(results, r["method"], None).name for r in out if r["seed"] is None]
+    if len(starts) > 1:
+        raise SystemExit(f"{results}: two step-0 records ({', '.join(starts)}): one experiment per folder")
+    return out
+
+
+def write_results(results: Path, rec: dict) -> Path:
+    """Write `rec` to its `results_path` atomically, compact (a file stays well under 200 KB: no weights, one
+    short row per held-out episode)."""
+    path = results_path(results, rec["method"], rec["seed"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(rec, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def new_record(header: dict, method: str, seed: int | None) -> dict:
+    """An empty results record of (method, seed) in the experiment `header` (see the module docstring)."""
+    return {"method": method, "seed": seed, "config_hash": config_hash(header), **header, "teacher": None,
+            "steps": {}, "training": [], "compute": None, "seconds": {"train": 0.0, "eval": 0.0}, "complete": False}
+
+
+def incomplete(recs: list[dict]) -> list[str]:
+    """"<method> seed <S>" of the records not complete yet (a run stopped or still going): the report marks them."""
+    return [f"{r['method']} seed {r['seed']}" for r in recs if not r["complete"] and r["seed"] is not None]
+
