@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning.py [--config configs/learning.yaml]
         [--methods grpo agentopsd alignopsd] [--seeds S [S ...]] [--steps N] [--out DIR] [--results DIR]
-        [--init MODEL_DIR] [--quick] [--json OUT] [--resume] [--table]
+        [--init MODEL_DIR] [--teacher [--teacher-steps N] [--compute-matched]] [--keep-snapshots]
+        [--drop-checkpoints] [--quick] [--json OUT] [--resume] [--table]
 
 Each method trains with the real pipeline (`opsd run`: Redis, rollout, teacher, embedder, trainer
 processes) from the same SmolLM2 start with the same config, seeds and budget (run.steps x
@@ -419,6 +420,11 @@ def _count(n: float) -> str:
     return f"{n:.0f}" if n < 1e4 else f"{n / 1e3:.0f}k" if n < 1e7 else f"{n / 1e6:.1f}M"
 
 
+def _duration(seconds: float) -> str:
+    """A wall time for the report: "1.4 h" from an hour on, else "23 min"."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
 def _interval(p: dict | None) -> str:
     """A paired comparison's cell: "+0.125 [+0.031, +0.219]" (signed: method - GRPO), "" without one."""
     return "" if p is None else f"{p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] ({p['seeds']}x{p['games']})"
@@ -439,7 +445,9 @@ def markdown_tables(agg: dict) -> str:
              "Paired: method - GRPO at the same step, per (seed, game), mean and 95% two-way bootstrap "
              "interval (seeds and games drawn, the same games for every drawn seed; seeds x games). Compute: mean per "
              "seed, in forward-token equivalents = rollout (every trajectory token) + teacher (every token it ran) + "
-             "3 x trainer (trajectory tokens x PPO epochs, forward and backward); FLOPs = about 2 x parameters x that."
+             "3 x trainer (trajectory tokens x PPO epochs, forward and backward), k = thousand, M = million tokens; FLOPs = "
+             "about 2 x parameters x that. A step evaluated on one seed shows that evaluation's 95% bootstrap interval over "
+             "its games in place of [min, max]."
              + (" Every method started from the --init policy; its own training is not counted." if agg.get("init") else ""), "",
              f"| method | step | seeds | held-out {m}: mean [min, max] | std | paired vs GRPO | episodes | "
              "forward tokens (rollout + teacher + 3 x trainer) | with teacher's training: episodes, forward tokens |",
@@ -456,12 +464,14 @@ def markdown_tables(agg: dict) -> str:
                       f"{_count(own['teacher_tokens'])} + 3 x {_count(own['trainer_tokens'])})")
             teacher = ("its teacher's GRPO record is missing" if full is None else "" if full == own
                        else f"{_count(full['episodes'])}, {_count(full['forward_tokens'])}")
-            lines.append(f"| {_label(agg, method, step)} | {step} | {s['seeds']} | {s['mean']:.3f} [{s['min']:.3f}, "
-                         f"{s['max']:.3f}] | {std} | {_interval(row['paired'])} | {_count(own['episodes'])} | "
-                         f"{passes} | {teacher} |")
+            spread = (f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]" if s["seeds"] > 1 else
+                      f"{s['mean']:.3f} (95% CI [{_num(next(iter(row['ci95'].values()))[0])}, "
+                      f"{_num(next(iter(row['ci95'].values()))[1])}])")
+            lines.append(f"| {_label(agg, method, step)} | {step} | {s['seeds']} | {spread} | {std} | "
+                         f"{_interval(row['paired'])} | {_count(own['episodes'])} | {passes} | {teacher} |")
     wall = agg["wall_seconds"]
-    lines += ["", f"Wall time on this machine (the results files' seconds): training {wall['train'] / 3600:.1f} h, "
-              f"held-out evaluations {wall['eval'] / 3600:.1f} h, {(wall['train'] + wall['eval']) / 3600:.1f} h for "
+    lines += ["", f"Wall time on this machine (the results files' seconds): training {_duration(wall['train'])}, "
+              f"held-out evaluations {_duration(wall['eval'])}, {_duration(wall['train'] + wall['eval'])} for "
               f"{agg['runs']} (method, seed) runs and the step-0 evaluation."]
     if agg.get("incomplete"):
         lines += ["", f"Not complete yet (stopped or still running; their rows hold the steps evaluated so far): "
@@ -494,8 +504,9 @@ def training_table(recs: list[dict]) -> str:
     if ref is None:
         return ""
     steps, groups = ref["run_steps"], ref["config"].get("env", {}).get("num_games", "?")
-    lines = [f"Training, steps 0-{steps - 1} (each step {groups} groups; mixed = groups with both outcomes, summed over "
-             "seeds; turn weights: AlignOPSD's per-turn redistribution of the trajectory's GRPO advantage, 1 = GRPO's).", "",
+    lines = [f"Training, {'step 0' if steps == 1 else f'steps 0-{steps - 1}'} (each step {groups} groups; mixed = groups "
+             "with both outcomes, summed over seeds; turn weights: the smallest and largest of AlignOPSD's per-turn weights "
+             "that step over all its turns and seeds, the redistribution of the trajectory's GRPO advantage, 1 = GRPO's).", "",
              "| method | seeds | training success per step (mean) | mixed groups per step (sum) | credit diagnostics per step |",
              "|---|---|---|---|---|"]
 
@@ -741,16 +752,19 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     ap.add_argument("--teacher-steps", type=int, default=None, help="--teacher: GRPO's steps (default 2 x run.steps)")
     ap.add_argument("--compute-matched", action="store_true",
                     help="--teacher: GRPO trains on to teacher_steps + run.steps and is evaluated there")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the run directories, learning.json and learning.png (default runs/learning/<timestamp>/)")
     ap.add_argument("--results", type=Path, default=None,
                     help="raw results folder (default benchmarks/results/<experiment>/; module docstring)")
     ap.add_argument("--table", action="store_true", help="print the Markdown tables from --results alone and exit")
-    ap.add_argument("--keep-snapshots", action="store_true")
+    ap.add_argument("--keep-snapshots", action="store_true",
+                    help="keep each run's snapshots/ after they are evaluated (default: deleted)")
     ap.add_argument("--drop-checkpoints", action="store_true",
                     help="delete a (method, seed)'s checkpoint/ (1.6 GB for SmolLM2) once its results file is complete")
     ap.add_argument("--init", type=Path, default=None,
                     help="start every method from this HF model directory (module docstring)")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run of the whole path: 1 step, 2 held-out games, results into <experiment>-quick/")
     ap.add_argument("--json", type=Path, default=None, help="also write the benchmark rows here (benchmarks/run.py)")
     ap.add_argument("--resume", action="store_true", help="continue the stopped benchmark in --out (module docstring)")
     args = ap.parse_args()
@@ -955,6 +969,7 @@ def main() -> None:
     t_all = time.perf_counter()
     ev = Evaluator(run_cfg, out)
     untrained = plan.records.get((plan.start, None)) or new_record(plan.header, plan.start, None)
+    measured_before = untrained["complete"]
     if not untrained["complete"]:
         point, raw = ev.play(plan.start, plan.start)
         untrained.update(steps={"0": raw}, metric=point["metric"], complete=True)
@@ -963,7 +978,8 @@ def main() -> None:
     plan.records[(plan.start, None)] = untrained
     u = untrained["steps"]["0"]
     result["untrained"] = {"metric": untrained["metric"], **{k: v for k, v in u.items() if k != "episodes"}}
-    print(f"{plan.start}: held-out {untrained['metric']} {_num(u['value'])} [{_num(u['lo'])}, {_num(u['hi'])}]", flush=True)
+    print(f"{plan.start}: held-out {untrained['metric']} {_num(u['value'])} [{_num(u['lo'])}, {_num(u['hi'])}]"
+          + (f" (from {results_path(args.results, plan.start, None)}, not played again)" if measured_before else ""), flush=True)
     save()
 
     def on_point(rec: dict, version: int, p: dict) -> None:

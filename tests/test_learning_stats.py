@@ -304,7 +304,7 @@ def test_init_start_is_identified_by_its_weights_not_its_path(tmp_path):
     assert agg["untrained"]["value"] == 0.5 and agg["init"]["sha256"] == learning.weights_sha256(a)
     table = learning.markdown_tables(agg)
     assert f"| start (--init sha256 {agg['init']['sha256'][:12]}) | 0 | | 0.500" in table
-    assert "| alignopsd | 4 | 1 | 0.500 [0.500, 0.500] |  | -0.500 [" in table and "its own training is not counted" in table
+    assert "| alignopsd | 4 | 1 | 0.500 (95% CI [0.000, 1.000]) |  | -0.500 [" in table and "its own training is not counted" in table
 
     def cli(*flags):
         return subprocess.run([sys.executable, "benchmarks/learning.py", *flags], cwd=ROOT, capture_output=True,
