@@ -93,8 +93,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import stats  # noqa: E402
 from benchmarks.common import Row, command_line, machine, write_json  # noqa: E402
-from benchmarks.learning_results import (METHODS, config_hash, incomplete, new_record, read_results,  # noqa: E402
-                                         results_path, write_results)
+from benchmarks.learning_results import (METHODS, config_hash, new_record, read_results, results_path,  # noqa: E402
+                                         write_results)
 
 DEFAULT_METHODS = ("grpo", "agentopsd", "alignopsd")
 TEACHER_METHODS = ("grpo", "opd", "gc_opd", "alignopsd")  # --teacher: grpo first, it becomes the teacher
@@ -347,7 +347,8 @@ def compute_at(runs: dict[int, dict], grpo: dict[int, dict], step: int) -> dict:
     """The mean over the seeds evaluated at `step` (those the row's summary has) of a method's training compute
     up to `step` ("own", `stats.training_compute`) and with its external teacher's training ("with_teacher": plus the
     GRPO run its record's "teacher" names, up to that step: seed S's up to teacher_steps for a student of seed S;
-    a method without one: its own; None when a student's teacher record is missing, rather than a count without it). Counts are means over seeds (floats)."""
+    a method without one: its own; None when a student's teacher record is missing, rather than a count without
+    it). Counts are means over seeds (floats)."""
     own, total = [], []
     for seed, rec in runs.items():
         if str(step) not in rec["steps"]:
@@ -370,7 +371,8 @@ def aggregate(recs: list[dict]) -> dict:
     `stats.seed_summary`, "paired": `stats.paired_comparison` with GRPO at the same step (None for grpo),
     "compute": `compute_at`, "ci95": {seed: its eval's bootstrap [lo, hi]}}}}, "compute_matched_paired": {method: its
     final step against GRPO at teacher_steps + run_steps}, "wall_seconds": {"train", "eval"} summed over the records,
-    "runs": (method, seed) records, "incomplete": `learning_results.incomplete`}. Steps are ints; GRPO's past run_steps are its teacher and compute-matched points.
+    "runs": (method, seed) records, "incomplete": ["<method> seed <S>" of the records not complete yet]}. Steps are
+    ints; GRPO's past run_steps are its teacher and compute-matched points.
     SystemExit when the records come from different experiments (config hashes)."""
     hashes: dict[str, list[str]] = {}
     for r in recs:
@@ -407,7 +409,9 @@ def aggregate(recs: list[dict]) -> dict:
             "methods": methods,
             "compute_matched_paired": matched,
             "wall_seconds": {k: sum(r["seconds"][k] for r in recs) for k in ("train", "eval")},
-            "runs": sum(r["seed"] is not None for r in recs), "incomplete": incomplete(recs)}
+            "runs": sum(r["seed"] is not None for r in recs),
+            "incomplete": [f"{r['method']} seed {r['seed']}" for r in recs
+                           if r["seed"] is not None and not r["complete"]]}
 
 
 def _num(x: float | None) -> str:
@@ -464,9 +468,9 @@ def markdown_tables(agg: dict) -> str:
                       f"{_count(own['teacher_tokens'])} + 3 x {_count(own['trainer_tokens'])})")
             teacher = ("its teacher's GRPO record is missing" if full is None else "" if full == own
                        else f"{_count(full['episodes'])}, {_count(full['forward_tokens'])}")
+            lo, hi = next(iter(row["ci95"].values()))  # one seed: that evaluation's interval
             spread = (f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]" if s["seeds"] > 1 else
-                      f"{s['mean']:.3f} (95% CI [{_num(next(iter(row['ci95'].values()))[0])}, "
-                      f"{_num(next(iter(row['ci95'].values()))[1])}])")
+                      f"{s['mean']:.3f} (95% CI [{_num(lo)}, {_num(hi)}])")
             lines.append(f"| {_label(agg, method, step)} | {step} | {s['seeds']} | {spread} | {std} | "
                          f"{_interval(row['paired'])} | {_count(own['episodes'])} | {passes} | {teacher} |")
     wall = agg["wall_seconds"]

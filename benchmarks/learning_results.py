@@ -171,8 +171,3 @@ def new_record(header: dict, method: str, seed: int | None) -> dict:
     return {"method": method, "seed": seed, "config_hash": config_hash(header), **header, "teacher": None,
             "steps": {}, "training": [], "compute": None, "seconds": {"train": 0.0, "eval": 0.0}, "complete": False}
 
-
-def incomplete(recs: list[dict]) -> list[str]:
-    """"<method> seed <S>" of the records not complete yet (a run stopped or still going): the report marks them."""
-    return [f"{r['method']} seed {r['seed']}" for r in recs if not r["complete"] and r["seed"] is not None]
-
