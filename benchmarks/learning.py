@@ -443,7 +443,8 @@ def _label(agg: dict, method: str, step: int) -> str:
 
 def markdown_tables(agg: dict) -> str:
     """BENCHMARKS.md's seeded, paired, compute-counted tables of `aggregate`'s report (Markdown text)."""
-    m = agg["metric"]
+    m, matched = agg["metric"], agg["compute_matched"]
+    far = (agg["teacher_steps"] or 0) + agg["run_steps"]
     lines = [f"Held-out {m} over training seeds {agg['seeds']} ({agg['games']} held-out games, the same for every "
              f"method and seed; config {agg['config_hash']}). Spread: [min, max] and sample std over seeds. "
              "Paired: method - GRPO at the same step, per (seed, game), mean and 95% two-way bootstrap "
@@ -452,14 +453,18 @@ def markdown_tables(agg: dict) -> str:
              "3 x trainer (trajectory tokens x PPO epochs, forward and backward), k = thousand, M = million tokens; FLOPs = "
              "about 2 x parameters x that. A step evaluated on one seed shows that evaluation's 95% bootstrap interval over "
              "its games in place of [min, max]."
-             + (" Every method started from the --init policy; its own training is not counted." if agg.get("init") else ""), "",
+             + (" Every method started from the --init policy; its own training is not counted." if agg.get("init") else "")
+             + (f" Compute-matched: a student's step {agg['run_steps']} paired, per (seed, game), with GRPO continued to "
+                f"step {far}, the episodes of student and teacher together." if matched else ""), "",
              f"| method | step | seeds | held-out {m}: mean [min, max] | std | paired vs GRPO | episodes | "
-             "forward tokens (rollout + teacher + 3 x trainer) | with teacher's training: episodes, forward tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "forward tokens (rollout + teacher + 3 x trainer) | with teacher's training: episodes, forward tokens |"
+             + (f" compute-matched: paired vs GRPO step {far} |" if matched else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if matched else "")]
     if agg["untrained"]:
         u = agg["untrained"]
         name = f"start (--init sha256 {agg['init']['sha256'][:12]})" if agg.get("init") else "untrained"
-        lines.append(f"| {name} | 0 | | {_num(u['value'])} (95% CI [{_num(u['lo'])}, {_num(u['hi'])}]) | | | 0 | 0 | |")
+        lines.append(f"| {name} | 0 | | {_num(u['value'])} (95% CI [{_num(u['lo'])}, {_num(u['hi'])}]) | | | 0 | 0 | |"
+                     + (" |" if matched else ""))
     for method, rows in agg["methods"].items():
         for step, row in rows.items():
             s, own, full = row["summary"], row["compute"]["own"], row["compute"]["with_teacher"]
@@ -471,8 +476,10 @@ def markdown_tables(agg: dict) -> str:
             lo, hi = next(iter(row["ci95"].values()))  # one seed: that evaluation's interval
             spread = (f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]" if s["seeds"] > 1 else
                       f"{s['mean']:.3f} (95% CI [{_num(lo)}, {_num(hi)}])")
+            far_cell = _interval(agg["compute_matched_paired"].get(method) if step == agg["run_steps"] else None)
             lines.append(f"| {_label(agg, method, step)} | {step} | {s['seeds']} | {spread} | {std} | "
-                         f"{_interval(row['paired'])} | {_count(own['episodes'])} | {passes} | {teacher} |")
+                         f"{_interval(row['paired'])} | {_count(own['episodes'])} | {passes} | {teacher} |"
+                         + (f" {far_cell} |" if matched else ""))
     wall = agg["wall_seconds"]
     lines += ["", f"Wall time on this machine (the results files' seconds): training {_duration(wall['train'])}, "
               f"held-out evaluations {_duration(wall['eval'])}, {_duration(wall['train'] + wall['eval'])} for "
@@ -480,17 +487,6 @@ def markdown_tables(agg: dict) -> str:
     if agg.get("incomplete"):
         lines += ["", f"Not complete yet (stopped or still running; their rows hold the steps evaluated so far): "
                   f"{', '.join(agg['incomplete'])}."]
-    if agg["compute_matched_paired"]:
-        far = agg["teacher_steps"] + agg["run_steps"]
-        lines += ["", f"Compute-matched: each student at step {agg['run_steps']} against GRPO continued to step {far} "
-                  f"(the episodes of teacher and student together), paired per (seed, game).", "",
-                  f"| method (step {agg['run_steps']}) | mean | GRPO step {far} mean | paired vs GRPO step {far} |",
-                  "|---|---|---|---|"]
-        grpo_far = agg["methods"].get("grpo", {}).get(far)
-        for method, p in agg["compute_matched_paired"].items():
-            mine = agg["methods"][method].get(agg["run_steps"])
-            lines.append(f"| {method} | {mine['summary']['mean']:.3f} | "
-                         f"{_num(grpo_far['summary']['mean'] if grpo_far else None)} | {_interval(p)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -175,7 +175,8 @@ def test_results_files_report_and_table(tmp_path):
     table = learning.markdown_tables(agg)
     assert "| opd | 2 | 2 | 1.000 [1.000, 1.000] | 0.000 | +1.000 [+1.000, +1.000] (2x2) | 32 |" in table
     assert "| grpo (teacher) | 4 |" in table and "| grpo (compute-matched) | 6 |" in table
-    assert "| opd | 1.000 | 0.750 | +0.250 [" in table
+    assert "compute-matched: paired vs GRPO step 6 |" in table and "| +0.250 [" in table.split("| opd | 2 |")[1]
+    assert all(line.count("|") == 11 for line in table.splitlines() if line.startswith("|"))  # 10 columns each
     assert agg["runs"] == 4 and "for 4 (method, seed) runs" in table  # wall time from the records' seconds
     proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--table", "--results", str(results)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
