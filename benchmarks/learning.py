@@ -48,7 +48,7 @@ seed, which trains run.steps from the same fresh start: opd and gc_opd without p
 run.steps; the teacher's own held-out success is reported, and for each method the first step whose held-out
 success reaches GRPO's at run.steps ("steps_to_grpo_final"). `--compute-matched`: GRPO trains on to
 teacher_steps + run.steps and is evaluated there too, the episodes a student and its teacher used together;
-each student's final point is compared with it. With --quick: grpo 2 steps, opd 1.
+each student's final point is paired with it (the table's compute-matched column). With --quick: grpo 2 steps, opd 1.
 
 `--init MODEL_DIR` (issue 41: every method from one mid-competence checkpoint): every method of every seed starts
 from the HF model directory MODEL_DIR (model.name = its absolute path) instead of the config's model, and step 0 is
