@@ -504,9 +504,17 @@ def training_table(recs: list[dict]) -> str:
     if ref is None:
         return ""
     steps, groups = ref["run_steps"], ref["config"].get("env", {}).get("num_games", "?")
+    methods = {r["method"] for r in recs}
+    terms = {"alignopsd": "turn weights: the smallest and largest of AlignOPSD's per-turn weights that step over all its "
+                          "turns and seeds, the redistribution of the trajectory's GRPO advantage, 1 = GRPO's",
+             "agentopsd": "multiplier: AgentOPSD's belief-revision multiplier on the advantage, mean over its tokens and "
+                          "seeds, 1 = GRPO's",
+             "gc_opd": "identifiable: the share of GC-OPD's responses in groups whose rewards and teacher scores both "
+                       "vary, the only ones its residual z(reward) - z(teacher score) acts on; sign flips: the share of "
+                       "its tokens with a nonzero OPD advantage whose final advantage does not keep its sign"}
     lines = [f"Training, {'step 0' if steps == 1 else f'steps 0-{steps - 1}'} (each step {groups} groups; mixed = groups "
-             "with both outcomes, summed over seeds; turn weights: the smallest and largest of AlignOPSD's per-turn weights "
-             "that step over all its turns and seeds, the redistribution of the trajectory's GRPO advantage, 1 = GRPO's).", "",
+             "with both outcomes, summed over seeds"
+             + "".join(f"; {text}" for method, text in terms.items() if method in methods) + ").", "",
              "| method | seeds | training success per step (mean) | mixed groups per step (sum) | credit diagnostics per step |",
              "|---|---|---|---|---|"]
 
