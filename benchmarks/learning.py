@@ -370,7 +370,8 @@ def aggregate(recs: list[dict]) -> dict:
     "seeds", "games" (held-out games), "untrained" (the step-0 point), "init" (--init's identity or None), "methods": {method: {step: {"summary":
     `stats.seed_summary`, "paired": `stats.paired_comparison` with GRPO at the same step (None for grpo),
     "compute": `compute_at`, "ci95": {seed: its eval's bootstrap [lo, hi]}}}}, "compute_matched_paired": {method: its
-    final step against GRPO at teacher_steps + run_steps}, "wall_seconds": {"train", "eval"} summed over the records,
+    final step against GRPO at teacher_steps + run_steps}, "vs_start": {method: its run_steps point paired with the
+    step-0 record's evaluation, used as every seed's base}, "wall_seconds": {"train", "eval"} summed over the records,
     "runs": (method, seed) records, "incomplete": ["<method> seed <S>" of the records not complete yet]}. Steps are
     ints; GRPO's past run_steps are its teacher and compute-matched points.
     SystemExit when the records come from different experiments (config hashes)."""
@@ -401,13 +402,18 @@ def aggregate(recs: list[dict]) -> dict:
         far = ref["teacher_steps"] + ref["run_steps"]
         matched = {m: stats.paired_comparison(at_step(r, ref["run_steps"]), at_step(grpo, far), metric)
                    for m, r in runs.items() if m != "grpo" and ref["run_steps"] in methods.get(m, {})}
+    vs_start = {}
+    if untrained and "0" in untrained["steps"]:  # step 0 is one evaluation: every seed's base
+        base = untrained["steps"]["0"]["episodes"]
+        vs_start = {m: stats.paired_comparison(mine, {s: base for s in mine}, metric)
+                    for m, r in runs.items() if (mine := at_step(r, ref["run_steps"]))}
     games = {e["task_id"] for r in recs for ev in r["steps"].values() for e in ev["episodes"]}
     return {"metric": metric, "run_steps": ref["run_steps"], "teacher_steps": ref.get("teacher_steps"),
             "compute_matched": bool(ref.get("compute_matched")), "config_hash": ref["config_hash"],
             "seeds": sorted({r["seed"] for r in recs if r["seed"] is not None}), "games": len(games),
             "untrained": untrained["steps"].get("0") if untrained else None, "init": ref.get("init"),
             "methods": methods,
-            "compute_matched_paired": matched,
+            "compute_matched_paired": matched, "vs_start": vs_start,
             "wall_seconds": {k: sum(r["seconds"][k] for r in recs) for k in ("train", "eval")},
             "runs": sum(r["seed"] is not None for r in recs),
             "incomplete": [f"{r['method']} seed {r['seed']}" for r in recs
@@ -484,6 +490,10 @@ def markdown_tables(agg: dict) -> str:
     lines += ["", f"Wall time on this machine (the results files' seconds): training {_duration(wall['train'])}, "
               f"held-out evaluations {_duration(wall['eval'])}, {_duration(wall['train'] + wall['eval'])} for "
               f"{agg['runs']} (method, seed) runs and the step-0 evaluation."]
+    if agg.get("vs_start"):
+        name = "the start" if agg.get("init") else "the untrained policy"
+        lines += ["", f"Against {name} (step 0's one evaluation as every seed's base), paired per (seed, game), at step "
+                  f"{agg['run_steps']}: " + "; ".join(f"{m} {_interval(p)}" for m, p in agg["vs_start"].items()) + "."]
     if agg.get("incomplete"):
         lines += ["", f"Not complete yet (stopped or still running; their rows hold the steps evaluated so far): "
                   f"{', '.join(agg['incomplete'])}."]

@@ -306,6 +306,9 @@ def test_init_start_is_identified_by_its_weights_not_its_path(tmp_path):
     table = learning.markdown_tables(agg)
     assert f"| start (--init sha256 {agg['init']['sha256'][:12]}) | 0 | | 0.500" in table
     assert "| alignopsd | 4 | 1 | 0.500 (95% CI [0.000, 1.000]) |  | -0.500 [" in table and "its own training is not counted" in table
+    # Against the start (x won, y lost): GRPO won both (+0.5), AlignOPSD the same games (0).
+    assert ("Against the start (step 0's one evaluation as every seed's base), paired per (seed, game), at step 4: "
+            "grpo +0.500 [+0.000, +1.000] (1x2); alignopsd +0.000 [+0.000, +0.000] (1x2).") in table
 
     def cli(*flags):
         return subprocess.run([sys.executable, "benchmarks/learning.py", *flags], cwd=ROOT, capture_output=True,
