@@ -1,4 +1,5 @@
-"""The learning benchmark: GRPO, AgentOPSD and AlignOPSD from one start, held-out success vs step.
+"""The learning benchmark: RL credit methods (GRPO, AgentOPSD, AlignOPSD; OPD, GC-OPD with --teacher) from one
+start, held-out success vs step.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning.py [--config configs/learning.yaml]
         [--methods grpo agentopsd alignopsd] [--seeds S [S ...]] [--steps N] [--out DIR] [--results DIR]
@@ -951,7 +952,8 @@ def main() -> None:
     if args.table:  # from the results files alone: nothing trained, no model loaded
         recs = read_results(args.results)
         if not recs:
-            ap.error(f"--table: no results files in {args.results}")
+            ap.error(f"--table: no results files in {args.results} (the committed experiments: --teacher, or "
+                     "--config configs/learning-mid.yaml)")
         print(markdown_tables(aggregate(recs)) + "\n" + training_table(recs), end="")
         return
     plan, before = prepare(args, ap)

@@ -11,7 +11,8 @@ credit diagnostics, ...), "compute" ({"own"}: `stats.training_compute`; a studen
 add GRPO seed S's training up to teacher_steps), "seconds" ({"train", "eval"}), "missing_steps", "complete"}.
 
 `read_results` validates every file (types, ranges, the name against its method and seed, the config hash
-against the header it was computed from) and stops naming the file and the field: a hand edit or a partial copy
+against the header it was computed from, training steps 0, 1, 2, ... in order, no episode listed twice, a
+student's teacher of its own seed) and the folder (every evaluation played the same games) and stops naming the file and the field: a hand edit or a partial copy
 never turns into a silently wrong table.
 """
 
@@ -118,6 +119,17 @@ def _problem(path: Path, rec: dict) -> str | None:
     if path.name != results_path(path.parent, rec["method"], rec["seed"]).name:
         return (f"holds method {rec['method']!r} seed {rec['seed']!r}, whose file is "
                 f"{results_path(path.parent, rec['method'], rec['seed']).name}")
+    teacher = rec["teacher"]
+    if teacher is not None and (teacher["seed"] != rec["seed"] or teacher["step"] != rec["teacher_steps"]):
+        return (f"teacher is GRPO seed {teacher['seed']} step {teacher['step']}; seed {rec['seed']}'s students "
+                f"learn from GRPO seed {rec['seed']} at teacher_steps {rec['teacher_steps']}")
+    steps = [t["step"] for t in rec["training"]]
+    if steps != list(range(len(steps))):
+        return f"training: steps {steps} are not 0, 1, 2, ... in order (a training record lost or repeated)"
+    for version, ev in rec["steps"].items():
+        seen = [(e["task_id"], e["episode"]) for e in ev["episodes"]]
+        if len(set(seen)) != len(seen):
+            return f"steps.{version}: an episode listed twice (task_id, episode) — each is played once"
     header = {k: rec[k] for k in HEADER_KEYS if k in rec}
     if config_hash(header) != rec["config_hash"]:
         return (f"config_hash {rec['config_hash']} is not the hash of its header ({config_hash(header)}): "
@@ -127,9 +139,11 @@ def _problem(path: Path, rec: dict) -> str | None:
 
 def read_results(results: Path) -> list[dict]:
     """Every results file in `results` (*.json but dot-files; none when the folder does not exist), validated
-    (`ResultsFile`, the name, the config hash, one file per (method, seed) and one step-0 record). Returns the
+    (`ResultsFile`, the name, the config hash, training steps in order, no episode twice, a student's teacher
+    of its own seed, the same games in every evaluation, one file per (method, seed) and one step-0 record). Returns the
     parsed dicts. SystemExit naming the file and the problem: not JSON, a field of the wrong type or range
-    (a NaN reward, a string `won`, a negative seed), a name that does not match, an edited header."""
+    (a NaN reward, a string `won`, a negative seed), a name that does not match, an edited header, a
+    lost training record, a duplicated episode, a game removed or renamed."""
     out = []
     for path in sorted(p for p in results.glob("*.json") if not p.name.startswith(".")) if results.is_dir() else []:
         try:
@@ -149,10 +163,28 @@ def read_results(results: Path) -> list[dict]:
         if problem:
             raise SystemExit(f"{path}: {problem}")
         out.append(rec)
+    _same_games(out, results)
     starts = [results_path(results, r["method"], None).name for r in out if r["seed"] is None]
     if len(starts) > 1:
         raise SystemExit(f"{results}: two step-0 records ({', '.join(starts)}): one experiment per folder")
     return out
+
+
+def _same_games(recs: list[dict], results: Path) -> None:
+    """SystemExit unless every evaluation in `recs` played the same held-out games (a failed task, in "errors",
+    counts as played): the paired comparison pairs game by game, so a file with a game removed, renamed or added
+    would shift every mean and interval without a word."""
+    first = None
+    for rec in recs:
+        for version, ev in rec["steps"].items():
+            games = {e["task_id"] for e in ev["episodes"]} | {e.get("task_id") for e in ev["errors"]}
+            where = f"{results_path(results, rec['method'], rec['seed'])}: steps.{version}"
+            if first is None:
+                first = (games, where)
+            elif games != first[0]:
+                diff = sorted(str(g) for g in games ^ first[0])
+                raise SystemExit(f"{where}: its held-out games differ from {first[1]}'s ({len(diff)} differ, e.g. "
+                                 f"{', '.join(diff[:3])}): every method and seed plays the same games")
 
 
 def write_results(results: Path, rec: dict) -> Path:

@@ -334,7 +334,7 @@ def test_a_benchmark_in_progress_and_failed_evaluations_still_make_a_table(tmp_p
     opd0 = record(header, "opd", 0, {2: {"a": [1], "b": [1]}}, teacher=4)
     opd3 = record(header, "opd", 3, {2: {"a": [1], "b": [0]}}, teacher=4)  # no GRPO seed 3 record
     failed = record(header, "alignopsd", 0, {2: {"a": [1]}}, teacher=4)
-    failed["steps"]["2"] = {"value": None, "lo": None, "hi": None, "n": 0, "episodes": [], "errors": [{"task_id": "a", "error": "E"}]}
+    failed["steps"]["2"] = {"value": None, "lo": None, "hi": None, "n": 0, "episodes": [], "errors": [{"task_id": "a", "error": "E"}, {"task_id": "b", "error": "E"}]}
     started = {**learning.new_record(header, "gc_opd", 0), "teacher": {"method": "grpo", "seed": 0, "step": 4}}
     recs = [g0, g1, opd0, opd3, failed, started]
     agg = learning.aggregate(recs)
@@ -380,7 +380,8 @@ def test_a_lost_run_is_not_mixed_with_its_successor(tmp_path):
 def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     """A hand edit or a partial copy stops --table naming the file and the field, never a silently wrong table:
     a NaN or string `won`, a reward outside [0, 1], a negative seed, a file whose name is not its (method, seed),
-    a header edited after the run (its hash), two step-0 records. Dot-files (a write in progress) are skipped."""
+    a header edited after the run (its hash), two step-0 records, an episode listed twice, a training record lost,
+    a student's teacher of another seed, a game renamed in one file (every evaluation plays the same games). Dot-files (a write in progress) are skipped."""
     header = {"config": {}, "run_steps": 2, "teacher_steps": None, "compute_matched": False, "ppo_epochs": 1}
     good = record(header, "grpo", 0, {2: {"a": [1], "b": [0]}})
 
@@ -412,6 +413,15 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     start = learning.new_record(header, "untrained", None)
     assert "two step-0 records" in refused("untrained.json", start, ("start.json", {**start, "method": "start"}))
     assert "not a learning results file" in refused("grpo-seed0.json", good, ("opd-seed0.json", "[1, 2"))
+    twice = edited(("steps", "2", "episodes"), good["steps"]["2"]["episodes"] + [good["steps"]["2"]["episodes"][1]])
+    assert "steps.2: an episode listed twice" in refused("grpo-seed0.json", twice)
+    lost = edited(("training",), good["training"][1:])
+    assert "training: steps [1] are not 0, 1, 2" in refused("grpo-seed0.json", lost)
+    student = record({**header, "teacher_steps": 4}, "opd", 0, {2: {"a": [1], "b": [1]}}, teacher=4)
+    assert "teacher is GRPO seed 1 step 4" in refused("opd-seed0.json", {**student, "teacher": {**student["teacher"], "seed": 1}})
+    renamed = record(header, "grpo", 1, {2: {"a": [1], "c": [0]}})
+    msg = refused("grpo-seed0.json", good, ("grpo-seed1.json", renamed))
+    assert "grpo-seed1.json: steps.2: its held-out games differ from" in msg and "b, c" in msg
     folder = tmp_path / "ok"
     learning.write_results(folder, good)
     (folder / ".grpo-seed1.json.tmp.json").write_text("{")  # an interrupted write: skipped
