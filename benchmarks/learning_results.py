@@ -12,8 +12,8 @@ add GRPO seed S's training up to teacher_steps), "seconds" ({"train", "eval"}), 
 
 `read_results` validates every file (types, ranges, the name against its method and seed, the config hash
 against the header it was computed from, training steps 0, 1, 2, ... in order, no episode listed twice, a
-student's teacher of its own seed) and the folder (every evaluation played the same games) and stops naming the file and the field: a hand edit or a partial copy
-never turns into a silently wrong table.
+student's teacher of its own seed) and the folder (every evaluation played the same games), and stops naming
+the file and the field: a hand edit or a partial copy never turns into a silently wrong table.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def _problem(path: Path, rec: dict) -> str | None:
 def read_results(results: Path) -> list[dict]:
     """Every results file in `results` (*.json but dot-files; none when the folder does not exist), validated
     (`ResultsFile`, the name, the config hash, training steps in order, no episode twice, a student's teacher
-    of its own seed, the same games in every evaluation, one file per (method, seed) and one step-0 record). Returns the
-    parsed dicts. SystemExit naming the file and the problem: not JSON, a field of the wrong type or range
+    of its own seed, the same games in every evaluation, one file per (method, seed) and one step-0 record).
+    Returns the parsed dicts. SystemExit naming the file and the problem: not JSON, a field of the wrong type or range
     (a NaN reward, a string `won`, a negative seed), a name that does not match, an edited header, a
     lost training record, a duplicated episode, a game removed or renamed."""
     out = []
