@@ -368,15 +368,19 @@ class MlflowTracker:
                       "url": f"{uri} experiment {experiment_id} run {self.run_id}"}
         # Sent with the first step or eval, after the caller saved the run id: a process killed in between leaves
         # no second run behind (the params, a batch per 100, are round trips to a server).
-        self.config_pending = (config, self.new_run)
+        self.config_pending = config
+        # Steps the run may hold already (services/trainer/reporting.py sets them on a resume: those after the last
+        # one trackers.json records as sent, held by the checkpoint resumed; a process killed between MLflow's commit
+        # and that record left them in the store). MLflow keeps every value logged, so `log_step` sends only what
+        # the store lacks of them.
+        self.in_doubt: range = range(0)
+        self._history: dict[str, set[int]] = {}  # key -> steps the store holds, read for steps in doubt
 
     def _send_config(self) -> None:
         if self.config_pending is None:
             return
-        config, params = self.config_pending
-        if params:
-            self._log_params(config)
-        self.client.log_dict(self.run_id, config, "config.json")
+        self._log_params(self.config_pending)
+        self.client.log_dict(self.run_id, self.config_pending, "config.json")
         self.config_pending = None
 
     def _saved_run(self, saved: dict, uri: str) -> str | None:
@@ -401,18 +405,27 @@ class MlflowTracker:
         return run_id
 
     def _log_params(self, config: dict) -> None:
+        """The flattened config as params, those the run lacks: a param is immutable in MLflow, so one a resume
+        changed (run.steps raised) keeps the run's first value, and params a killed process left unsent are sent."""
         from mlflow.entities import Param
 
         text = lambda v: v if isinstance(v, str) else json.dumps(v)  # noqa: E731 - lists, null, true as JSON
+        held = self.client.get_run(self.run_id).data.params
         params = [Param(mlflow_key(k)[:250], text(v)[:500]) for k, v in flatten(config).items()]
+        params = [p for p in params if p.key not in held]
         for lo in range(0, len(params), 100):  # MLflow's log_batch takes at most 100 params
             self.client.log_batch(self.run_id, params=params[lo:lo + 100])
 
     def _metrics(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        keys = {mlflow_key(k)[:250]: v for k, v in values.items()}  # MLflow: keys <= 250 chars
+        if step in self.in_doubt:
+            for key in keys.keys() - self._history.keys():  # one history read per key, once per resume
+                self._history[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+            keys = {k: v for k, v in keys.items() if step not in self._history[k]}
         now = int(time.time() * 1000)
-        batch = [Metric(mlflow_key(k)[:250], v, now, step) for k, v in values.items()]  # MLflow: keys <= 250 chars
+        batch = [Metric(k, v, now, step) for k, v in keys.items()]
         for lo in range(0, len(batch), 1000):  # and at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[lo:lo + 1000])
 

@@ -306,6 +306,44 @@ def test_resume_continues_the_same_runs_and_sends_each_step_once(tmp_path):
     check_tensorboard(run_dir / "tensorboard", from_records + sent[2:])
 
 
+def test_a_step_mlflow_committed_before_a_kill_is_held_once_after_the_resume(tmp_path):
+    """A process killed after MLflow committed steps 1 and 2 and before trackers.json recorded them (their staged
+    reports still on disk): the resumed process sends them again, and the store keeps each value once (test_faults' crashed
+    run hit this window in CI). A config param changed on the resume keeps the value the run was started with."""
+    run_dir = tmp_path / "run-doubt"
+    first = [report_of(s) for s in range(3)]
+    run_reporter(cfg_of(["mlflow"]), run_dir, first, commits=[3], finished=False)
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert state["sent_through"] == {"mlflow": 2}
+    state["sent_through"]["mlflow"] = 0  # steps 1 and 2 in doubt
+    (run_dir / "trackers.json").write_text(json.dumps(state))
+    for report in first[1:]:
+        (run_dir / "tracking" / f"step_{report.step:05d}.json").write_text(json.dumps(report.to_json()))
+
+    second = [report_of(3, run=1)]
+    run_reporter(cfg_of(["mlflow"], name="renamed"), run_dir, second, commits=[4], resumed_step=3,
+                 records=[record_of(s) for s in range(3)])
+    assert json.loads((run_dir / "trackers.json").read_text())["sent_through"] == {"mlflow": 3}
+    m = check_mlflow(run_dir, state["mlflow"]["run_id"], first + second)
+    assert m.params["tracking.name"] == "null"
+
+
+def test_mlflow_params_a_kill_left_unsent_are_sent_by_the_resume(tmp_path):
+    """The run id saved, the process killed before its first step sent the params: the resumed process sends them."""
+    from opsd import tracking
+
+    run_dir = tmp_path / "run-params"
+    run_dir.mkdir()
+    cfg = cfg_of(["mlflow"])
+    m = tracking.MlflowTracker(cfg.tracking, run_dir, "run-params", cfg.model_dump(mode="json"), {}, links_of(run_dir))
+    tracking.write_state(run_dir, {"mlflow": m.state, "sent_through": {}})
+    run_reporter(cfg, run_dir, [report_of(0)], commits=[1])
+    got = read.mlflow_run(run_dir, m.run_id)
+    config = {**cfg.model_dump(mode="json"), "models": [{"name": "tiny", "revision": "abc"}]}  # as run_reporter's
+    assert set(got.params) == set(tracking.flatten(config)) and got.params["trainer.lr"] == str(cfg.trainer.lr)
+    check_mlflow(run_dir, m.run_id, [report_of(0)])
+
+
 def test_tensorboard_resume_hides_steps_written_after_the_saved_progress(tmp_path, caplog):
     """A process killed after TensorBoard wrote steps 1 and 2 but before trackers.json said so: the resumed
     writer's purge_step hides them, and the steps sent again appear once. A damaged staged report is sent

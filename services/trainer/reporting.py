@@ -237,6 +237,10 @@ class _Lane:
             with r.lock:
                 r.state["sent_through"].pop(name, None)
         self.logged = r.state["sent_through"].get(name, -1)  # handed to the tracker's library
+        if name == "mlflow" and not self.tracker.new_run:
+            # The checkpoint's steps not recorded as sent: a killed process may have sent them (their values are the
+            # same). Steps trained again after an older checkpoint are new values: MLflow keeps both.
+            self.tracker.in_doubt = range(self.logged + 1, self.resumed_step)
         self.status = "open"
         r.held(name, None, self.tracker.state)
         self._send(trackers, self.resumed_step)
@@ -262,6 +266,7 @@ class _Lane:
                 trackers.each("log_step", report)
             self.logged = step
             self.pending.append((time.monotonic() + self.tracker.durable_after_s, step))
+            self._confirm(time.monotonic())  # a step at a time: a kill leaves at most one in doubt
 
     def _confirm(self, now: float) -> None:
         """Record the steps the tracker holds durably (W&B writes its log some seconds after a call:
