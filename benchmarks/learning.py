@@ -34,7 +34,7 @@ Raw results (`--results RDIR`, default benchmarks/results/<experiment>/, <experi
 -teacher / -quick): one small JSON per (method, seed), RDIR/<method>-seed<S>.json, and RDIR/untrained.json,
 meant to be committed; their fields and the checks made on reading them: `benchmarks/learning_results.py`.
 Every number of the report is recomputed from these files alone: `--table` prints BENCHMARKS.md's Markdown
-tables from RDIR without running anything. A results file of a (method, seed) about to run is never
+tables from RDIR without running anything (with --methods / --seeds: only their rows). A results file of a (method, seed) about to run is never
 overwritten without --resume.
 
 `--quick`: GRPO only, 1 step of env.num_games groups x 4 episodes (2 x 4 with configs/learning.yaml)
@@ -775,7 +775,8 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
                     help="the run directories, learning.json and learning.png (default runs/learning/<timestamp>/)")
     ap.add_argument("--results", type=Path, default=None,
                     help="raw results folder (default benchmarks/results/<experiment>/; module docstring)")
-    ap.add_argument("--table", action="store_true", help="print the Markdown tables from --results alone and exit")
+    ap.add_argument("--table", action="store_true",
+                    help="print the Markdown tables from --results alone (of --methods and --seeds, when given) and exit")
     ap.add_argument("--keep-snapshots", action="store_true",
                     help="keep each run's snapshots/ after they are evaluated (default: deleted)")
     ap.add_argument("--drop-checkpoints", action="store_true",
@@ -809,6 +810,7 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         ap.error(f"--init {args.init}: not an HF model directory (no config.json)")
     if args.config is None:
         args.config = ROOT / "configs" / ("learning-teacher.yaml" if args.teacher else "learning.yaml")
+    args.table_methods, args.table_seeds = args.methods, args.seeds  # --table: only those given (table_records)
     args.methods = args.methods or list(TEACHER_METHODS if args.teacher else DEFAULT_METHODS)
     if args.quick:
         args.methods = ["grpo", "opd"] if args.teacher else ["grpo"]
@@ -947,6 +949,24 @@ def prepare(args, ap) -> tuple[Plan, dict | None]:
     return Plan(args, base, run_cfg, steps, teacher_steps), before
 
 
+def table_records(recs: list[dict], results: Path, methods: list[str] | None, seeds: list[int] | None) -> list[dict]:
+    """--table's records: those of --methods and --seeds when given (the step-0 record always). SystemExit when
+    the folder has no step-0 record beside the seeds' files (a partial copy: the table's step-0 row and its
+    comparisons need it), or when a method or seed asked for has no file."""
+    if any(r["seed"] is not None for r in recs) and not any(r["seed"] is None for r in recs):
+        raise SystemExit(f"{results}: no step-0 record (untrained.json, or start.json with --init) beside the seeds' "
+                         "files: a partial copy of the experiment")
+    have_methods = {r["method"] for r in recs if r["seed"] is not None}
+    have_seeds = {r["seed"] for r in recs if r["seed"] is not None}
+    for flag, asked, have in (("--methods", methods, have_methods), ("--seeds", seeds, have_seeds)):
+        absent = [x for x in asked or [] if x not in have]
+        if absent:
+            raise SystemExit(f"--table {flag}: {' '.join(map(str, absent))} not in {results} "
+                             f"(it holds {' '.join(map(str, sorted(have)))})")
+    return [r for r in recs if r["seed"] is None or ((methods is None or r["method"] in methods)
+                                                      and (seeds is None or r["seed"] in seeds))]
+
+
 def main() -> None:
     args, ap = parse_args()
     if args.table:  # from the results files alone: nothing trained, no model loaded
@@ -954,6 +974,7 @@ def main() -> None:
         if not recs:
             ap.error(f"--table: no results files in {args.results} (the committed experiments: --teacher, or "
                      "--config configs/learning-mid.yaml)")
+        recs = table_records(recs, args.results, args.table_methods, args.table_seeds)
         print(markdown_tables(aggregate(recs)) + "\n" + training_table(recs), end="")
         return
     plan, before = prepare(args, ap)

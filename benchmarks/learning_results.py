@@ -96,6 +96,7 @@ class ResultsFile(_Open):
     steps: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")], Evaluation]
     training: list[TrainingStep]
     seconds: Seconds
+    missing_steps: list[NonNegInt] = []
     complete: StrictBool
 
 
@@ -130,20 +131,56 @@ def _problem(path: Path, rec: dict) -> str | None:
         seen = [(e["task_id"], e["episode"]) for e in ev["episodes"]]
         if len(set(seen)) != len(seen):
             return f"steps.{version}: an episode listed twice (task_id, episode) — each is played once"
+        problem = _evaluation_problem(ev, rec.get("metric"))
+        if problem:
+            return f"steps.{version}: {problem}"
     header = {k: rec[k] for k in HEADER_KEYS if k in rec}
     if config_hash(header) != rec["config_hash"]:
         return (f"config_hash {rec['config_hash']} is not the hash of its header ({config_hash(header)}): "
                 "the config, steps or start were edited after the run")
+    if rec["complete"]:
+        lacking = sorted(final_steps(rec) - {int(k) for k in rec["steps"]} - set(rec.get("missing_steps", [])))
+        if lacking:
+            return (f"complete, but step {', '.join(map(str, lacking))} is neither evaluated (steps) nor listed in "
+                    "missing_steps: an evaluation lost")
+    return None
+
+
+def final_steps(rec: dict) -> set[int]:
+    """The policy versions a complete results record must hold (or list in missing_steps): 0 for the step-0 record;
+    run_steps for a method (`benchmarks/learning.py` refuses a run.steps that is not a multiple of
+    trainer.snapshot_every, so its final policy is always evaluated); GRPO with a teacher also teacher_steps and,
+    compute-matched, teacher_steps + run_steps."""
+    if rec["seed"] is None:
+        return {0}
+    out = {rec["run_steps"]}
+    if rec["method"] == "grpo" and rec["teacher_steps"] is not None:
+        out |= {rec["teacher_steps"]} | ({rec["teacher_steps"] + rec["run_steps"]} if rec["compute_matched"] else set())
+    return out
+
+
+def _evaluation_problem(ev: dict, metric: str | None) -> str | None:
+    """What disagrees within one evaluation: n is its number of episodes; a "success" value is the fraction won
+    (None without episodes). Other metrics' values come from the env's own scorer and are not recomputed here.
+    The table reads the episodes, never these fields, but a file that contradicts itself is not trusted."""
+    if ev["n"] != len(ev["episodes"]):
+        return f"n is {ev['n']}, but {len(ev['episodes'])} episodes are listed"
+    if metric == "success":
+        won = sum(e["won"] for e in ev["episodes"]) / len(ev["episodes"]) if ev["episodes"] else None
+        if (won is None) != (ev["value"] is None) or (won is not None and abs(won - ev["value"]) > 1e-9):
+            return f"value is {ev['value']}, but the episodes listed won {won if won is None else round(won, 6)}"
     return None
 
 
 def read_results(results: Path) -> list[dict]:
     """Every results file in `results` (*.json but dot-files; none when the folder does not exist), validated
-    (`ResultsFile`, the name, the config hash, training steps in order, no episode twice, a student's teacher
-    of its own seed, the same games in every evaluation, one file per (method, seed) and one step-0 record).
+    (`ResultsFile`, the name, the config hash, training steps in order, no episode twice, each evaluation's n and
+    success value against its episodes, a complete record's `final_steps`, a student's teacher of its own seed,
+    the same games in every evaluation, one file per (method, seed) and one step-0 record).
     Returns the parsed dicts. SystemExit naming the file and the problem: not JSON, a field of the wrong type or range
     (a NaN reward, a string `won`, a negative seed), a name that does not match, an edited header, a
-    lost training record, a duplicated episode, a game removed or renamed."""
+    lost training record or evaluation, a duplicated episode, a count or value its episodes contradict, a game
+    removed or renamed."""
     out = []
     for path in sorted(p for p in results.glob("*.json") if not p.name.startswith(".")) if results.is_dir() else []:
         try:

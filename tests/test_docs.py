@@ -153,6 +153,15 @@ def test_readme_links_lead_to_files():
     assert len(readme.encode()) < 10_000, "README.md should stay under ~10 KB: move the detail to a docs page"
 
 
+@pytest.mark.parametrize("path", _doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_lead_to_files_in_the_repository(path: Path):
+    """A page read on GitHub: each relative link names a file of the repository (the site's hook rewrites them to
+    the site's paths, and a generated page keeps a placeholder in docs/)."""
+    links = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+             if "://" not in t and not t.startswith(("#", "mailto:"))]
+    assert [t for t in links if not (path.parent / t).exists()] == []
+
+
 def test_site_builds_strict(tmp_path: Path):
     """`mkdocs build --strict`: any warning (an unresolved link or anchor, a page left out of the nav, a bad
     command line, a docstring mkdocstrings cannot read) fails."""

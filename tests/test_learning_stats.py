@@ -181,6 +181,15 @@ def test_results_files_report_and_table(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--table", "--results", str(results)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and proc.stdout == table + "\n" + learning.training_table(recs + [untrained]), proc.stderr[-2000:]
+    # --methods and --seeds choose the rows (the step-0 record always shown); a seed or method not there is refused.
+    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--table", "--results", str(results), "--methods",
+                           "grpo", "--seeds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "| grpo | 2 | 1 | 0.000 (95% CI" in proc.stdout and "| opd |" not in proc.stdout
+    assert "| untrained | 0 |" in proc.stdout and "over training seeds [1]" in proc.stdout, proc.stdout[:3000]
+    with pytest.raises(SystemExit, match="--table --seeds: 7 not in .* \\(it holds 0 1\\)"):
+        learning.table_records(recs + [untrained], results, None, [0, 7])
+    with pytest.raises(SystemExit, match="no step-0 record"):
+        learning.table_records(recs, results, None, None)
     curves = learning.curves(agg)  # learning.png: up to run.steps, mean and min-max over seeds
     assert [p["step"] for p in curves["grpo"]] == [2] and curves["opd"][0] == {
         "step": 2, "metric": "success", "value": 1.0, "lo": 1.0, "hi": 1.0, "seeds": 2}
@@ -381,7 +390,9 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     """A hand edit or a partial copy stops --table naming the file and the field, never a silently wrong table:
     a NaN or string `won`, a reward outside [0, 1], a negative seed, a file whose name is not its (method, seed),
     a header edited after the run (its hash), two step-0 records, an episode listed twice, a training record lost,
-    a student's teacher of another seed, a game renamed in one file (every evaluation plays the same games). Dot-files (a write in progress) are skipped."""
+    a student's teacher of another seed, a game renamed in one file (every evaluation plays the same games), an n
+    or a success value its episodes contradict, a complete record without its final evaluation (unless listed in
+    missing_steps). Dot-files (a write in progress) are skipped."""
     header = {"config": {}, "run_steps": 2, "teacher_steps": None, "compute_matched": False, "ppo_epochs": 1}
     good = record(header, "grpo", 0, {2: {"a": [1], "b": [0]}})
 
@@ -422,7 +433,16 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     renamed = record(header, "grpo", 1, {2: {"a": [1], "c": [0]}})
     msg = refused("grpo-seed0.json", good, ("grpo-seed1.json", renamed))
     assert "grpo-seed1.json: steps.2: its held-out games differ from" in msg and "b, c" in msg
+    assert "steps.2: n is 3, but 2 episodes are listed" in refused("grpo-seed0.json", edited(("steps", "2", "n"), 3))
+    msg = refused("grpo-seed0.json", edited(("steps", "2", "value"), 1.0))
+    assert "steps.2: value is 1.0, but the episodes listed won 0.5" in msg
+    msg = refused("grpo-seed0.json", edited(("steps",), {}))
+    assert "grpo-seed0.json: complete, but step 2 is neither evaluated (steps) nor listed in missing_steps" in msg
+    assert "complete, but step 0 is" in refused("untrained.json", {**start, "complete": True})
+    assert "missing_steps.0" in refused("grpo-seed0.json", {**edited(("steps",), {}), "missing_steps": ["2"]})
     folder = tmp_path / "ok"
+    learning.write_results(folder, {**edited(("steps",), {}), "missing_steps": [2]})  # a snapshot never written: said so
+    assert learning.read_results(folder)[0]["missing_steps"] == [2]
     learning.write_results(folder, good)
     (folder / ".grpo-seed1.json.tmp.json").write_text("{")  # an interrupted write: skipped
     assert learning.read_results(folder) == [good]

@@ -2,8 +2,9 @@
 
 - The config and CLI reference pages are generated from the code at every build (config_ref.py, cli_ref.py).
 - Markdown files that live beside the code (BENCHMARKS.md, k8s/README.md, ...) and the figures they show are
-  added to the site under the paths of EXTERNAL; their relative links are rewritten to the site's paths, so a
-  link that leads nowhere in the site is a warning (an error under `mkdocs build --strict`).
+  added to the site under the paths of EXTERNAL; every page's relative links to repository files are rewritten
+  to the site's paths (docs/ links to the repository's own paths, which GitHub shows too), so a link that leads
+  nowhere in the site is a warning (an error under `mkdocs build --strict`).
 - Every command line in a code block must name a real `opsd` command and option or `make` target
   (commands.py): a line that does not is a warning too.
 - Docstrings are plain text rendered as Markdown: an index such as `x[i][j]` there reads as a reference link,
@@ -48,8 +49,12 @@ _IDENTIFIER = re.compile(r'\bidentifier="(?P<id>[^"]*)"')
 
 
 def on_files(files: Files, config) -> Files:
-    """Add the generated reference pages and the files that live outside docs/."""
+    """Add the generated reference pages (in place of their placeholders in docs/, which a reader of the
+    repository sees) and the files that live outside docs/."""
     for uri, make in GENERATED.items():
+        placeholder = files.get_file_from_path(uri)
+        if placeholder is not None:
+            files.remove(placeholder)
         files.append(File.generated(config, uri, content=make()))
     for repo_path, uri in EXTERNAL.items():
         files.append(File.generated(config, uri, abs_src_path=str(ROOT / repo_path)))
@@ -78,11 +83,12 @@ def _rewrite_links(markdown: str, repo_path: str, uri: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """Rewrite an external page's links; warn about command lines that name no real command or option."""
+    """Rewrite a page's links to repository files the site shows elsewhere (a docs/ page's `../../BENCHMARKS.md`
+    works on GitHub and in the site); warn about command lines that name no real command or option."""
     uri = page.file.src_uri
     external = {v: k for k, v in EXTERNAL.items()}
-    if uri in external:
-        markdown = _rewrite_links(markdown, external[uri], uri)
+    if uri not in GENERATED:
+        markdown = _rewrite_links(markdown, external.get(uri, f"docs/{uri}"), uri)
     for problem in command_problems(markdown):
         log.warning("%s: %s", uri, problem)
     return markdown
