@@ -374,7 +374,8 @@ class MlflowTracker:
         # and that record left them in the store). MLflow keeps every value logged, so `log_step` sends only what
         # the store lacks of them.
         self.in_doubt: range = range(0)
-        self._history: dict[str, set[int]] = {}  # key -> steps the store holds, read for steps in doubt
+        self._history: dict[str, set[tuple[int, float]]] = {}  # key -> (step, value)s the store holds, for steps in doubt
+        self._merged: set[str] = set()  # MLflow keys two names map to (warned once each)
 
     def _send_config(self) -> None:
         if self.config_pending is None:
@@ -419,11 +420,19 @@ class MlflowTracker:
     def _metrics(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
-        keys = {mlflow_key(k)[:250]: v for k, v in values.items()}  # MLflow: keys <= 250 chars
+        keys: dict[str, float] = {}
+        for name, value in values.items():
+            key = mlflow_key(name)[:250]  # MLflow: keys <= 250 chars
+            if key in keys and key not in self._merged:
+                self._merged.add(key)
+                log.warning("MLflow: two metrics are both %r there (%r and another); it holds the last one", key, name)
+            keys[key] = value
         if step in self.in_doubt:
             for key in keys.keys() - self._history.keys():  # one history read per key, once per resume
-                self._history[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
-            keys = {k: v for k, v in keys.items() if step not in self._history[k]}
+                self._history[key] = {(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)}
+            # The same value at the step: sent before the kill. Another value (the step trained again after an older
+            # checkpoint, and that session killed too) is this run's: sent, beside the old one.
+            keys = {k: v for k, v in keys.items() if (step, v) not in self._history[k]}
         now = int(time.time() * 1000)
         batch = [Metric(k, v, now, step) for k, v in keys.items()]
         for lo in range(0, len(batch), 1000):  # and at most 1000 metrics
@@ -581,14 +590,18 @@ def eval_values(report: dict) -> tuple[dict[str, float], list[list]]:
 def report_eval(cfg, run_dir: Path, report: dict) -> list[str]:
     """Add an `opsd eval` report to the tracker runs of `run_dir` (trackers.json; cfg.run.report_to, those
     installed here), at step report["policy_version"]. Returns the names of the trackers that took it. Failures
-    are contained as in `Trackers`."""
-    state = read_state(run_dir)
+    are contained as in `Trackers`. Without <run_dir>/trackers.json, its copy in the run's checkpoint names the
+    tracker runs (a new file would send the resumed trainer's steps to new runs)."""
+    def saved_state() -> dict:
+        return read_state(run_dir) or read_state(Path(run_dir) / "checkpoint")  # the trainer's checkpoint folder
+
+    state = saved_state()
     names = [t for t in cfg.run.report_to if importlib.util.find_spec(PACKAGES[t][0]) is not None]
     trackers = Trackers(names, cfg.tracking, run_dir, cfg.model_dump(mode="json"), state, "eval")
     values, rows = eval_values(report)
     done = trackers.each("log_eval", int(report["policy_version"]), values, rows, EVAL_COLUMNS)
     if trackers.open:  # a tracker run started here (report_to added after training) is found again next time
-        saved = read_state(run_dir)
+        saved = saved_state()
         for t in trackers.open:  # a new tracker run (the store lost the old one): a resume sends it every step
             if t.new_run:
                 saved.get("sent_through", {}).pop(t.name, None)

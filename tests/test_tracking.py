@@ -328,6 +328,58 @@ def test_a_step_mlflow_committed_before_a_kill_is_held_once_after_the_resume(tmp
     assert m.params["tracking.name"] == "null"
 
 
+def test_mlflow_keeps_a_retrained_steps_new_values_when_a_later_kill_leaves_them_in_doubt(tmp_path, caplog):
+    """Steps 0-5 sent; the newest checkpoint damaged, the run resumes at 3 and trains 3-5 again (new values); that
+    session sends step 3 and is killed before trackers.json records it. The next resume, at 6, has 3-5 in doubt:
+    MLflow already holds steps 3-5 of the first session, but only the same value counts as sent, so the second
+    session's values of 3, 4 and 5 are each held once, beside the first session's."""
+    run_dir = tmp_path / "run-older-doubt"
+    run_reporter(cfg_of(["mlflow"]), run_dir, [report_of(s) for s in range(6)], commits=[6], finished=False)
+    second = [report_of(s, run=1) for s in range(3, 6)]
+    run_reporter(cfg_of(["mlflow"]), run_dir, second, commits=[4], resumed_step=3, finished=False,
+                 records=[record_of(s) for s in range(3)])
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert state["sent_through"] == {"mlflow": 3}
+    state["sent_through"]["mlflow"] = 2
+    (run_dir / "trackers.json").write_text(json.dumps(state))
+    (run_dir / "tracking" / "step_00003.json").write_text(json.dumps(second[0].to_json()))
+    run_reporter(cfg_of(["mlflow"]), run_dir, [report_of(6, run=1)], commits=[7], resumed_step=6,
+                 records=[record_of(s) for s in range(3)] + [record_of(s, run=1) for s in range(3, 6)])
+    m = read.mlflow_run(run_dir, state["mlflow"]["run_id"])
+    loss = lambda s, run: scalars(record_of(s, run))["trainer/loss"]  # noqa: E731
+    assert m.metrics["trainer/loss"] == sorted([(s, loss(s, 0)) for s in range(6)] + [(s, loss(s, 1)) for s in range(3, 7)])
+
+    # Two names one MLflow key: the last value is held, with one warning.
+    from opsd import tracking
+
+    cfg = cfg_of(["mlflow"])
+    t = tracking.MlflowTracker(cfg.tracking, run_dir, "x", cfg.model_dump(mode="json"), {}, links_of(run_dir))
+    with caplog.at_level(logging.WARNING):
+        t.log_step(StepReport(0, {"learning/a:b": 1.0, "learning/a_b": 2.0}))
+        t.log_step(StepReport(1, {"learning/a:b": 1.0, "learning/a_b": 3.0}))
+    assert read.mlflow_run(run_dir, t.run_id).metrics["learning/a_b"] == [(0, 2.0), (1, 3.0)]
+    assert len([r for r in caplog.records if "both 'learning/a_b'" in r.getMessage()]) == 1
+    t.close(True)
+
+
+def test_an_eval_without_trackers_json_adds_to_the_runs_the_checkpoint_names(tmp_path):
+    """trackers.json deleted: `opsd eval` finds the tracker runs in the checkpoint's copy and keeps its progress,
+    so the resumed trainer goes on in the same runs."""
+    from opsd.tracking import report_eval
+
+    run_dir = tmp_path / "run-eval-ckpt"
+    cfg = cfg_of(["mlflow"])
+    run_reporter(cfg, run_dir, [report_of(s) for s in range(3)], commits=[3])
+    (run_dir / "checkpoint").mkdir()
+    (run_dir / "trackers.json").rename(run_dir / "checkpoint" / "trackers.json")
+    before = json.loads((run_dir / "checkpoint" / "trackers.json").read_text())
+    assert report_eval(cfg, run_dir, eval_report(3)) == ["mlflow"]
+    after = json.loads((run_dir / "trackers.json").read_text())
+    assert after["mlflow"]["run_id"] == before["mlflow"]["run_id"] and after["sent_through"] == {"mlflow": 2}
+    m = read.mlflow_run(run_dir, after["mlflow"]["run_id"])
+    assert [s for s, _ in m.metrics["trainer/loss"]] == [0, 1, 2] and "eval/overall/success" in m.metrics
+
+
 def test_mlflow_params_a_kill_left_unsent_are_sent_by_the_resume(tmp_path):
     """The run id saved, the process killed before its first step sent the params: the resumed process sends them."""
     from opsd import tracking
