@@ -34,7 +34,7 @@ Raw results (`--results RDIR`, default benchmarks/results/<experiment>/, <experi
 -teacher / -quick): one small JSON per (method, seed), RDIR/<method>-seed<S>.json, and RDIR/untrained.json,
 meant to be committed; their fields and the checks made on reading them: `benchmarks/learning_results.py`.
 Every number of the report is recomputed from these files alone: `--table` prints BENCHMARKS.md's Markdown
-tables from RDIR without running anything (with --methods / --seeds: only their rows). A results file of a (method, seed) about to run is never
+tables from RDIR without running anything (with --methods / --seeds: their rows, GRPO's and step 0's). A results file of a (method, seed) about to run is never
 overwritten without --resume.
 
 `--quick`: GRPO only, 1 step of env.num_games groups x 4 episodes (2 x 4 with configs/learning.yaml)
@@ -373,7 +373,7 @@ def aggregate(recs: list[dict]) -> dict:
     "compute": `compute_at`, "ci95": {seed: its eval's bootstrap [lo, hi]}}}}, "compute_matched_paired": {method: its
     final step against GRPO at teacher_steps + run_steps}, "vs_start": {method: its run_steps point paired with the
     step-0 record's evaluation, used as every seed's base}, "wall_seconds": {"train", "eval"} summed over the records,
-    "runs": (method, seed) records, "incomplete": ["<method> seed <S>" of the records not complete yet]}. Steps are
+    "runs": (method, seed) records, "incomplete": ["<method> seed <S>", or "<method> (step 0)", of the records not complete yet]}. Steps are
     ints; GRPO's past run_steps are its teacher and compute-matched points.
     SystemExit when the records come from different experiments (config hashes)."""
     hashes: dict[str, list[str]] = {}
@@ -396,7 +396,7 @@ def aggregate(recs: list[dict]) -> dict:
             if not values:  # every evaluation at this step failed: no point, its errors are in the records
                 continue
             rows[step] = {"summary": stats.seed_summary(values), "paired": paired,
-                          "compute": compute_at(mruns, grpo, step), "ci95": {s: [lo[s], hi[s]] for s in lo}}
+                          "compute": compute_at(mruns, grpo, step), "ci95": {s: [lo[s], hi[s]] for s in lo if s in values}}
         methods[method] = rows
     matched = {}
     if ref.get("compute_matched"):
@@ -417,8 +417,8 @@ def aggregate(recs: list[dict]) -> dict:
             "compute_matched_paired": matched, "vs_start": vs_start,
             "wall_seconds": {k: sum(r["seconds"][k] for r in recs) for k in ("train", "eval")},
             "runs": sum(r["seed"] is not None for r in recs),
-            "incomplete": [f"{r['method']} seed {r['seed']}" for r in recs
-                           if r["seed"] is not None and not r["complete"]]}
+            "incomplete": [f"{r['method']} seed {r['seed']}" if r["seed"] is not None else f"{r['method']} (step 0)"
+                           for r in recs if not r["complete"]]}
 
 
 def _num(x: float | None) -> str:
@@ -950,7 +950,8 @@ def prepare(args, ap) -> tuple[Plan, dict | None]:
 
 
 def table_records(recs: list[dict], results: Path, methods: list[str] | None, seeds: list[int] | None) -> list[dict]:
-    """--table's records: those of --methods and --seeds when given (the step-0 record always). SystemExit when
+    """--table's records: those of --methods and --seeds when given (the step-0 record and GRPO, every comparison's
+    baseline and the students' teacher, always). SystemExit when
     the folder has no step-0 record beside the seeds' files (a partial copy: the table's step-0 row and its
     comparisons need it), or when a method or seed asked for has no file."""
     if any(r["seed"] is not None for r in recs) and not any(r["seed"] is None for r in recs):
@@ -963,7 +964,7 @@ def table_records(recs: list[dict], results: Path, methods: list[str] | None, se
         if absent:
             raise SystemExit(f"--table {flag}: {' '.join(map(str, absent))} not in {results} "
                              f"(it holds {' '.join(map(str, sorted(have)))})")
-    return [r for r in recs if r["seed"] is None or ((methods is None or r["method"] in methods)
+    return [r for r in recs if r["seed"] is None or ((methods is None or r["method"] in methods or r["method"] == "grpo")
                                                       and (seeds is None or r["seed"] in seeds))]
 
 

@@ -11,20 +11,25 @@ credit diagnostics, ...), "compute" ({"own"}: `stats.training_compute`; a studen
 add GRPO seed S's training up to teacher_steps), "seconds" ({"train", "eval"}), "missing_steps", "complete"}.
 
 `read_results` validates every file (types, ranges, the name against its method and seed, the config hash
-against the header it was computed from, training steps 0, 1, 2, ... in order, no episode listed twice, a
-student's teacher of its own seed) and the folder (every evaluation played the same games), and stops naming
-the file and the field: a hand edit or a partial copy never turns into a silently wrong table.
+against the header it was computed from, training steps 0, 1, 2, ... in order with their policy versions, no
+episode listed twice, each evaluation's n, success value and interval against its episodes, the evaluated steps
+against the experiment's, a complete file's final evaluation and training records, a student's teacher of its
+own seed) and the folder (every evaluation played the same games, one metric, each teacher trained to its
+students' step), and stops naming the file and the field: a hand edit or a partial copy never turns into a
+silently wrong table. Not checked: `won` against `reward` (their relation is the env's), and the "compute"
+block (the table recomputes compute from the training records).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 METHODS = ("grpo", "agentopsd", "alignopsd", "opd", "gc_opd")
 START_METHODS = ("untrained", "start")  # the step-0 policy's record: the config's model, or --init's checkpoint
@@ -49,6 +54,12 @@ class Episode(_Open):
     turns: NonNegInt
 
 
+class TaskError(_Open):
+    """A held-out task that failed (its episodes are not played): the game and the error."""
+    task_id: str = Field(min_length=1)
+    error: str
+
+
 class Evaluation(_Open):
     """One evaluated policy version: the value and its 95% interval (None when every task failed), episodes."""
     value: Unit | None
@@ -56,12 +67,19 @@ class Evaluation(_Open):
     hi: Unit | None
     n: NonNegInt
     episodes: list[Episode]
-    errors: list[dict]
+    errors: list[TaskError]
+
+    @model_validator(mode="after")
+    def _interval_holds_value(self):
+        if None not in (self.value, self.lo, self.hi) and not self.lo - 1e-9 <= self.value <= self.hi + 1e-9:
+            raise ValueError(f"the interval [{self.lo}, {self.hi}] does not hold the value {self.value}")
+        return self
 
 
 class TrainingStep(_Open):
     """One training step's record: the fields the report reads (counts >= 0, rates in [0, 1]; None: not measured)."""
     step: NonNegInt
+    policy_version: NonNegInt | None = None
     episodes: Count | None = None
     generated_tokens: Count | None = None
     sequence_tokens: Count | None = None
@@ -69,11 +87,31 @@ class TrainingStep(_Open):
     success_rate: Unit | None = None
     mixed_groups: Count | None = None
 
+    @model_validator(mode="after")
+    def _diagnostics_are_numbers(self):
+        for key, value in (self.model_extra or {}).items():  # credit diagnostics, loss, ...; "teacher": its names
+            if key != "teacher" and value is not None and (
+                    isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                raise ValueError(f"{key} is {value!r}: a finite number or null expected")
+        return self
+
 
 class TeacherRef(_Open):
     method: Literal["grpo"]
     seed: NonNegInt
     step: Annotated[StrictInt, Field(ge=1)]
+
+
+class InitRef(_Open):
+    """--init's start: the sha256 of its weights and its folder's name."""
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    name: str
+
+
+class ConfigPart(_Open):
+    """The parts of the header's base config the report reads."""
+    env: dict = {}
+    trainer: dict = {}
 
 
 class Seconds(_Open):
@@ -86,7 +124,8 @@ class ResultsFile(_Open):
     method: Literal[METHODS + START_METHODS]
     seed: NonNegInt | None
     config_hash: str = Field(pattern=r"^[0-9a-f]{16}$")
-    config: dict
+    config: ConfigPart
+    init: InitRef | None = None
     run_steps: Annotated[StrictInt, Field(ge=1)]
     teacher_steps: Annotated[StrictInt, Field(ge=1)] | None
     compute_matched: StrictBool
@@ -121,12 +160,26 @@ def _problem(path: Path, rec: dict) -> str | None:
         return (f"holds method {rec['method']!r} seed {rec['seed']!r}, whose file is "
                 f"{results_path(path.parent, rec['method'], rec['seed']).name}")
     teacher = rec["teacher"]
+    student = rec["seed"] is not None and rec["method"] != "grpo" and rec["teacher_steps"] is not None
+    if teacher is None and student and (rec["training"] or rec["complete"]):
+        return f"no teacher: a {rec['method']} student of the teacher experiment learns from GRPO seed {rec['seed']}"
+    if teacher is not None and not student:
+        return f"has a teacher, but {rec['method']} {'is the teacher' if rec['method'] == 'grpo' else 'has none here'}"
     if teacher is not None and (teacher["seed"] != rec["seed"] or teacher["step"] != rec["teacher_steps"]):
         return (f"teacher is GRPO seed {teacher['seed']} step {teacher['step']}; seed {rec['seed']}'s students "
                 f"learn from GRPO seed {rec['seed']} at teacher_steps {rec['teacher_steps']}")
     steps = [t["step"] for t in rec["training"]]
     if steps != list(range(len(steps))):
         return f"training: steps {steps} are not 0, 1, 2, ... in order (a training record lost or repeated)"
+    versions = [t.get("policy_version") for t in rec["training"]]
+    if any(v is not None and v != k + 1 for k, v in enumerate(versions)):
+        return f"training: policy versions {versions} are not step + 1 (step k trains version k + 1)"
+    if rec["steps"] and not rec.get("metric"):
+        return "evaluations without a metric (success, f1, score, ...)"
+    allowed = evaluated_steps(rec)
+    extra = sorted(int(k) for k in rec["steps"] if allowed is not None and int(k) not in allowed)
+    if extra:
+        return f"steps: {', '.join(map(str, extra))} evaluated, not one of the experiment's ({sorted(allowed)})"
     for version, ev in rec["steps"].items():
         seen = [(e["task_id"], e["episode"]) for e in ev["episodes"]]
         if len(set(seen)) != len(seen):
@@ -143,6 +196,9 @@ def _problem(path: Path, rec: dict) -> str | None:
         if lacking:
             return (f"complete, but step {', '.join(map(str, lacking))} is neither evaluated (steps) nor listed in "
                     "missing_steps: an evaluation lost")
+        trained = max(final_steps(rec)) if rec["seed"] is not None else 0
+        if len(rec["training"]) != trained:
+            return f"complete, but {len(rec['training'])} training records for {trained} steps"
     return None
 
 
@@ -157,6 +213,18 @@ def final_steps(rec: dict) -> set[int]:
     if rec["method"] == "grpo" and rec["teacher_steps"] is not None:
         out |= {rec["teacher_steps"]} | ({rec["teacher_steps"] + rec["run_steps"]} if rec["compute_matched"] else set())
     return out
+
+
+def evaluated_steps(rec: dict) -> set[int] | None:
+    """The policy versions a results record may hold: `final_steps` and, for a method, every multiple of the
+    header's trainer.snapshot_every up to run_steps (None: the header does not say snapshot_every, only
+    `final_steps` is known: not checked)."""
+    every = rec["config"].get("trainer", {}).get("snapshot_every")
+    if rec["seed"] is None:
+        return {0}
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        return None
+    return final_steps(rec) | set(range(every, rec["run_steps"] + 1, every))
 
 
 def _evaluation_problem(ev: dict, metric: str | None) -> str | None:
@@ -183,9 +251,11 @@ def read_results(results: Path) -> list[dict]:
     removed or renamed."""
     out = []
     for path in sorted(p for p in results.glob("*.json") if not p.name.startswith(".")) if results.is_dir() else []:
+        if not path.is_file():  # a FIFO would block the read; a directory or a link loop is no file either
+            raise SystemExit(f"{path}: not a learning results file (not a regular file)")
         try:
             rec = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise SystemExit(f"{path}: not a learning results file ({type(e).__name__}: {e})") from None
         if not isinstance(rec, dict):
             raise SystemExit(f"{path}: not a learning results file (a JSON object expected)")
@@ -201,10 +271,27 @@ def read_results(results: Path) -> list[dict]:
             raise SystemExit(f"{path}: {problem}")
         out.append(rec)
     _same_games(out, results)
+    _consistent(out, results)
     starts = [results_path(results, r["method"], None).name for r in out if r["seed"] is None]
     if len(starts) > 1:
         raise SystemExit(f"{results}: two step-0 records ({', '.join(starts)}): one experiment per folder")
     return out
+
+
+def _consistent(recs: list[dict], results: Path) -> None:
+    """SystemExit unless the folder's records agree with each other: one metric, and each student's teacher
+    (GRPO of its seed) trained at least to the step the student learned from."""
+    metrics = {r["metric"]: r for r in recs if r.get("metric")}
+    if len(metrics) > 1:
+        names = ", ".join(f"{m} ({results_path(results, r['method'], r['seed']).name})" for m, r in metrics.items())
+        raise SystemExit(f"{results}: the results measure different metrics: {names}")
+    grpo = {r["seed"]: r for r in recs if r["method"] == "grpo"}
+    for r in recs:
+        t = r["teacher"]
+        if t is not None and t["seed"] in grpo and len(grpo[t["seed"]]["training"]) < t["step"]:
+            raise SystemExit(f"{results_path(results, r['method'], r['seed'])}: its teacher is GRPO seed {t['seed']} at "
+                             f"step {t['step']}, but {results_path(results, 'grpo', t['seed']).name} holds "
+                             f"{len(grpo[t['seed']]['training'])} training records")
 
 
 def _same_games(recs: list[dict], results: Path) -> None:

@@ -188,6 +188,8 @@ def test_results_files_report_and_table(tmp_path):
     assert "| untrained | 0 |" in proc.stdout and "over training seeds [1]" in proc.stdout, proc.stdout[:3000]
     with pytest.raises(SystemExit, match="--table --seeds: 7 not in .* \\(it holds 0 1\\)"):
         learning.table_records(recs + [untrained], results, None, [0, 7])
+    picked = learning.table_records(recs + [untrained], results, ["opd"], [0])  # GRPO stays: the baseline, the teacher
+    assert sorted((r["method"], r["seed"]) for r in picked) == [("grpo", 0), ("opd", 0), ("untrained", None)]
     with pytest.raises(SystemExit, match="no step-0 record"):
         learning.table_records(recs, results, None, None)
     curves = learning.curves(agg)  # learning.png: up to run.steps, mean and min-max over seeds
@@ -345,16 +347,21 @@ def test_a_benchmark_in_progress_and_failed_evaluations_still_make_a_table(tmp_p
     failed = record(header, "alignopsd", 0, {2: {"a": [1]}}, teacher=4)
     failed["steps"]["2"] = {"value": None, "lo": None, "hi": None, "n": 0, "episodes": [], "errors": [{"task_id": "a", "error": "E"}, {"task_id": "b", "error": "E"}]}
     started = {**learning.new_record(header, "gc_opd", 0), "teacher": {"method": "grpo", "seed": 0, "step": 4}}
-    recs = [g0, g1, opd0, opd3, failed, started]
+    a0, a1 = (record(header, "agentopsd", s, {2: {"a": [1], "b": [s]}}, teacher=4) for s in (0, 1))
+    a1["steps"]["2"] = {**failed["steps"]["2"]}  # seed 1's evaluation failed: seed 0's point, with seed 0's interval
+    a0["steps"]["2"].update(lo=0.25, hi=0.75)
+    recs = [g0, g1, opd0, opd3, failed, started, a0, a1, learning.new_record(header, "untrained", None)]
     agg = learning.aggregate(recs)
     # GRPO at step 2: seeds 0 (16 episodes) and 1 (16); at step 6 only seed 0, with its 6 steps' compute.
     assert agg["methods"]["grpo"][2]["summary"]["seeds"] == 2 and agg["methods"]["grpo"][6]["compute"]["own"]["episodes"] == 96
     assert agg["methods"]["opd"][2]["compute"]["with_teacher"] is None  # seed 3's teacher record is missing
     assert "alignopsd" not in agg["methods"] or 2 not in agg["methods"]["alignopsd"]  # no episodes: no point
-    assert set(agg["compute_matched_paired"]) == {"opd"}
+    assert set(agg["compute_matched_paired"]) == {"opd", "agentopsd"}
     table = learning.markdown_tables(agg)
     assert "its teacher's GRPO record is missing" in table and "nan" not in table
-    assert "Not complete yet (stopped or still running; their rows hold the steps evaluated so far): gc_opd seed 0." in table
+    assert agg["methods"]["agentopsd"][2]["ci95"] == {0: [0.25, 0.75]} and "| agentopsd | 2 | 1 | 0.500 (95% CI [0.250, 0.750])" in table
+    assert ("Not complete yet (stopped or still running; their rows hold the steps evaluated so far): gc_opd seed 0, "
+            "untrained (step 0).") in table
     assert learning.training_table([learning.new_record(header, "untrained", None)]) == ""
     assert learning._num(None) == "n/a"
 
@@ -392,7 +399,10 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     a header edited after the run (its hash), two step-0 records, an episode listed twice, a training record lost,
     a student's teacher of another seed, a game renamed in one file (every evaluation plays the same games), an n
     or a success value its episodes contradict, a complete record without its final evaluation (unless listed in
-    missing_steps). Dot-files (a write in progress) are skipped."""
+    missing_steps), a failed task without its game, a training record's non-number or a policy version not its
+    step + 1, an interval that misses its value, an evaluated step not the experiment's, a student without its
+    teacher or a teacher trained short of the student's step, two metrics in one folder, a FIFO, a nesting too
+    deep to parse. Dot-files (a write in progress) are skipped."""
     header = {"config": {}, "run_steps": 2, "teacher_steps": None, "compute_matched": False, "ppo_epochs": 1}
     good = record(header, "grpo", 0, {2: {"a": [1], "b": [0]}})
 
@@ -440,6 +450,41 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     assert "grpo-seed0.json: complete, but step 2 is neither evaluated (steps) nor listed in missing_steps" in msg
     assert "complete, but step 0 is" in refused("untrained.json", {**start, "complete": True})
     assert "missing_steps.0" in refused("grpo-seed0.json", {**edited(("steps",), {}), "missing_steps": ["2"]})
+    assert "steps.2.errors.0.task_id" in refused("grpo-seed0.json", edited(("steps", "2", "errors"), [{"task_id": ["a"], "error": "E"}]))
+    assert "training.0.policy_version" in refused("grpo-seed0.json", edited(("training", 0, "policy_version"), "abc"))
+    assert "policy versions [1, 99] are not step + 1" in refused("grpo-seed0.json", edited(("training", 1, "policy_version"), 99))
+    msg = refused("grpo-seed0.json", edited(("training", 0, "alignopsd/turn_weight_min"), "low"))
+    assert "training.0: Value error, alignopsd/turn_weight_min is 'low': a finite number or null expected" in msg
+    assert "training.1: Value error, loss is inf" in refused("grpo-seed0.json", json.loads(
+        json.dumps(edited(("training", 1, "loss"), 1.0)).replace('"loss": 1.0', '"loss": Infinity')))
+    assert "complete, but 1 training records for 2 steps" in refused("grpo-seed0.json", edited(("training",), good["training"][:1]))
+    assert "does not hold the value 0.5" in refused("grpo-seed0.json", edited(("steps", "2", "lo"), 0.9))
+    assert "evaluations without a metric" in refused("grpo-seed0.json", {k: v for k, v in good.items() if k != "metric"})
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "grpo-seed0.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(SystemExit, match="not a learning results file \\(RecursionError"):
+        learning.read_results(deep)
+    assert "init: Input should be a valid dictionary" in refused("grpo-seed0.json", edited(("init",), "abc"))
+    assert "config.env: Input should be a valid dictionary" in refused("grpo-seed0.json", edited(("config",), {"env": ["twx"]}))
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "grpo-seed0.json")
+    with pytest.raises(SystemExit, match="not a regular file"):
+        learning.read_results(fifo)
+    teacher_header = {**header, "teacher_steps": 4}
+    student = record(teacher_header, "opd", 0, {2: {"a": [1], "b": [1]}}, teacher=4)
+    assert "no teacher: a opd student" in refused("opd-seed0.json", {**student, "teacher": None})
+    grpo_t = record(teacher_header, "grpo", 0, {2: {"a": [1], "b": [0]}, 4: {"a": [1], "b": [1]}})
+    assert "has a teacher, but grpo is the teacher" in refused("grpo-seed0.json", {**grpo_t, "teacher": student["teacher"]})
+    short = {**grpo_t, "training": grpo_t["training"][:3], "complete": False}
+    msg = refused("opd-seed0.json", student, ("grpo-seed0.json", short))
+    assert "opd-seed0.json: its teacher is GRPO seed 0 at step 4, but grpo-seed0.json holds 3 training records" in msg
+    assert "measure different metrics" in refused("grpo-seed0.json", good, ("grpo-seed1.json", {
+        **record(header, "grpo", 1, {2: {"a": [1], "b": [0]}}), "metric": "f1"}))
+    snap = record({**header, "config": {"trainer": {"snapshot_every": 2}}, "run_steps": 4}, "grpo", 0,
+                  {2: {"a": [1], "b": [0]}, 3: {"a": [1], "b": [0]}, 4: {"a": [1], "b": [0]}})
+    assert "steps: 3 evaluated, not one of the experiment's ([2, 4])" in refused("grpo-seed0.json", snap)
     folder = tmp_path / "ok"
     learning.write_results(folder, {**edited(("steps",), {}), "missing_steps": [2]})  # a snapshot never written: said so
     assert learning.read_results(folder)[0]["missing_steps"] == [2]
