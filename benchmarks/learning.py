@@ -953,7 +953,7 @@ def table_records(recs: list[dict], results: Path, methods: list[str] | None, se
     """--table's records: those of --methods and --seeds when given (the step-0 record and GRPO, every comparison's
     baseline and the students' teacher, always). SystemExit when
     the folder has no step-0 record beside the seeds' files (a partial copy: the table's step-0 row and its
-    comparisons need it), or when a method or seed asked for has no file."""
+    comparisons need it), or when a method or seed asked for has no file (a method: none of those seeds)."""
     if any(r["seed"] is not None for r in recs) and not any(r["seed"] is None for r in recs):
         raise SystemExit(f"{results}: no step-0 record (untrained.json, or start.json with --init) beside the seeds' "
                          "files: a partial copy of the experiment")
@@ -964,8 +964,12 @@ def table_records(recs: list[dict], results: Path, methods: list[str] | None, se
         if absent:
             raise SystemExit(f"--table {flag}: {' '.join(map(str, absent))} not in {results} "
                              f"(it holds {' '.join(map(str, sorted(have)))})")
-    return [r for r in recs if r["seed"] is None or ((methods is None or r["method"] in methods or r["method"] == "grpo")
-                                                      and (seeds is None or r["seed"] in seeds))]
+    out = [r for r in recs if r["seed"] is None or ((methods is None or r["method"] in methods or r["method"] == "grpo")
+                                                     and (seeds is None or r["seed"] in seeds))]
+    empty = [m for m in methods or [] if not any(r["method"] == m for r in out)]
+    if empty:
+        raise SystemExit(f"--table: no {' '.join(empty)} file of seeds {' '.join(map(str, seeds or []))} in {results}")
+    return out
 
 
 def main() -> None:

@@ -11,13 +11,15 @@ credit diagnostics, ...), "compute" ({"own"}: `stats.training_compute`; a studen
 add GRPO seed S's training up to teacher_steps), "seconds" ({"train", "eval"}), "missing_steps", "complete"}.
 
 `read_results` validates every file (types, ranges, the name against its method and seed, the config hash
-against the header it was computed from, training steps 0, 1, 2, ... in order with their policy versions, no
-episode listed twice, each evaluation's n, success value and interval against its episodes, the evaluated steps
-against the experiment's, a complete file's final evaluation and training records, a student's teacher of its
-own seed) and the folder (every evaluation played the same games, one metric, each teacher trained to its
-students' step), and stops naming the file and the field: a hand edit or a partial copy never turns into a
-silently wrong table. Not checked: `won` against `reward` (their relation is the env's), and the "compute"
-block (the table recomputes compute from the training records).
+against the header it was computed from, a header that --compute-matched without --teacher cannot write,
+training steps 0, 1, 2, ... in order with their policy versions and one for every evaluated step, each game's
+episodes 0..eval.episodes_per_task-1 once, each evaluation's n, value and interval against its episodes, the
+evaluated and missing steps against the experiment's, a complete file's final evaluation and training records,
+a student's teacher of its own seed) and the folder (every evaluation played the same games, one metric, each
+teacher trained to its students' step), and stops naming the file and the field: a hand edit or a partial copy
+never turns into a silently wrong table. Not checked: `won` against `reward` (their relation is the env's), an
+interval's bounds (the evaluation's bootstrap), and the "compute" block (the table recomputes compute from the
+training records).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ HEADER_KEYS = ("config", "run_steps", "teacher_steps", "compute_matched", "ppo_e
 Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False, strict=True)]
 Count = Annotated[float, Field(ge=0.0, le=1e18, allow_inf_nan=False, strict=True)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
+Steps = Annotated[StrictInt, Field(ge=1, le=1_000_000)]  # training steps of one run
 
 
 class _Open(BaseModel):
@@ -85,7 +88,7 @@ class TrainingStep(_Open):
     sequence_tokens: Count | None = None
     teacher_forward_tokens: Count | None = None
     success_rate: Unit | None = None
-    mixed_groups: Count | None = None
+    mixed_groups: NonNegInt | None = None
 
     @model_validator(mode="after")
     def _diagnostics_are_numbers(self):
@@ -122,20 +125,20 @@ class Seconds(_Open):
 class ResultsFile(_Open):
     """A results file's schema (the module docstring lists its fields)."""
     method: Literal[METHODS + START_METHODS]
-    seed: NonNegInt | None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**32)] | None  # numpy's seed range, as --seeds
     config_hash: str = Field(pattern=r"^[0-9a-f]{16}$")
     config: ConfigPart
     init: InitRef | None = None
-    run_steps: Annotated[StrictInt, Field(ge=1)]
-    teacher_steps: Annotated[StrictInt, Field(ge=1)] | None
+    run_steps: Steps
+    teacher_steps: Steps | None
     compute_matched: StrictBool
     ppo_epochs: Annotated[StrictInt, Field(ge=1)]
-    metric: str | None = None
+    metric: Literal["success", "em", "score", "f1"] | None = None  # services/rollout/evaluate.py's METRICS
     teacher: TeacherRef | None
     steps: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")], Evaluation]
     training: list[TrainingStep]
     seconds: Seconds
-    missing_steps: list[NonNegInt] = []
+    missing_steps: list[Steps] = []
     complete: StrictBool
 
 
@@ -159,9 +162,11 @@ def _problem(path: Path, rec: dict) -> str | None:
     if path.name != results_path(path.parent, rec["method"], rec["seed"]).name:
         return (f"holds method {rec['method']!r} seed {rec['seed']!r}, whose file is "
                 f"{results_path(path.parent, rec['method'], rec['seed']).name}")
+    if rec["compute_matched"] and rec["teacher_steps"] is None:
+        return "compute_matched without teacher_steps (--compute-matched needs --teacher)"
     teacher = rec["teacher"]
     student = rec["seed"] is not None and rec["method"] != "grpo" and rec["teacher_steps"] is not None
-    if teacher is None and student and (rec["training"] or rec["complete"]):
+    if teacher is None and student and (rec["training"] or rec["steps"] or rec["complete"]):
         return f"no teacher: a {rec['method']} student of the teacher experiment learns from GRPO seed {rec['seed']}"
     if teacher is not None and not student:
         return f"has a teacher, but {rec['method']} {'is the teacher' if rec['method'] == 'grpo' else 'has none here'}"
@@ -176,10 +181,27 @@ def _problem(path: Path, rec: dict) -> str | None:
         return f"training: policy versions {versions} are not step + 1 (step k trains version k + 1)"
     if rec["steps"] and not rec.get("metric"):
         return "evaluations without a metric (success, f1, score, ...)"
-    allowed = evaluated_steps(rec)
-    extra = sorted(int(k) for k in rec["steps"] if allowed is not None and int(k) not in allowed)
+    every = rec["config"].get("trainer", {}).get("snapshot_every")
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+        return f"config.trainer.snapshot_every is {every!r}: an integer >= 0 expected"
+    evaluated = sorted(int(k) for k in rec["steps"])
+    extra = [k for k in evaluated if not may_evaluate(rec, k)]
     if extra:
-        return f"steps: {', '.join(map(str, extra))} evaluated, not one of the experiment's ({sorted(allowed)})"
+        return f"steps: {', '.join(map(str, extra))} evaluated, not one of the experiment's policy versions"
+    if rec["seed"] is not None and evaluated and len(rec["training"]) < evaluated[-1]:
+        return (f"step {evaluated[-1]} evaluated, but {len(rec['training'])} training records (each step's is written "
+                "before its policy is evaluated)")
+    missing = rec.get("missing_steps", [])
+    if len(set(missing)) != len(missing) or set(missing) & set(evaluated) or not all(may_evaluate(rec, k) for k in missing):
+        return f"missing_steps {missing}: each once, not evaluated, and one of the experiment's policy versions"
+    per_game = (rec["config"].get("eval") or {}).get("episodes_per_task")
+    if isinstance(per_game, int) and not isinstance(per_game, bool) and per_game >= 1:
+        for version, ev in rec["steps"].items():
+            bad = sorted({e["task_id"] for e in ev["episodes"]
+                          if e["episode"] >= per_game or sum(x["task_id"] == e["task_id"] for x in ev["episodes"]) != per_game})
+            if bad:
+                return (f"steps.{version}: game {bad[0]} has not episodes 0..{per_game - 1} "
+                        f"(config.eval.episodes_per_task {per_game})")
     for version, ev in rec["steps"].items():
         seen = [(e["task_id"], e["episode"]) for e in ev["episodes"]]
         if len(set(seen)) != len(seen):
@@ -215,28 +237,29 @@ def final_steps(rec: dict) -> set[int]:
     return out
 
 
-def evaluated_steps(rec: dict) -> set[int] | None:
-    """The policy versions a results record may hold: `final_steps` and, for a method, every multiple of the
-    header's trainer.snapshot_every up to run_steps (None: the header does not say snapshot_every, only
-    `final_steps` is known: not checked)."""
-    every = rec["config"].get("trainer", {}).get("snapshot_every")
+def may_evaluate(rec: dict, step: int) -> bool:
+    """Whether policy version `step` is one a results record may hold: 0 for the step-0 record; for a method
+    `final_steps` and every multiple of the header's trainer.snapshot_every up to run_steps (any step up to
+    run_steps when the header does not give snapshot_every)."""
     if rec["seed"] is None:
-        return {0}
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        return None
-    return final_steps(rec) | set(range(every, rec["run_steps"] + 1, every))
+        return step == 0
+    every = rec["config"].get("trainer", {}).get("snapshot_every")
+    return step in final_steps(rec) or (1 <= step <= rec["run_steps"] and (not every or step % every == 0))
 
 
 def _evaluation_problem(ev: dict, metric: str | None) -> str | None:
-    """What disagrees within one evaluation: n is its number of episodes; a "success" value is the fraction won
-    (None without episodes). Other metrics' values come from the env's own scorer and are not recomputed here.
-    The table reads the episodes, never these fields, but a file that contradicts itself is not trusted."""
+    """What disagrees within one evaluation: n is its number of episodes; the value is the mean episode value
+    (won as 0/1 for "success", the reward for "em", "f1" and "score" (a fraction here), None without episodes),
+    with an interval exactly when it has a value. The bounds are not recomputed (the evaluation's bootstrap)."""
     if ev["n"] != len(ev["episodes"]):
         return f"n is {ev['n']}, but {len(ev['episodes'])} episodes are listed"
-    if metric == "success":
-        won = sum(e["won"] for e in ev["episodes"]) / len(ev["episodes"]) if ev["episodes"] else None
-        if (won is None) != (ev["value"] is None) or (won is not None and abs(won - ev["value"]) > 1e-9):
-            return f"value is {ev['value']}, but the episodes listed won {won if won is None else round(won, 6)}"
+    if (ev["value"] is None) != (ev["lo"] is None) or (ev["value"] is None) != (ev["hi"] is None):
+        return f"value {ev['value']} with interval [{ev['lo']}, {ev['hi']}]: both given, or neither"
+    if metric is not None:
+        of = (lambda e: float(e["won"])) if metric == "success" else (lambda e: e["reward"])  # noqa: E731
+        mean = sum(map(of, ev["episodes"])) / len(ev["episodes"]) if ev["episodes"] else None
+        if (mean is None) != (ev["value"] is None) or (mean is not None and abs(mean - ev["value"]) > 1e-9):
+            return f"value is {ev['value']}, but the episodes listed give {mean if mean is None else round(mean, 6)}"
     return None
 
 

@@ -190,6 +190,8 @@ def test_results_files_report_and_table(tmp_path):
         learning.table_records(recs + [untrained], results, None, [0, 7])
     picked = learning.table_records(recs + [untrained], results, ["opd"], [0])  # GRPO stays: the baseline, the teacher
     assert sorted((r["method"], r["seed"]) for r in picked) == [("grpo", 0), ("opd", 0), ("untrained", None)]
+    with pytest.raises(SystemExit, match="--table: no opd file of seeds 0 in"):
+        learning.table_records([r for r in recs if (r["method"], r["seed"]) != ("opd", 0)] + [untrained], results, ["opd"], [0])
     with pytest.raises(SystemExit, match="no step-0 record"):
         learning.table_records(recs, results, None, None)
     curves = learning.curves(agg)  # learning.png: up to run.steps, mean and min-max over seeds
@@ -445,7 +447,7 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     assert "grpo-seed1.json: steps.2: its held-out games differ from" in msg and "b, c" in msg
     assert "steps.2: n is 3, but 2 episodes are listed" in refused("grpo-seed0.json", edited(("steps", "2", "n"), 3))
     msg = refused("grpo-seed0.json", edited(("steps", "2", "value"), 1.0))
-    assert "steps.2: value is 1.0, but the episodes listed won 0.5" in msg
+    assert "steps.2: value is 1.0, but the episodes listed give 0.5" in msg
     msg = refused("grpo-seed0.json", edited(("steps",), {}))
     assert "grpo-seed0.json: complete, but step 2 is neither evaluated (steps) nor listed in missing_steps" in msg
     assert "complete, but step 0 is" in refused("untrained.json", {**start, "complete": True})
@@ -457,7 +459,24 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     assert "training.0: Value error, alignopsd/turn_weight_min is 'low': a finite number or null expected" in msg
     assert "training.1: Value error, loss is inf" in refused("grpo-seed0.json", json.loads(
         json.dumps(edited(("training", 1, "loss"), 1.0)).replace('"loss": 1.0', '"loss": Infinity')))
-    assert "complete, but 1 training records for 2 steps" in refused("grpo-seed0.json", edited(("training",), good["training"][:1]))
+    msg = refused("grpo-seed0.json", edited(("training",), good["training"][:1]))
+    assert "step 2 evaluated, but 1 training records" in msg
+    unevaluated = {**edited(("training",), good["training"][:1]), "steps": {}, "missing_steps": [2]}
+    assert "complete, but 1 training records for 2 steps" in refused("grpo-seed0.json", unevaluated)
+    assert "both given, or neither" in refused("grpo-seed0.json", edited(("steps", "2", "lo"), None))
+    graded = {**edited(("steps", "2", "episodes", 0, "reward"), 0.5), "metric": "f1"}  # F1's value: the mean reward
+    assert "steps.2: value is 0.5, but the episodes listed give 0.25" in refused("grpo-seed0.json", graded)
+    assert "metric: Input should be" in refused("grpo-seed0.json", {**good, "metric": "bogus"})
+    assert "run_steps: Input should be less than or equal to 1000000" in refused("grpo-seed0.json", edited(("run_steps",), 10**12))
+    assert "seed: Input should be less than 4294967296" in refused("grpo-seed0.json", edited(("seed",), 2**70))
+    assert "missing_steps [2]: each once, not evaluated" in refused("grpo-seed0.json", {**good, "missing_steps": [2]})
+    cm = record({**header, "compute_matched": True}, "grpo", 0, {2: {"a": [1], "b": [0]}})
+    assert "compute_matched without teacher_steps" in refused("grpo-seed0.json", cm)
+    floaty = record({**header, "config": {"trainer": {"snapshot_every": 4.0}}}, "grpo", 0, {2: {"a": [1], "b": [0]}})
+    assert "config.trainer.snapshot_every is 4.0: an integer >= 0 expected" in refused("grpo-seed0.json", floaty)
+    once = {**header, "config": {"eval": {"episodes_per_task": 1}}}
+    extra = record(once, "grpo", 0, {2: {"a": [1, 1], "b": [0]}})
+    assert "steps.2: game a has not episodes 0..0 (config.eval.episodes_per_task 1)" in refused("grpo-seed0.json", extra)
     assert "does not hold the value 0.5" in refused("grpo-seed0.json", edited(("steps", "2", "lo"), 0.9))
     assert "evaluations without a metric" in refused("grpo-seed0.json", {k: v for k, v in good.items() if k != "metric"})
     deep = tmp_path / "deep"
@@ -475,16 +494,17 @@ def test_damaged_results_files_are_refused_by_name_and_field(tmp_path):
     teacher_header = {**header, "teacher_steps": 4}
     student = record(teacher_header, "opd", 0, {2: {"a": [1], "b": [1]}}, teacher=4)
     assert "no teacher: a opd student" in refused("opd-seed0.json", {**student, "teacher": None})
+    assert "no teacher" in refused("opd-seed0.json", {**student, "teacher": None, "training": [], "complete": False})
     grpo_t = record(teacher_header, "grpo", 0, {2: {"a": [1], "b": [0]}, 4: {"a": [1], "b": [1]}})
     assert "has a teacher, but grpo is the teacher" in refused("grpo-seed0.json", {**grpo_t, "teacher": student["teacher"]})
-    short = {**grpo_t, "training": grpo_t["training"][:3], "complete": False}
+    short = {**grpo_t, "training": grpo_t["training"][:3], "steps": {"2": grpo_t["steps"]["2"]}, "complete": False}
     msg = refused("opd-seed0.json", student, ("grpo-seed0.json", short))
     assert "opd-seed0.json: its teacher is GRPO seed 0 at step 4, but grpo-seed0.json holds 3 training records" in msg
     assert "measure different metrics" in refused("grpo-seed0.json", good, ("grpo-seed1.json", {
         **record(header, "grpo", 1, {2: {"a": [1], "b": [0]}}), "metric": "f1"}))
     snap = record({**header, "config": {"trainer": {"snapshot_every": 2}}, "run_steps": 4}, "grpo", 0,
                   {2: {"a": [1], "b": [0]}, 3: {"a": [1], "b": [0]}, 4: {"a": [1], "b": [0]}})
-    assert "steps: 3 evaluated, not one of the experiment's ([2, 4])" in refused("grpo-seed0.json", snap)
+    assert "steps: 3 evaluated, not one of the experiment's policy versions" in refused("grpo-seed0.json", snap)
     folder = tmp_path / "ok"
     learning.write_results(folder, {**edited(("steps",), {}), "missing_steps": [2]})  # a snapshot never written: said so
     assert learning.read_results(folder)[0]["missing_steps"] == [2]
