@@ -796,7 +796,7 @@ def parse_args() -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         ap.error("--compute-matched needs --teacher (GRPO continued for its teacher's and a student's episodes)")
     if args.teacher_steps is not None and args.teacher_steps < (args.steps or 1):
         ap.error(f"--teacher-steps must be >= the students' steps ({args.steps or 1}): GRPO's curve is read up to them")
-    if args.teacher and args.methods is not None and args.methods[0] != "grpo":
+    if args.teacher and args.methods is not None and args.methods[0] != "grpo" and not args.table:
         ap.error(f"--methods with --teacher must start with grpo (it trains the teacher), got {' '.join(args.methods)}")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds: each seed once (got {' '.join(map(str, args.seeds))})")

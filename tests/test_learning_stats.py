@@ -185,6 +185,10 @@ def test_results_files_report_and_table(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--table", "--results", str(results), "--methods",
                            "grpo", "--seeds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "| grpo | 2 | 1 | 0.000 (95% CI" in proc.stdout and "| opd |" not in proc.stdout
+    # With --teacher, --table trains nothing: --methods need not start with grpo (its rows are shown anyway).
+    proc_t = subprocess.run([sys.executable, "benchmarks/learning.py", "--teacher", "--table", "--results", str(results),
+                             "--methods", "opd", "--seeds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc_t.returncode == 0 and "| grpo | 2 | 1 |" in proc_t.stdout and "| opd | 2 | 1 |" in proc_t.stdout, proc_t.stderr
     assert "| untrained | 0 |" in proc.stdout and "over training seeds [1]" in proc.stdout, proc.stdout[:3000]
     with pytest.raises(SystemExit, match="--table --seeds: 7 not in .* \\(it holds 0 1\\)"):
         learning.table_records(recs + [untrained], results, None, [0, 7])
