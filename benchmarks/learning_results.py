@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -195,18 +196,10 @@ def _problem(path: Path, rec: dict) -> str | None:
     if len(set(missing)) != len(missing) or set(missing) & set(evaluated) or not all(may_evaluate(rec, k) for k in missing):
         return f"missing_steps {missing}: each once, not evaluated, and one of the experiment's policy versions"
     per_game = (rec["config"].get("eval") or {}).get("episodes_per_task")
-    if isinstance(per_game, int) and not isinstance(per_game, bool) and per_game >= 1:
-        for version, ev in rec["steps"].items():
-            bad = sorted({e["task_id"] for e in ev["episodes"]
-                          if e["episode"] >= per_game or sum(x["task_id"] == e["task_id"] for x in ev["episodes"]) != per_game})
-            if bad:
-                return (f"steps.{version}: game {bad[0]} has not episodes 0..{per_game - 1} "
-                        f"(config.eval.episodes_per_task {per_game})")
+    if not isinstance(per_game, int) or isinstance(per_game, bool) or per_game < 1:
+        per_game = None  # the header does not say: not checked
     for version, ev in rec["steps"].items():
-        seen = [(e["task_id"], e["episode"]) for e in ev["episodes"]]
-        if len(set(seen)) != len(seen):
-            return f"steps.{version}: an episode listed twice (task_id, episode) — each is played once"
-        problem = _evaluation_problem(ev, rec.get("metric"))
+        problem = _evaluation_problem(ev, rec.get("metric"), per_game)
         if problem:
             return f"steps.{version}: {problem}"
     header = {k: rec[k] for k in HEADER_KEYS if k in rec}
@@ -247,10 +240,19 @@ def may_evaluate(rec: dict, step: int) -> bool:
     return step in final_steps(rec) or (1 <= step <= rec["run_steps"] and (not every or step % every == 0))
 
 
-def _evaluation_problem(ev: dict, metric: str | None) -> str | None:
-    """What disagrees within one evaluation: n is its number of episodes; the value is the mean episode value
-    (won as 0/1 for "success", the reward for "em", "f1" and "score" (a fraction here), None without episodes),
-    with an interval exactly when it has a value. The bounds are not recomputed (the evaluation's bootstrap)."""
+def _evaluation_problem(ev: dict, metric: str | None, per_game: int | None) -> str | None:
+    """What disagrees within one evaluation: each (game, episode) once and, with `per_game` (eval.episodes_per_task),
+    each game's episodes 0..per_game-1; n is its number of episodes; the value is the mean episode value (won as
+    0/1 for "success", the reward for "em", "f1" and "score" (a fraction here), None without episodes), with an
+    interval exactly when it has a value. The bounds are not recomputed (the evaluation's bootstrap)."""
+    seen = [(e["task_id"], e["episode"]) for e in ev["episodes"]]
+    if len(set(seen)) != len(seen):
+        return "an episode listed twice (task_id, episode) — each is played once"
+    if per_game is not None:
+        counts = Counter(game for game, _ in seen)
+        bad = sorted({game for game, episode in seen if episode >= per_game or counts[game] != per_game})
+        if bad:
+            return f"game {bad[0]} has not episodes 0..{per_game - 1} (config.eval.episodes_per_task {per_game})"
     if ev["n"] != len(ev["episodes"]):
         return f"n is {ev['n']}, but {len(ev['episodes'])} episodes are listed"
     if (ev["value"] is None) != (ev["lo"] is None) or (ev["value"] is None) != (ev["hi"] is None):
@@ -264,14 +266,11 @@ def _evaluation_problem(ev: dict, metric: str | None) -> str | None:
 
 
 def read_results(results: Path) -> list[dict]:
-    """Every results file in `results` (*.json but dot-files; none when the folder does not exist), validated
-    (`ResultsFile`, the name, the config hash, training steps in order, no episode twice, each evaluation's n and
-    success value against its episodes, a complete record's `final_steps`, a student's teacher of its own seed,
-    the same games in every evaluation, one file per (method, seed) and one step-0 record).
-    Returns the parsed dicts. SystemExit naming the file and the problem: not JSON, a field of the wrong type or range
-    (a NaN reward, a string `won`, a negative seed), a name that does not match, an edited header, a
-    lost training record or evaluation, a duplicated episode, a count or value its episodes contradict, a game
-    removed or renamed."""
+    """Every results file in `results` (*.json but dot-files; none when the folder does not exist), validated as
+    the module docstring lists (each file, then the folder: the same games, one metric, teachers trained to their
+    students' step, one step-0 record). Returns the parsed dicts. SystemExit naming the file and the problem: not
+    a regular file or not JSON, a field of the wrong type or range, a name that does not match, an edited header,
+    a record that contradicts itself or the folder."""
     out = []
     for path in sorted(p for p in results.glob("*.json") if not p.name.startswith(".")) if results.is_dir() else []:
         if not path.is_file():  # a FIFO would block the read; a directory or a link loop is no file either
@@ -324,7 +323,7 @@ def _same_games(recs: list[dict], results: Path) -> None:
     first = None
     for rec in recs:
         for version, ev in rec["steps"].items():
-            games = {e["task_id"] for e in ev["episodes"]} | {e.get("task_id") for e in ev["errors"]}
+            games = {e["task_id"] for e in ev["episodes"] + ev["errors"]}
             where = f"{results_path(results, rec['method'], rec['seed'])}: steps.{version}"
             if first is None:
                 first = (games, where)
